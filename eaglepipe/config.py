@@ -1,0 +1,157 @@
+"""Loading, validating and resolving the pipeline configuration.
+
+The schema in schemas/config.schema.yaml is the single description of every key. The Snakefile
+validates `config` with it at workflow start; scripts read the resolved copy the Snakefile
+writes to `.eaglepipe/config.json`, so a job sees exactly the configuration its run parsed.
+"""
+
+from __future__ import annotations
+
+import copy
+import getpass
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import yaml
+
+from .errors import PipelineError
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+SCHEMA_PATH = PROJECT_ROOT / "schemas" / "config.schema.yaml"
+RESOLVED_CONFIG = Path(".eaglepipe/config.json")
+
+# Where each stage writes, relative to the working directory of the run.
+TOY_MODEL_DIR = Path("models/toy-target")
+PREPARED_DIR = Path("prepared")
+PREPARED_TABLE = PREPARED_DIR / "tokenized.parquet"
+PREPARED_SUMMARY = PREPARED_DIR / "summary.json"
+PREPARED_SKIPPED = PREPARED_DIR / "skipped.json"
+HIDDEN_STATES_DIR = Path("hidden_states")
+VALIDATED_DIR = Path("validated")
+DRAFTER_DIR = Path("drafter")
+LOG_DIR = Path("logs")
+STATE_DIR = Path(".eaglepipe")
+
+
+def load_schema() -> dict:
+    return yaml.safe_load(SCHEMA_PATH.read_text())
+
+
+def _key_path(error: jsonschema.ValidationError) -> str:
+    parts = [str(p) for p in error.absolute_path]
+    if error.validator == "additionalProperties":
+        # jsonschema reports the parent; name the offending key itself.
+        extra = sorted(set(error.instance) - set(error.schema.get("properties", {})))
+        parts.append(",".join(extra))
+    if error.validator == "required":
+        parts.append(error.message.split("'")[1])
+    return ".".join(parts) or "<top level>"
+
+
+def validate_config(config: dict) -> dict:
+    """Check `config` against the schema, fill defaults, and return it.
+
+    Raises PipelineError naming the offending key, e.g. `config key shards.rows_per_shard: ...`.
+    """
+    schema = load_schema()
+    validator_cls = jsonschema.validators.validator_for(schema)
+    errors = sorted(validator_cls(schema).iter_errors(config), key=lambda e: e.path)
+    if errors:
+        error = jsonschema.exceptions.best_match(errors)
+        raise PipelineError(f"config key {_key_path(error)}: {error.message}")
+    resolved = copy.deepcopy(config)
+    _fill_defaults(resolved, schema)
+    return resolved
+
+
+def _fill_defaults(node: dict, schema: dict) -> None:
+    for key, sub in schema.get("properties", {}).items():
+        if key not in node and "default" in sub:
+            node[key] = copy.deepcopy(sub["default"])
+        if isinstance(node.get(key), dict) and sub.get("type") == "object":
+            _fill_defaults(node[key], sub)
+
+
+def load_config(path: str | os.PathLike) -> dict:
+    """Read a YAML or JSON config file and validate it."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise PipelineError(f"config file {path} does not exist") from None
+    except yaml.YAMLError as exc:
+        raise PipelineError(f"config file {path} is not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise PipelineError(f"config file {path} must hold a mapping of keys")
+    return validate_config(raw)
+
+
+def model_dir(config: dict) -> Path:
+    """The target model directory: the user's, or the embedded toy target."""
+    return Path(config["model"]["path"]) if config["model"]["path"] else TOY_MODEL_DIR
+
+
+def is_toy_model(config: dict) -> bool:
+    return not config["model"]["path"]
+
+
+def read_model_config(config: dict) -> dict:
+    path = model_dir(config) / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise PipelineError(f"model.path: {path} does not exist") from None
+
+
+def text_config(model_config: dict) -> dict:
+    """The language-model part of a config (multimodal wrappers such as Kimi-K2.5 nest it)."""
+    return model_config.get("text_config") or model_config
+
+
+def num_layers(config: dict) -> int:
+    """Decoder depth of the target, from its config (or the toy settings before it is built)."""
+    if is_toy_model(config) and not (model_dir(config) / "config.json").exists():
+        return config["model"]["toy"]["num_layers"]
+    return int(text_config(read_model_config(config))["num_hidden_layers"])
+
+
+def aux_layer_ids(config: dict) -> list[int]:
+    from .layers import resolve_aux_layer_ids
+
+    return resolve_aux_layer_ids(config.get("aux_layer_ids"), num_layers(config))
+
+
+def dump_root(config: dict) -> Path:
+    configured = config["server"].get("dump_root")
+    if configured:
+        return Path(configured)
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        return shm / f"eaglepipe-{getpass.getuser()}"
+    return (STATE_DIR / "dumps").resolve()
+
+
+def write_resolved(config: dict, path: str | os.PathLike = RESOLVED_CONFIG) -> Path:
+    from .atomic import write_json_if_changed
+
+    write_json_if_changed(path, config)
+    return Path(path)
+
+
+def read_resolved(path: str | os.PathLike = RESOLVED_CONFIG) -> dict:
+    try:
+        return validate_config(json.loads(Path(path).read_text()))
+    except FileNotFoundError:
+        raise PipelineError(
+            f"resolved config {path} is missing: run the step through snakemake, "
+            "or pass --config config.yaml"
+        ) from None
+
+
+def config_from_arg(path: str | os.PathLike) -> dict:
+    """Scripts accept either the resolved JSON or a YAML config file."""
+    path = Path(path)
+    return read_resolved(path) if path.suffix == ".json" else load_config(path)

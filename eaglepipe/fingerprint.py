@@ -1,0 +1,70 @@
+"""Content fingerprints used for provenance and rerun decisions.
+
+Hashes are xxh3-128 (fast, non-cryptographic): they detect change and corruption, not attacks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import xxhash
+
+from .errors import PipelineError
+
+_BLOCK = 8 << 20
+
+# Everything a tokenizer may load from its directory, including remote code (Kimi's tiktoken).
+TOKENIZER_FILE_PATTERNS = (
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab*",
+    "merges.txt",
+    "*.model",
+    "*.tiktoken",
+    "chat_template*",
+    "tokenization_*.py",
+)
+
+
+def hash_bytes(data: bytes | memoryview) -> str:
+    return xxhash.xxh3_128_hexdigest(data)
+
+
+def hash_file(path: str | os.PathLike) -> str:
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while block := f.read(_BLOCK):
+            h.update(block)
+    return h.hexdigest()
+
+
+def hash_json(obj) -> str:
+    return hash_bytes(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode())
+
+
+def model_config_hash(model_dir: str | os.PathLike) -> str:
+    """Hash of the model's config.json content (key order does not matter)."""
+    path = Path(model_dir) / "config.json"
+    try:
+        return hash_json(json.loads(path.read_text()))
+    except FileNotFoundError:
+        raise PipelineError(f"model directory {model_dir} has no config.json") from None
+
+
+def tokenizer_files(model_dir: str | os.PathLike) -> list[Path]:
+    model_dir = Path(model_dir)
+    found: set[Path] = set()
+    for pattern in TOKENIZER_FILE_PATTERNS:
+        found.update(p for p in model_dir.glob(pattern) if p.is_file())
+    return sorted(found)
+
+
+def tokenizer_fingerprint(model_dir: str | os.PathLike) -> str:
+    """Hash over every tokenizer file's name and content, not only tokenizer.json."""
+    files = tokenizer_files(model_dir)
+    if not files:
+        raise PipelineError(f"model directory {model_dir} holds no tokenizer files")
+    return hash_json({p.name: hash_file(p) for p in files})
