@@ -1,0 +1,75 @@
+"""Shared fixtures: tiny real models built locally (no downloads), and the project's Python."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+
+
+def build_tiny_llama(out_dir: Path, *, num_layers: int = 8, hidden_size: int = 32) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=300,
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def build_tiny_deepseek_v3(out_dir: Path, *, num_layers: int = 8, hidden_size: int = 32) -> Path:
+    """A DeepSeek-V3-architecture target (MLA attention, MoE layers after the first dense one)."""
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(0)
+    config = DeepseekV3Config(
+        vocab_size=300,
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        moe_intermediate_size=16,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_shared_experts=1,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    )
+    model = DeepseekV3ForCausalLM(config)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    """A random 8-layer Llama target (weights only, no tokenizer): for server-side tests."""
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_dir(tmp_path_factory) -> Path:
+    return build_tiny_deepseek_v3(tmp_path_factory.mktemp("tiny-deepseek-v3"))
