@@ -1,0 +1,223 @@
+"""Shard store: chunk planning, streamed checksummed chunks, journal-verified resume, the
+per-shard writer lock, the free-space preflight and the manifest reader (synthetic rows)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from collections import namedtuple
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from eaglepipe import shard_store
+from eaglepipe.errors import PipelineError
+from eaglepipe.fingerprint import hash_file
+from eaglepipe.shard_store import (
+    RowTensors,
+    ShardLock,
+    append_journal,
+    check_free_space,
+    iter_rows,
+    open_chunk,
+    plan_chunks,
+    plan_digest,
+    read_manifest,
+    verified_chunks,
+    write_chunk,
+)
+
+H = 8
+
+
+def make_row(row_id: int, num_tokens: int) -> RowTensors:
+    g = torch.Generator().manual_seed(row_id)
+    return RowTensors(
+        row_id=row_id,
+        input_ids=torch.randint(0, 300, (num_tokens,), generator=g, dtype=torch.int32),
+        loss_mask=torch.randint(0, 2, (num_tokens,), generator=g, dtype=torch.uint8),
+        aux_hidden_states=torch.randn(num_tokens, 3 * H, generator=g).to(torch.bfloat16),
+        final_hidden_states=torch.randn(num_tokens, H, generator=g).to(torch.bfloat16),
+    )
+
+
+def test_plan_is_greedy_in_row_order_and_isolates_big_rows():
+    per_token = 4 * H * 2 + 5
+    bound = 10 * per_token + 100
+    row_ids = [7, 3, 5, 9, 11]
+    tokens = [4, 4, 4, 30, 2]  # given out of order: the plan sorts by row id
+    chunks = plan_chunks(row_ids, tokens, H, max_chunk_bytes=bound)
+    assert chunks == [[3, 5], [7], [9], [11]]
+    assert plan_chunks(row_ids, tokens, H, max_chunk_bytes=bound) == chunks
+    assert plan_chunks(row_ids, tokens, H, max_chunk_bytes=10**9) == [[3, 5, 7, 9, 11]]
+
+
+def test_chunk_loads_with_safetensors_and_hash_matches(tmp_path):
+    rows = [make_row(i, t) for i, t in [(2, 5), (4, 1), (9, 7)]]
+    record = write_chunk(tmp_path, 0, rows, hidden_size=H)
+    path = tmp_path / "chunk-00000.safetensors"
+    assert record.file == path.name
+    assert record.bytes == path.stat().st_size
+    assert record.xxh3_128 == hash_file(path)
+    assert record.row_ids == [2, 4, 9] and record.num_tokens == 13
+    assert not list(tmp_path.glob("*.tmp"))
+    with safe_open(str(path), framework="pt") as f:
+        assert f.get_tensor("row_ids").tolist() == [2, 4, 9]
+        assert f.get_tensor("offsets").tolist() == [0, 5, 6, 13]
+        aux = f.get_tensor("aux_hidden_states")
+        assert aux.dtype == torch.bfloat16 and aux.shape == (13, 3 * H)
+        assert torch.equal(aux[6:13], rows[2].aux_hidden_states)
+        assert torch.equal(f.get_tensor("input_ids")[0:5], rows[0].input_ids)
+    with open_chunk(path) as reader:
+        for i, row in enumerate(rows):
+            got = reader.row(i)
+            assert torch.equal(got["final_hidden_states"], row.final_hidden_states)
+            assert torch.equal(got["loss_mask"], row.loss_mask)
+
+
+def test_chunk_refuses_rows_of_the_wrong_shape(tmp_path):
+    row = make_row(0, 4)
+    row.aux_hidden_states = row.aux_hidden_states[:, :H]
+    with pytest.raises(PipelineError, match="row 0: aux_hidden_states"):
+        write_chunk(tmp_path, 0, [row], hidden_size=H)
+    assert not list(tmp_path.iterdir())
+
+
+def _write_shard(shard_dir, chunks, digest, tokens=3):
+    records = {}
+    for index, ids in enumerate(chunks):
+        record = write_chunk(shard_dir, index, [make_row(i, tokens) for i in ids], hidden_size=H)
+        append_journal(shard_dir, record, digest)
+        records[index] = record
+    return records
+
+
+def test_resume_keeps_verified_chunks_and_clears_the_rest(tmp_path):
+    chunks = [[0, 1], [2, 3], [4, 5], [6]]
+    digest = plan_digest(chunks, {"model": "a"})
+    _write_shard(tmp_path, chunks, digest)
+    kept = tmp_path / "chunk-00000.safetensors"
+    mtime = kept.stat().st_mtime_ns
+    # chunk 1 truncated, chunk 2 renamed but never journalled (killed in between), chunk 3 fine.
+    truncated = tmp_path / "chunk-00001.safetensors"
+    truncated.write_bytes(truncated.read_bytes()[:-10])
+    journal = (tmp_path / "journal.jsonl").read_text().splitlines()
+    (tmp_path / "journal.jsonl").write_text(
+        "\n".join([journal[0], journal[1], journal[3]]) + "\n" + '{"file": "chunk-0'
+    )
+    (tmp_path / ".chunk-00004.safetensors.tmp").write_bytes(b"partial")
+    (tmp_path / "chunk-00009.safetensors").write_bytes(b"from an older plan")
+
+    done = verified_chunks(tmp_path, chunks, digest)
+
+    assert sorted(done) == [0, 3]
+    assert done[0].row_ids == [0, 1]
+    assert kept.stat().st_mtime_ns == mtime
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["chunk-00000.safetensors", "chunk-00003.safetensors", "journal.jsonl"]
+    entries = [json.loads(x) for x in (tmp_path / "journal.jsonl").read_text().splitlines()]
+    assert [e["file"] for e in entries] == ["chunk-00000.safetensors", "chunk-00003.safetensors"]
+
+
+def test_resume_trusts_nothing_from_another_plan_or_content(tmp_path):
+    chunks = [[0, 1], [2]]
+    _write_shard(tmp_path, chunks, plan_digest(chunks, {"model": "a"}))
+    assert verified_chunks(tmp_path, chunks, plan_digest(chunks, {"model": "b"})) == {}
+    assert not list(tmp_path.glob("chunk-*"))
+
+    _write_shard(tmp_path, chunks, plan_digest(chunks, {"model": "a"}))
+    other = [[0], [1, 2]]
+    assert verified_chunks(tmp_path, other, plan_digest(chunks, {"model": "a"})) == {}
+
+
+def test_bit_flip_is_caught_by_the_rehash(tmp_path):
+    chunks = [[0, 1]]
+    digest = plan_digest(chunks, {})
+    _write_shard(tmp_path, chunks, digest)
+    path = tmp_path / "chunk-00000.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x01
+    path.write_bytes(bytes(data))
+    assert verified_chunks(tmp_path, chunks, digest) == {}
+    assert not path.exists()
+
+
+def test_manifest_roundtrip_and_iter_rows(tmp_path):
+    chunks = [[0, 1], [5]]
+    records = _write_shard(tmp_path, chunks, "d", tokens=4)
+    manifest = shard_store.build_manifest(
+        shard="rows_0-8",
+        row_start=0,
+        row_end=8,
+        hidden_size=H,
+        aux_layer_ids=[1, 3, 4],
+        records=[records[0], records[1]],
+        provenance={"engine": "test"},
+        timing={"requests_sent": 3},
+    )
+    path = shard_store.write_manifest(tmp_path, manifest)
+    loaded = read_manifest(path)
+    assert loaded == manifest
+    assert loaded["num_rows"] == 3 and loaded["num_tokens"] == 12
+    assert loaded["num_bytes"] == sum(r.bytes for r in records.values())
+    assert read_manifest(tmp_path) == manifest
+    got = list(iter_rows(tmp_path))
+    assert [r for r, _ in got] == [0, 1, 5]
+    assert torch.equal(got[2][1]["aux_hidden_states"], make_row(5, 4).aux_hidden_states)
+
+
+def test_read_manifest_errors_name_the_file(tmp_path):
+    with pytest.raises(PipelineError, match="manifest.json does not exist"):
+        read_manifest(tmp_path / "manifest.json")
+    (tmp_path / "manifest.json").write_text("{not json")
+    with pytest.raises(PipelineError, match="manifest.json is not valid JSON"):
+        read_manifest(tmp_path / "manifest.json")
+    (tmp_path / "manifest.json").write_text(json.dumps({"format_version": 1}))
+    with pytest.raises(PipelineError, match="lacks key"):
+        read_manifest(tmp_path / "manifest.json")
+
+
+def test_second_writer_is_refused_naming_the_pid(tmp_path):
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(
+                f"""
+                import sys, time
+                from eaglepipe.shard_store import ShardLock
+                lock = ShardLock({str(tmp_path)!r}).acquire()
+                print("locked", flush=True)
+                time.sleep(60)
+                """
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(PipelineError, match=rf"PID {holder.pid} on host"):
+            ShardLock(tmp_path).acquire()
+    finally:
+        os.killpg(holder.pid, 9)
+        holder.wait()
+    # The kernel dropped the dead holder's flock: the next writer gets in.
+    with ShardLock(tmp_path):
+        pass
+
+
+def test_free_space_preflight(tmp_path, monkeypatch):
+    Usage = namedtuple("Usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(10**6, 10**6 - 1000, 1000))
+    target = tmp_path / "hidden_states" / "rows_0-8"
+    with pytest.raises(PipelineError, match=r"needs 2\.0 KB but only 1\.0 KB is free"):
+        check_free_space(2000, target, "shard rows_0-8")
+    check_free_space(999, target, "shard rows_0-8")
+    assert not (tmp_path / "hidden_states").exists()
