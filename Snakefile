@@ -1,0 +1,35 @@
+# EAGLE-3 hidden-state pipeline: prepare -> extract -> validate -> vocab/train -> evaluate ->
+# export -> report. Rules hold wiring only; the logic lives in the eaglepipe package.
+from snakemake.utils import min_version
+
+min_version("9.0")
+
+
+configfile: "config.yaml"
+
+
+
+include: "rules/common.smk"
+include: "rules/prepare.smk"
+include: "rules/extract.smk"
+include: "rules/validate.smk"
+include: "rules/train.smk"
+include: "rules/report.smk"
+
+
+onstart:
+    workflow_lib.print_space_plan(CONFIG)
+
+
+onsuccess:
+    workflow_lib.stop_server_started_by_this_run()
+
+
+onerror:
+    workflow_lib.stop_server_started_by_this_run()
+
+
+rule all:
+    default_target: True
+    input:
+        final_targets(),

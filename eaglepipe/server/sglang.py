@@ -1,0 +1,287 @@
+"""The SGLang launch recipe: the command line, its environment, and the layer-id translation.
+
+SGLang (the version pinned in patch/SGLANG_VERSION) captures aux hidden states with its own
+flags and calls the project's hook (patch/eaglepipe_hook.py) through `--forward-hooks`; nothing
+in SGLang is edited. Every flag and behaviour used here is checked against that version's
+source by tests/test_sglang_contract.py; SGLang itself does not run on the development machines.
+
+How the hook module is found: `patch/` is prepended to PYTHONPATH in the environment returned by
+`launch_command`, so the server process (and its per-rank scheduler processes, which inherit the
+environment) import it as the top-level module `eaglepipe_hook`. It imports `eaglepipe.dump`,
+so SGLang must run in the environment where eaglepipe is installed (the `sglang` extra).
+
+What SGLang's own `/server_info` reports (not the reference server's schema): its resolved
+arguments (`model_path`, `tp_size`, `return_aux_hidden_state_layer_ids` in SGLang's convention,
+`forward_hooks` including our hook's `config` with `dump_dir`, `request_prefix` and
+`aux_layer_ids` in our convention), `launch_command`, and `version`. The lifecycle code takes
+dump_dir and the rest from its own state file, not from that endpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from .. import config as cfg
+from ..errors import PipelineError
+
+PATCH_DIR = cfg.PROJECT_ROOT / "patch"
+HOOK_MODULE = "eaglepipe_hook"
+HOOK_FACTORY = f"{HOOK_MODULE}:make_dump_hook"
+HOOK_NAME = "eaglepipe-dump"
+# The logits processor sits at the top of Llama/DeepSeek classes and under `language_model` in
+# KimiK25ForConditionalGeneration; both names are fnmatch patterns in SGLang's hook manager.
+HOOK_TARGET_MODULES = ["logits_processor", "language_model.logits_processor"]
+
+# SGLang's LlamaForCausalLM.set_eagle3_layers_to_capture adds 1 to every explicit id: it takes
+# ids in the layer-output convention, which is ours.
+_ADDS_ONE = "adds-one"
+# DeepseekV2ForCausalLM's adds 1 only when the first id is 1 and otherwise captures the ids as
+# given (layer-input convention); DeepseekV3 inherits it and Kimi-K2.5 delegates to it.
+_ADDS_ONE_IF_FIRST_IS_ONE = "adds-one-if-first-is-one"
+
+# Architectures whose capture behaviour the contract test verified in the pinned source.
+LAYER_ID_RULES = {
+    "LlamaForCausalLM": _ADDS_ONE,
+    "MistralForCausalLM": _ADDS_ONE,
+    "DeepseekV2ForCausalLM": _ADDS_ONE_IF_FIRST_IS_ONE,
+    "DeepseekV3ForCausalLM": _ADDS_ONE_IF_FIRST_IS_ONE,
+    "KimiK25ForConditionalGeneration": _ADDS_ONE_IF_FIRST_IS_ONE,
+}
+
+_DTYPE_FLAG_VALUES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
+
+
+def sglang_version() -> str:
+    path = PATCH_DIR / "SGLANG_VERSION"
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        raise PipelineError(f"{path} is missing: the SGLang pin belongs to the checkout") from None
+
+
+def engine_info() -> dict:
+    """Provenance for manifests: which engine produced the hidden states."""
+    return {"engine": "sglang", "engine_version": sglang_version()}
+
+
+def sglang_layer_ids(
+    architecture: str, our_ids: list[int], *, num_layers: int | None = None
+) -> list[int]:
+    """The `--return-aux-hidden-state-layer-ids` values that make SGLang capture `our_ids`.
+
+    Our id k is the output of decoder layer k, which SGLang captures as the input of layer
+    k + 1 (`model.layers_to_capture`). With `num_layers`, the last layer's output is refused:
+    nothing follows it, so SGLang cannot capture it.
+    """
+    rule = LAYER_ID_RULES.get(architecture)
+    if rule is None:
+        raise PipelineError(
+            f"server.engine sglang: architecture {architecture} is not supported; its aux "
+            f"capture convention is verified only for {', '.join(sorted(LAYER_ID_RULES))}"
+        )
+    ids = [int(i) for i in our_ids]
+    if num_layers is not None and ids and ids[-1] >= num_layers - 1:
+        raise PipelineError(
+            f"aux_layer_ids {ids}: SGLang cannot capture the output of the last decoder layer "
+            f"({num_layers - 1}) of a {num_layers}-layer model; choose a lower id"
+        )
+    if rule == _ADDS_ONE:
+        return ids
+    if ids and ids[0] == 0:
+        # Passing 1 first would be shifted to 2; passing 0 captures the embedding output.
+        raise PipelineError(
+            f"aux_layer_ids {ids}: {architecture} in SGLang cannot capture the output of "
+            "decoder layer 0 (its capture list shifts a leading 1 to 2); choose ids >= 1"
+        )
+    # The first id passed is then >= 2, so SGLang takes the list as layer-input ids as given.
+    return [i + 1 for i in ids]
+
+
+def hook_spec(*, dump_dir: str | os.PathLike, request_prefix: str, aux_layer_ids: list[int]):
+    """The `--forward-hooks` entry: SGLang calls `make_dump_hook(spec["config"])` per rank."""
+    return {
+        "name": HOOK_NAME,
+        "target_modules": list(HOOK_TARGET_MODULES),
+        "hook_factory": HOOK_FACTORY,
+        "config": {
+            "dump_dir": str(dump_dir),
+            "request_prefix": request_prefix,
+            "aux_layer_ids": list(aux_layer_ids),
+        },
+    }
+
+
+# Extra args that would break per-request capture; each maps to why.
+_REFUSED_FLAGS = {
+    "--enable-dp-attention": "data-parallel attention splits the batch across ranks, so TP "
+    "rank 0 would miss tokens",
+    "--enable-layernorm-sp": "sequence parallelism shards tokens across ranks",
+    "--enable-two-batch-overlap": "the overlapped micro-batch skips the capture loop",
+    "--enable-pdmux": "split prefill runs the logits processor without aux hidden states",
+    "--enable-hierarchical-cache": "the hierarchical cache is a prefix cache",
+    "--enable-hicache": "the hierarchical cache is a prefix cache",
+    "--enable-mixed-chunk": "mixed chunks put partial prefills in a batch",
+    "--enable-torch-compile": "compiled forwards may bypass Python forward hooks",
+    "--cuda-graph-config": "it can re-enable the prefill CUDA graph, where hooks do not fire",
+}
+# Flags the launcher sets from config; naming the key to change instead.
+_LAUNCHER_FLAGS = {
+    "--model-path": "model.path",
+    "--model": "model.path",
+    "--tp-size": "server.sglang.tp_size",
+    "--tensor-parallel-size": "server.sglang.tp_size",
+    "--host": "server.host",
+    "--port": "server.port",
+    "--mem-fraction-static": "server.sglang.mem_fraction_static",
+    "--trust-remote-code": "model.trust_remote_code",
+    "--dtype": "server.dtype",
+    "--speculative-algorithm": "(fixed: EAGLE3 names the capture convention)",
+    "--speculative-draft-model-path": "(none: capture runs without a draft model)",
+    "--speculative-draft-model": "(none: capture runs without a draft model)",
+    "--enable-return-aux-hidden-states": "(always set)",
+    "--return-aux-hidden-state-layer-ids": "aux_layer_ids",
+    "--forward-hooks": "(the project's dump hook)",
+    "--disable-radix-cache": "(always set)",
+    "--disable-prefill-cuda-graph": "(always set)",
+    "--disable-decode-cuda-graph": "(always set)",
+}
+# Flags allowed only at the value that keeps a single tensor-parallel group.
+_MUST_BE_ONE = {
+    "--dp-size": "data parallelism gives each replica its own requests and ranks",
+    "--data-parallel-size": "data parallelism gives each replica its own requests and ranks",
+    "--attn-dp-size": "data-parallel attention splits the batch across ranks",
+    "--attention-data-parallel-size": "data-parallel attention splits the batch across ranks",
+    "--pp-size": "pipeline parallelism leaves the aux layers on other ranks",
+    "--pipeline-parallel-size": "pipeline parallelism leaves the aux layers on other ranks",
+}
+
+
+def _flag_values(extra_args: list[str]) -> list[tuple[str, str | None]]:
+    """(flag, value) pairs from `--flag value` / `--flag=value` / bare `--flag` tokens."""
+    pairs = []
+    i = 0
+    while i < len(extra_args):
+        token = extra_args[i]
+        if not token.startswith("--"):
+            i += 1
+            continue
+        if "=" in token:
+            flag, value = token.split("=", 1)
+            pairs.append((flag, value))
+            i += 1
+            continue
+        nxt = extra_args[i + 1] if i + 1 < len(extra_args) else None
+        if nxt is not None and not nxt.startswith("--"):
+            pairs.append((token, nxt))
+            i += 2
+        else:
+            pairs.append((token, None))
+            i += 1
+    return pairs
+
+
+def check_extra_args(extra_args: list[str]) -> None:
+    """Refuse extra args that break per-request capture or fight the launcher's own flags."""
+    key = "server.sglang.extra_args"
+    for flag, value in _flag_values(extra_args):
+        if flag in _REFUSED_FLAGS:
+            raise PipelineError(f"{key}: {flag} is not supported: {_REFUSED_FLAGS[flag]}")
+        if flag in _LAUNCHER_FLAGS:
+            raise PipelineError(
+                f"{key}: {flag} is set by the launcher; use config {_LAUNCHER_FLAGS[flag]}"
+            )
+        if flag in _MUST_BE_ONE and value not in (None, "1"):
+            raise PipelineError(
+                f"{key}: {flag} {value} is not supported (tensor parallelism only): "
+                f"{_MUST_BE_ONE[flag]}"
+            )
+        if flag == "--chunked-prefill-size" and value != "-1":
+            raise PipelineError(
+                f"{key}: {flag} {value} re-enables chunked prefill, which splits a request "
+                "across forwards; only -1 is accepted"
+            )
+        if flag == "--cuda-graph-backend-prefill" and value != "disabled":
+            raise PipelineError(
+                f"{key}: {flag} {value} re-enables the prefill CUDA graph, where forward hooks "
+                "do not fire; only 'disabled' is accepted"
+            )
+
+
+def launch_command(
+    config: dict, *, host: str, port: int, dump_dir: str | os.PathLike, instance_id: str
+) -> tuple[list[str], dict[str, str]]:
+    """The SGLang server command for `config`, and the full environment to run it in.
+
+    `instance_id` names this server start; it is carried in the hook's log lines via the dump
+    dir (`<dump_root>/<instance_id>/`), which the caller creates.
+    """
+    if not (PATCH_DIR / f"{HOOK_MODULE}.py").is_file():
+        raise PipelineError(f"{PATCH_DIR / (HOOK_MODULE + '.py')} is missing from the checkout")
+    sglang_cfg = config["server"].get("sglang", {})
+    extra_args = [str(a) for a in sglang_cfg.get("extra_args", [])]
+    check_extra_args(extra_args)
+
+    model_path = cfg.model_dir(config).resolve()
+    model_config = cfg.read_model_config(config)
+    architectures = model_config.get("architectures") or []
+    if not architectures:
+        raise PipelineError(f"model.path: {model_path}/config.json names no architectures")
+    num_layers = cfg.num_layers(config)
+    our_ids = cfg.aux_layer_ids(config)
+    capture_ids = sglang_layer_ids(architectures[0], our_ids, num_layers=num_layers)
+    spec = hook_spec(
+        dump_dir=dump_dir,
+        request_prefix=config["extract"]["request_prefix"],
+        aux_layer_ids=our_ids,
+    )
+
+    argv = [
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(model_path),
+        "--tp-size",
+        str(sglang_cfg.get("tp_size", 1)),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--mem-fraction-static",
+        str(sglang_cfg.get("mem_fraction_static", 0.8)),
+    ]
+    if config["model"].get("trust_remote_code"):
+        argv.append("--trust-remote-code")
+    dtype = _DTYPE_FLAG_VALUES.get(config["server"].get("dtype", "auto"))
+    if dtype:
+        argv += ["--dtype", dtype]
+    argv += [
+        "--speculative-algorithm",
+        "EAGLE3",
+        "--enable-return-aux-hidden-states",
+        "--return-aux-hidden-state-layer-ids",
+        *[str(i) for i in capture_ids],
+        "--forward-hooks",
+        json.dumps([spec], separators=(",", ":")),
+        "--disable-radix-cache",
+        "--chunked-prefill-size",
+        "-1",
+        "--disable-prefill-cuda-graph",
+        "--disable-decode-cuda-graph",
+        *extra_args,
+    ]
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(PATCH_DIR), env.get("PYTHONPATH", "")) if p
+    )
+    env["PYTHONUNBUFFERED"] = "1"
+    env["EAGLEPIPE_SERVER_INSTANCE"] = instance_id
+    return argv, env
+
+
+def patch_dir() -> Path:
+    return PATCH_DIR

@@ -1,0 +1,185 @@
+"""The shard plan: half-open row-id ranges over the *source* dataset, named `rows_{start}-{end}`.
+
+Snakemake needs the shard list when it builds the DAG, so the plan is computed at parse time
+from the source's row count (Parquet metadata, or a count of the non-blank lines of a JSONL
+file), not from a checkpoint. Ranges are over source rows, so a row skipped by `prepare`
+leaves a gap in its shard and never shifts the shards after it.
+
+Counting a large JSONL file and hashing every shard's rows costs a full read, and the
+Snakefile is parsed by every job; both results are cached in a small JSON file per source,
+keyed by the source's absolute path, size and mtime_ns, so only the first parse pays.
+
+`shard_source_digests` gives each shard an xxh3-128 digest of its raw source rows: editing
+one row changes only its shard's digest, which lets the workflow rerun exactly that shard.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import xxhash
+
+from .atomic import atomic_write_json
+from .dataset import iter_jsonl_lines, iter_parquet_records, source_kind
+from .errors import PipelineError
+
+DEFAULT_CACHE_DIR = ".eaglepipe/cache"
+_CACHE_VERSION = 1
+_NAME_RE = re.compile(r"^rows_(\d+)-(\d+)$")
+
+
+@dataclass(frozen=True, order=True)
+class Shard:
+    """Source rows `start <= row_id < end`."""
+
+    start: int
+    end: int
+
+    @property
+    def name(self) -> str:
+        return f"rows_{self.start}-{self.end}"
+
+    @property
+    def num_rows(self) -> int:
+        return self.end - self.start
+
+    def contains(self, row_id: int) -> bool:
+        return self.start <= row_id < self.end
+
+
+def plan_shards(num_rows: int, rows_per_shard: int) -> list[Shard]:
+    """Consecutive ranges of `rows_per_shard` rows; the last one short; none for 0 rows."""
+    if not isinstance(rows_per_shard, int) or rows_per_shard < 1:
+        raise PipelineError(f"shards.rows_per_shard must be a positive integer, not {rows_per_shard!r}")
+    if num_rows < 0:
+        raise PipelineError(f"a dataset cannot have {num_rows} rows")
+    return [
+        Shard(start, min(start + rows_per_shard, num_rows))
+        for start in range(0, num_rows, rows_per_shard)
+    ]
+
+
+def parse_shard_name(name: str) -> Shard:
+    match = _NAME_RE.match(name)
+    if not match:
+        raise PipelineError(f"shard name {name!r} is not of the form rows_<start>-<end>")
+    start, end = int(match.group(1)), int(match.group(2))
+    if end <= start:
+        raise PipelineError(f"shard name {name!r}: end must be greater than start")
+    return Shard(start, end)
+
+
+def shard_of_row(row_id: int, rows_per_shard: int) -> int:
+    """Index of the shard holding `row_id` in a plan of `rows_per_shard`."""
+    return row_id // rows_per_shard
+
+
+# --- cached facts about a source file -------------------------------------------------------
+
+
+def _cache_path(path: Path, cache_dir: str | os.PathLike) -> Path:
+    key = xxhash.xxh3_64_hexdigest(str(path).encode())
+    return Path(cache_dir) / f"source-{key}.json"
+
+
+def _source_identity(path: Path) -> dict:
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        raise PipelineError(f"dataset.path {path} does not exist") from None
+    return {
+        "version": _CACHE_VERSION,
+        "path": str(path),
+        "size": stat.st_size,
+        "mtime_ns": stat.st_mtime_ns,
+    }
+
+
+def _load_cache(path: Path, cache_dir: str | os.PathLike) -> tuple[dict, Path]:
+    identity = _source_identity(path)
+    cache_file = _cache_path(path, cache_dir)
+    try:
+        cached = json.loads(cache_file.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        cached = {}
+    if any(cached.get(k) != v for k, v in identity.items()):
+        cached = dict(identity)  # the source changed: every cached fact is stale
+    return cached, cache_file
+
+
+def _row_bytes(path: Path):
+    """Each source row's raw bytes, in row-id order (JSONL line, or canonical JSON of a row)."""
+    if source_kind(path) == "jsonl":
+        for _, _, raw in iter_jsonl_lines(path):
+            yield raw
+    else:
+        for record in iter_parquet_records(path):
+            yield json.dumps(
+                record, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str
+            ).encode()
+
+
+def _count_rows(path: Path) -> int:
+    if source_kind(path) == "parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            return pq.ParquetFile(path).metadata.num_rows
+        except (OSError, ValueError) as exc:
+            raise PipelineError(f"dataset.path {path}: cannot read Parquet: {exc}") from None
+    return sum(1 for _ in iter_jsonl_lines(path))
+
+
+def count_source_rows(path: str | os.PathLike, cache_dir: str | os.PathLike = DEFAULT_CACHE_DIR) -> int:
+    """Number of data rows in the source (cached by path, size and mtime_ns)."""
+    path = Path(path).resolve()
+    cached, cache_file = _load_cache(path, cache_dir)
+    if "num_rows" not in cached:
+        cached["num_rows"] = _count_rows(path)
+        atomic_write_json(cache_file, cached)
+    return cached["num_rows"]
+
+
+def shard_source_digests(
+    path: str | os.PathLike,
+    rows_per_shard: int,
+    cache_dir: str | os.PathLike = DEFAULT_CACHE_DIR,
+) -> dict[str, str]:
+    """`{shard name: xxh3-128 of the shard's raw source rows}` (cached like the row count)."""
+    path = Path(path).resolve()
+    plan_shards(0, rows_per_shard)  # validates rows_per_shard
+    cached, cache_file = _load_cache(path, cache_dir)
+    by_size = cached.setdefault("digests", {})
+    key = str(rows_per_shard)
+    if key not in by_size:
+        digests: dict[str, str] = {}
+        hasher = xxhash.xxh3_128()
+        num_rows = 0
+        for raw in _row_bytes(path):
+            # Length-prefixed, so moving bytes across a row boundary changes the digest.
+            hasher.update(len(raw).to_bytes(8, "little"))
+            hasher.update(raw)
+            num_rows += 1
+            if num_rows % rows_per_shard == 0:
+                digests[Shard(num_rows - rows_per_shard, num_rows).name] = hasher.hexdigest()
+                hasher = xxhash.xxh3_128()
+        if num_rows % rows_per_shard:
+            start = num_rows - num_rows % rows_per_shard
+            digests[Shard(start, num_rows).name] = hasher.hexdigest()
+        by_size[key] = digests
+        cached["num_rows"] = num_rows
+        atomic_write_json(cache_file, cached)
+    return by_size[key]
+
+
+def plan_for_source(
+    path: str | os.PathLike,
+    rows_per_shard: int,
+    cache_dir: str | os.PathLike = DEFAULT_CACHE_DIR,
+) -> list[Shard]:
+    """The shard plan of a source file (what the Snakefile expands its per-shard targets over)."""
+    return plan_shards(count_source_rows(path, cache_dir), rows_per_shard)

@@ -1,0 +1,472 @@
+"""Where a long extraction stands: per-shard state, totals, recent throughput and an ETA.
+
+Built for thousands of shards: it never opens a chunk file. Per shard it stats the shard
+directory and reads at most the small JSON files (manifest, journal, lock) and the tail of
+the shard's log, so `eaglepipe status` answers in seconds on a 5,000-shard run.
+
+A shard is
+- done: `manifest.json` exists (the manifest is written last, atomically);
+- running: its lock file names a live process (chunks done of planned from `journal.jsonl`);
+- failed: not done, not running, and its extract log ends in an error;
+- partial: not done, not running, no error, but some chunks are journaled (a killed job);
+- remaining: nothing of it exists yet.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import sys
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import TextIO
+
+import psutil
+
+from .config import HIDDEN_STATES_DIR, LOG_DIR, PREPARED_TABLE
+from .errors import PipelineError
+
+SHARD_NAME = re.compile(r"^rows_(\d+)-(\d+)$")
+MANIFEST = "manifest.json"
+JOURNAL = "journal.jsonl"
+LOCK = ".lock"
+EXTRACT_LOG_DIR = LOG_DIR / "extract"
+# Throughput is measured over this trailing window, so an ETA reflects the current pace.
+RECENT_WINDOW_S = 3600.0
+# Only the end of a log is read: the last error is what a person needs.
+LOG_TAIL_BYTES = 16384
+
+DONE, RUNNING, FAILED, PARTIAL, REMAINING = "done", "running", "failed", "partial", "remaining"
+STATES = (DONE, RUNNING, FAILED, PARTIAL, REMAINING)
+
+
+@dataclass
+class ShardStatus:
+    name: str
+    row_start: int
+    row_end: int
+    state: str = REMAINING
+    rows: int = 0
+    tokens: int = 0
+    bytes: int = 0
+    chunks_done: int = 0
+    chunks_planned: int | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+    last_activity: float | None = None
+    lock_pid: int | None = None
+    lock_host: str | None = None
+    error: str | None = None
+
+    @property
+    def planned_rows(self) -> int:
+        return self.row_end - self.row_start
+
+
+@dataclass
+class StatusSummary:
+    shards: list[ShardStatus]
+    counts: dict[str, int]
+    rows: int
+    tokens: int
+    bytes: int
+    planned_rows: int
+    planned_tokens: int | None
+    tokens_per_s: float | None
+    bytes_per_s: float | None
+    remaining_tokens: int | None
+    eta_s: float | None
+    generated_at: float = field(default_factory=time.time)
+
+    @property
+    def failed(self) -> list[ShardStatus]:
+        return [s for s in self.shards if s.state == FAILED]
+
+
+def parse_shard_name(name: str) -> tuple[int, int]:
+    match = SHARD_NAME.match(name)
+    if not match:
+        raise PipelineError(f"shard name {name!r} is not of the form rows_<start>-<end>")
+    return int(match.group(1)), int(match.group(2))
+
+
+def _parse_time(value) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, int | float):
+        return float(value)
+    try:
+        return datetime.fromisoformat(str(value).replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text())
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise PipelineError(f"{path} is not valid JSON: {exc}") from None
+    return data if isinstance(data, dict) else None
+
+
+def _read_journal(path: Path) -> list[dict]:
+    """Finished chunks of an unfinished shard; a torn last line (killed mid-append) is ignored."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return []
+    entries = []
+    for line in text.splitlines():
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(entry, dict):
+            entries.append(entry)
+    return entries
+
+
+def lock_is_live(lock: dict, *, hostname: str | None = None) -> bool:
+    """A lock taken on this host is live while its PID runs and started no later than the lock.
+
+    A lock from another host (a cluster node) cannot be checked from here; it counts as live,
+    and the shard is shown as running there.
+    """
+    hostname = hostname or socket.gethostname()
+    pid = lock.get("pid")
+    if not isinstance(pid, int):
+        return False
+    if lock.get("host") not in (None, hostname):
+        return True
+    try:
+        process = psutil.Process(pid)
+        if process.status() == psutil.STATUS_ZOMBIE:
+            return False
+        started = _parse_time(lock.get("started"))
+        # A recycled PID belongs to a process created after the lock was taken.
+        return started is None or process.create_time() <= started + 1.0
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
+def last_error_line(log_path: Path) -> str | None:
+    """The line a person needs from a failed job's log: the last `error:` line, else the last
+    line of a Python traceback."""
+    try:
+        with open(log_path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(0, size - LOG_TAIL_BYTES))
+            tail = f.read().decode("utf-8", errors="replace")
+    except FileNotFoundError:
+        return None
+    lines = [line.rstrip() for line in tail.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if line.lstrip().lower().startswith("error:"):
+            return line.strip()
+    for index in range(len(lines) - 1, -1, -1):
+        if lines[index].startswith("Traceback (most recent call last)"):
+            # The exception line is the first unindented line after the traceback's frames.
+            for line in lines[index + 1 :]:
+                if not line.startswith((" ", "\t")):
+                    return line.strip()
+            return lines[-1].strip()
+    return None
+
+
+def _chunks_planned(lock: dict | None, journal: list[dict]) -> int | None:
+    for source in (lock or {}, *reversed(journal)):
+        for key in ("chunks_planned", "planned_chunks", "num_chunks"):
+            if isinstance(source.get(key), int):
+                return source[key]
+    return None
+
+
+def inspect_shard(
+    name: str,
+    *,
+    hidden_states_dir: Path = HIDDEN_STATES_DIR,
+    log_dir: Path = EXTRACT_LOG_DIR,
+    hostname: str | None = None,
+) -> ShardStatus:
+    row_start, row_end = parse_shard_name(name)
+    status = ShardStatus(name, row_start, row_end)
+    shard_dir = Path(hidden_states_dir) / name
+    manifest = _read_json(shard_dir / MANIFEST)
+    if manifest is not None:
+        timing = manifest.get("timing") or {}
+        status.state = DONE
+        status.rows = int(manifest.get("num_rows", 0))
+        status.tokens = int(manifest.get("num_tokens", 0))
+        status.bytes = int(manifest.get("num_bytes", 0))
+        status.chunks_done = status.chunks_planned = len(manifest.get("chunks", []))
+        status.started_at = _parse_time(timing.get("started_at"))
+        status.finished_at = _parse_time(timing.get("finished_at"))
+        status.last_activity = status.finished_at
+        return status
+    if not shard_dir.is_dir():
+        error = last_error_line(Path(log_dir) / f"{name}.log")
+        if error:
+            status.state, status.error = FAILED, error
+        return status
+
+    journal_path = shard_dir / JOURNAL
+    journal = _read_journal(journal_path)
+    status.chunks_done = len(journal)
+    status.rows = sum(len(entry.get("row_ids", [])) for entry in journal)
+    status.tokens = sum(int(entry.get("num_tokens", 0)) for entry in journal)
+    status.bytes = sum(int(entry.get("bytes", 0)) for entry in journal)
+    if journal:
+        status.last_activity = journal_path.stat().st_mtime
+    lock = _read_lock(shard_dir / LOCK)
+    status.chunks_planned = _chunks_planned(lock, journal)
+    if lock is not None and lock_is_live(lock, hostname=hostname):
+        status.state = RUNNING
+        status.lock_pid, status.lock_host = lock.get("pid"), lock.get("host")
+        status.started_at = _parse_time(lock.get("started"))
+        return status
+    error = last_error_line(Path(log_dir) / f"{name}.log")
+    if error:
+        status.state, status.error = FAILED, error
+    elif journal:
+        status.state = PARTIAL
+    return status
+
+
+def _read_lock(path: Path) -> dict | None:
+    try:
+        return _read_json(path)
+    except PipelineError:
+        # A lock torn by a kill is no lock at all.
+        return None
+
+
+def planned_tokens_by_shard(
+    shards: list[ShardStatus], prepared_table: Path = PREPARED_TABLE
+) -> dict[str, int] | None:
+    """Token count of each shard's kept rows, from two columns of the prepared table."""
+    if not Path(prepared_table).exists() or not shards:
+        return None
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(prepared_table, columns=["row_id", "num_tokens"])
+    row_ids = table.column("row_id").to_numpy()
+    num_tokens = table.column("num_tokens").to_numpy().astype("int64")
+    ordered = sorted(shards, key=lambda s: s.row_start)
+    starts = np.asarray([s.row_start for s in ordered])
+    ends = np.asarray([s.row_end for s in ordered])
+    index = np.searchsorted(starts, row_ids, side="right") - 1
+    totals = np.zeros(len(ordered), dtype="int64")
+    inside = index >= 0
+    inside[inside] &= row_ids[inside] < ends[index[inside]]
+    np.add.at(totals, index[inside], num_tokens[inside])
+    return {shard.name: int(total) for shard, total in zip(ordered, totals, strict=True)}
+
+
+def recent_throughput(
+    shards: list[ShardStatus], now: float, window_s: float = RECENT_WINDOW_S
+) -> tuple[float | None, float | None]:
+    """Tokens/s and bytes/s over the trailing window, all shards together (so concurrency counts).
+
+    A finished shard contributes the part of its work inside the window, assuming an even pace
+    over [started, finished]; a running shard the same over [started, last journal write].
+    """
+    window_start = now - window_s
+    tokens = byts = 0.0
+    earliest = None
+    for shard in shards:
+        if shard.state not in (DONE, RUNNING) or shard.started_at is None:
+            continue
+        end = shard.finished_at if shard.state == DONE else shard.last_activity
+        if end is None or end <= window_start:
+            continue
+        span = max(end - shard.started_at, 1e-6)
+        fraction = min(1.0, (end - max(shard.started_at, window_start)) / span)
+        tokens += shard.tokens * fraction
+        byts += shard.bytes * fraction
+        earliest = shard.started_at if earliest is None else min(earliest, shard.started_at)
+    if earliest is None or tokens <= 0:
+        return None, None
+    elapsed = now - max(earliest, window_start)
+    if elapsed <= 0:
+        return None, None
+    return tokens / elapsed, byts / elapsed
+
+
+def summarize(
+    shards: list[ShardStatus],
+    *,
+    planned_tokens: dict[str, int] | None = None,
+    now: float | None = None,
+    window_s: float = RECENT_WINDOW_S,
+) -> StatusSummary:
+    now = time.time() if now is None else now
+    counts = dict.fromkeys(STATES, 0)
+    for shard in shards:
+        counts[shard.state] += 1
+    tokens = sum(s.tokens for s in shards)
+    planned_total = sum(planned_tokens.values()) if planned_tokens else None
+    tokens_per_s, bytes_per_s = recent_throughput(shards, now, window_s)
+    if planned_tokens is not None:
+        remaining = sum(
+            max(0, planned_tokens.get(s.name, 0) - s.tokens) for s in shards if s.state != DONE
+        )
+    else:
+        # Without the prepared table: scale the done shards' tokens per row to what is left.
+        done_rows = sum(s.planned_rows for s in shards if s.state == DONE)
+        done_tokens = sum(s.tokens for s in shards if s.state == DONE)
+        left_rows = sum(s.planned_rows for s in shards if s.state != DONE)
+        left_written = sum(s.tokens for s in shards if s.state != DONE)
+        remaining = (
+            max(0, int(done_tokens / done_rows * left_rows) - left_written) if done_rows else None
+        )
+    eta = remaining / tokens_per_s if tokens_per_s and remaining is not None else None
+    return StatusSummary(
+        shards=shards,
+        counts=counts,
+        rows=sum(s.rows for s in shards),
+        tokens=tokens,
+        bytes=sum(s.bytes for s in shards),
+        planned_rows=sum(s.planned_rows for s in shards),
+        planned_tokens=planned_total,
+        tokens_per_s=tokens_per_s,
+        bytes_per_s=bytes_per_s,
+        remaining_tokens=remaining,
+        eta_s=0.0 if remaining == 0 else eta,
+        generated_at=now,
+    )
+
+
+def shard_status(
+    workdir: str | os.PathLike,
+    plan: Iterable[str],
+    *,
+    log_dir: str | os.PathLike | None = None,
+    now: float | None = None,
+    window_s: float = RECENT_WINDOW_S,
+) -> StatusSummary:
+    """Status of every planned shard (names `rows_<start>-<end>`) under `workdir`."""
+    workdir = Path(workdir)
+    log_dir = workdir / EXTRACT_LOG_DIR if log_dir is None else Path(log_dir)
+    hostname = socket.gethostname()
+    shards = [
+        inspect_shard(
+            name,
+            hidden_states_dir=workdir / HIDDEN_STATES_DIR,
+            log_dir=log_dir,
+            hostname=hostname,
+        )
+        for name in plan
+    ]
+    planned = planned_tokens_by_shard(shards, workdir / PREPARED_TABLE)
+    return summarize(shards, planned_tokens=planned, now=now, window_s=window_s)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "PB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} PB"
+
+
+def human_count(n: float) -> str:
+    for unit in ("", "k", "M", "G"):
+        if abs(n) < 1000:
+            return f"{n:.0f}{unit}" if unit == "" else f"{n:.1f}{unit}"
+        n /= 1000
+    return f"{n:.1f}T"
+
+
+def human_duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d {hours}h {minutes:02d}m"
+    if hours:
+        return f"{hours}h {minutes:02d}m"
+    return f"{minutes}m {secs:02d}s"
+
+
+def format_status(summary: StatusSummary, *, list_all: bool = False, max_listed: int = 20) -> str:
+    """A screenful for a person: totals first, then running and failed shards by name."""
+    c = summary.counts
+    total = len(summary.shards)
+    lines = [
+        f"shards: {total} planned, {c[DONE]} done, {c[RUNNING]} running, {c[FAILED]} failed, "
+        f"{c[PARTIAL]} partial, {c[REMAINING]} remaining",
+        f"written: {summary.rows} rows, {human_count(summary.tokens)} tokens, "
+        f"{human_bytes(summary.bytes)}"
+        + (
+            f" (of {human_count(summary.planned_tokens)} tokens planned)"
+            if summary.planned_tokens
+            else ""
+        ),
+    ]
+    if summary.tokens_per_s:
+        lines.append(
+            f"recent throughput: {human_count(summary.tokens_per_s)} tokens/s, "
+            f"{human_bytes(summary.bytes_per_s or 0)}/s"
+        )
+    else:
+        lines.append("recent throughput: none in the last hour")
+    if summary.eta_s is not None:
+        left = human_count(summary.remaining_tokens or 0)
+        lines.append(f"remaining: {left} tokens, ETA {human_duration(summary.eta_s)}")
+    else:
+        lines.append("remaining: ETA unknown until a shard makes progress")
+
+    def shown(state: str) -> list[ShardStatus]:
+        selected = [s for s in summary.shards if s.state == state]
+        return selected if list_all or state == FAILED else selected[:max_listed]
+
+    for shard in shown(RUNNING):
+        planned = f"/{shard.chunks_planned}" if shard.chunks_planned else ""
+        where = f"pid {shard.lock_pid}" + (f" on {shard.lock_host}" if shard.lock_host else "")
+        lines.append(f"  running  {shard.name}: {shard.chunks_done}{planned} chunks ({where})")
+    for shard in shown(FAILED):
+        lines.append(f"  FAILED   {shard.name}: {shard.error}")
+    for shard in shown(PARTIAL):
+        lines.append(
+            f"  partial  {shard.name}: {shard.chunks_done} chunks kept, resumes on the next run"
+        )
+    if list_all:
+        for state in (DONE, REMAINING):
+            lines.extend(f"  {state:<8} {s.name}" for s in summary.shards if s.state == state)
+    else:
+        hidden = sum(max(0, c[state] - max_listed) for state in (RUNNING, PARTIAL))
+        if hidden:
+            lines.append(f"  ... {hidden} more shards not listed (--all lists every shard)")
+    return "\n".join(lines)
+
+
+def planned_shard_names(config: dict, workdir: str | os.PathLike = ".") -> list[str]:
+    """The run's shard names, planned exactly as the workflow plans them."""
+    from . import shard_plan
+
+    num_rows = shard_plan.count_source_rows(Path(workdir) / config["dataset"]["path"])
+    plan = shard_plan.plan_shards(num_rows, config["shards"]["rows_per_shard"])
+    return [shard if isinstance(shard, str) else shard.name for shard in plan]
+
+
+def print_status(
+    config: dict,
+    *,
+    workdir: str | os.PathLike = ".",
+    list_all: bool = False,
+    stream: TextIO | None = None,
+) -> int:
+    """`eaglepipe status`: print where the run stands; exit code 1 if any shard failed."""
+    stream = stream or sys.stdout
+    summary = shard_status(workdir, planned_shard_names(config, workdir))
+    print(format_status(summary, list_all=list_all), file=stream, flush=True)
+    return 1 if summary.failed else 0

@@ -1,0 +1,206 @@
+"""Parse-time logic of the Snakemake workflow (rules/common.smk only wires these up).
+
+Rerun policy. Snakemake's default mtime trigger would re-extract every shard whenever the
+prepared table is rewritten or the dataset file is touched; for multi-terabyte runs that is
+unacceptable. So the stages keyed by data (prepare, extract) take their upstream files as
+`ancient()` inputs and declare their *content* as params: a per-shard provenance string built
+at parse time from cheap fingerprints (model config, tokenizer files, aux layer ids,
+tokenization settings, the shard's own source rows). Snakemake's params trigger then reruns
+exactly the shards whose inputs really changed, and `snakemake -n` says "params changed".
+The default profile drops the `code` trigger so reformatting a rule re-extracts nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import uuid
+from functools import cache
+from pathlib import Path
+
+from . import __version__
+from .config import (
+    HIDDEN_STATES_DIR,
+    PREPARED_TABLE,
+    TOY_MODEL_DIR,
+    aux_layer_ids,
+    is_toy_model,
+    model_dir,
+    num_layers,
+    validate_config,
+    write_resolved,
+)
+from .errors import PipelineError
+from .fingerprint import hash_file, hash_json, model_config_hash, tokenizer_fingerprint
+from .shard_plan import count_source_rows, plan_shards, shard_source_digests
+
+RUN_TOKEN_ENV = "EAGLEPIPE_RUN_TOKEN"
+
+
+def setup(config: dict) -> dict:
+    """Validate the config, write the resolved copy jobs read, and return it."""
+    resolved = validate_config(config)
+    if is_toy_model(resolved):
+        # Aux ids of the toy target can be checked before it exists: its depth is configured.
+        num_layers(resolved)
+    write_resolved(resolved)
+    return resolved
+
+
+def run_token() -> str:
+    """One token per snakemake invocation; jobs inherit it through the environment."""
+    return os.environ.setdefault(RUN_TOKEN_ENV, uuid.uuid4().hex)
+
+
+def python() -> str:
+    """The project's Python: the interpreter running snakemake, never a bare python3."""
+    return sys.executable
+
+
+def model_config_file(config: dict) -> str:
+    return str(model_dir(config) / "config.json")
+
+
+def _dataset_path(config: dict) -> Path:
+    path = Path(config["dataset"]["path"])
+    if not path.exists():
+        raise PipelineError(f"dataset.path: {path} does not exist")
+    return path
+
+
+@cache
+def _cached_file_hash(path: str, size: int, mtime_ns: int) -> str:
+    return hash_file(path)
+
+
+def dataset_hash(config: dict) -> str:
+    path = _dataset_path(config)
+    stat = path.stat()
+    return _cached_file_hash(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+def shards(config: dict) -> list[str]:
+    """Shard names planned from the source's row count (no checkpoint needed)."""
+    rows = count_source_rows(_dataset_path(config))
+    return [s.name for s in plan_shards(rows, config["shards"]["rows_per_shard"])]
+
+
+def model_fingerprint(config: dict) -> str:
+    """Identity of the target model and tokenizer, computable before the toy target exists."""
+    if is_toy_model(config):
+        # The toy build is deterministic in its settings and the corpus it trains on.
+        return hash_json({"toy": config["model"]["toy"], "corpus": dataset_hash(config)})
+    directory = model_dir(config)
+    return hash_json(
+        {"config": model_config_hash(directory), "tokenizer": tokenizer_fingerprint(directory)}
+    )
+
+
+def _tokenization_settings(config: dict) -> dict:
+    dataset = config["dataset"]
+    return {
+        "max_length": dataset["max_length"],
+        "format": dataset["format"],
+        "bad_rows": dataset["bad_rows"],
+        "trust_remote_code": config["model"]["trust_remote_code"],
+    }
+
+
+def prepare_provenance(config: dict) -> str:
+    return hash_json(
+        {
+            "model": model_fingerprint(config),
+            "dataset": dataset_hash(config),
+            "tokenization": _tokenization_settings(config),
+            "holdout": config["dataset"]["holdout"],
+            "rows_per_shard": config["shards"]["rows_per_shard"],
+        }
+    )
+
+
+@cache
+def _shard_digests(path: str, rows_per_shard: int, size: int, mtime_ns: int) -> dict:
+    return shard_source_digests(path, rows_per_shard)
+
+
+def shard_provenance(config: dict, shard: str) -> str:
+    """Everything a shard's hidden states depend on; a change makes only this shard stale."""
+    path = _dataset_path(config)
+    stat = path.stat()
+    digests = _shard_digests(
+        str(path), config["shards"]["rows_per_shard"], stat.st_size, stat.st_mtime_ns
+    )
+    return hash_json(
+        {
+            "model": model_fingerprint(config),
+            "aux_layer_ids": aux_layer_ids(config),
+            "tokenization": _tokenization_settings(config),
+            "source_rows": digests[shard],
+            "chunk_max_bytes": config["shards"]["chunk_max_bytes"],
+        }
+    )
+
+
+def manifest_path(shard: str) -> str:
+    return str(HIDDEN_STATES_DIR / shard / "manifest.json")
+
+
+def remaining_shards(config: dict) -> list[str]:
+    return [s for s in shards(config) if not Path(manifest_path(s)).exists()]
+
+
+def print_space_plan(config: dict) -> None:
+    """At workflow start: will the remaining shards fit on the output filesystem?"""
+    if not PREPARED_TABLE.exists() or not (Path(model_config_file(config))).exists():
+        return
+    from .prepare import load_prepared
+    from .shard_plan import parse_shard_name
+
+    remaining = remaining_shards(config)
+    if not remaining:
+        return
+    table = load_prepared(PREPARED_TABLE)
+    hidden = _hidden_size(config)
+    tokens = 0
+    for name in remaining:
+        shard = parse_shard_name(name)
+        in_range = (table["row_id"] >= shard.start) & (table["row_id"] < shard.end)
+        tokens += int(table.loc[in_range, "num_tokens"].sum())
+    needed = tokens * 4 * hidden * 2
+    HIDDEN_STATES_DIR.mkdir(exist_ok=True)
+    free = shutil.disk_usage(HIDDEN_STATES_DIR).free
+    verdict = "fits" if needed <= free else "DOES NOT FIT"
+    print(
+        f"eaglepipe {__version__}: {len(remaining)} shard(s) to extract, {tokens:,} tokens, "
+        f"about {needed / 2**30:.2f} GiB of hidden states; {free / 2**30:.1f} GiB free in "
+        f"{HIDDEN_STATES_DIR}/: {verdict}",
+        flush=True,
+    )
+
+
+def _hidden_size(config: dict) -> int:
+    from .config import read_model_config, text_config
+
+    return int(text_config(read_model_config(config))["hidden_size"])
+
+
+def stop_server_started_by_this_run() -> None:
+    from .server.lifecycle import stop_if_started_by
+
+    stop_if_started_by(run_token())
+
+
+__all__ = [
+    "TOY_MODEL_DIR",
+    "manifest_path",
+    "model_config_file",
+    "prepare_provenance",
+    "print_space_plan",
+    "python",
+    "run_token",
+    "setup",
+    "shard_provenance",
+    "shards",
+    "stop_server_started_by_this_run",
+]

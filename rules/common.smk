@@ -1,0 +1,57 @@
+# Helpers and input functions; all logic is in eaglepipe.workflow.
+import eaglepipe.workflow as workflow_lib
+from eaglepipe.config import RESOLVED_CONFIG
+from snakemake.utils import validate
+
+# Our check first: its message names the offending key; then Snakemake's, which fills defaults.
+CONFIG = workflow_lib.setup(config)
+validate(config, schema="../schemas/config.schema.yaml")
+RUN_TOKEN = workflow_lib.run_token()
+PYTHON = workflow_lib.python()
+RESOLVED = str(RESOLVED_CONFIG)
+SCRIPTS = f"{workflow.basedir}/scripts"
+SHARDS = workflow_lib.shards(CONFIG)
+MODEL_CONFIG = workflow_lib.model_config_file(CONFIG)
+DATASET = CONFIG["dataset"]["path"]
+
+
+wildcard_constraints:
+    start=r"\d+",
+    end=r"\d+",
+    engine=r"sglang|vllm",
+
+
+def shard_provenance(wildcards):
+    return workflow_lib.shard_provenance(
+        CONFIG, f"rows_{wildcards.start}-{wildcards.end}"
+    )
+
+
+def prepare_provenance(wildcards):
+    return workflow_lib.prepare_provenance(CONFIG)
+
+
+def all_manifests(wildcards=None):
+    return [workflow_lib.manifest_path(shard) for shard in SHARDS]
+
+
+def all_validations(wildcards=None):
+    return [f"validated/{shard}.json" for shard in SHARDS]
+
+
+def export_targets(wildcards=None):
+    return expand(
+        "drafter/export/{engine}/{name}",
+        engine=CONFIG["export"]["engines"],
+        name=["config.json", "model.safetensors"],
+    )
+
+
+def final_targets():
+    return [
+        *all_validations(),
+        "drafter/eval.json",
+        "drafter/live.json",
+        *export_targets(),
+        *report_figures(),
+    ]

@@ -1,0 +1,2 @@
+def report_figures(wildcards=None):
+    return []

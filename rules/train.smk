@@ -1,0 +1,81 @@
+rule vocab:
+    """Draft vocabulary from loss-masked token frequencies of the training rows."""
+    input:
+        table="prepared/tokenized.parquet",
+    output:
+        "drafter/vocab.safetensors",
+    log:
+        "logs/vocab.log",
+    shell:
+        "{PYTHON} -u {SCRIPTS}/vocab.py --config {RESOLVED} --table {input.table} --out {output}"
+        " 2>&1 | tee {log}"
+
+
+rule train:
+    """EAGLE-3 drafter; gated on every shard's validation report."""
+    input:
+        vocab="drafter/vocab.safetensors",
+        table="prepared/tokenized.parquet",
+        validated=all_validations,
+        manifests=all_manifests,
+    output:
+        model="drafter/model.safetensors",
+        log="drafter/train_log.jsonl",
+    log:
+        "logs/train.log",
+    benchmark:
+        "logs/benchmarks/train.tsv"
+    threads: 2
+    shell:
+        "{PYTHON} -u {SCRIPTS}/train.py --config {RESOLVED} --vocab {input.vocab}"
+        " --table {input.table} --manifests {input.manifests} --validated {input.validated}"
+        " --out {output.model} --log {output.log} --checkpoint-dir drafter/checkpoints"
+        " 2>&1 | tee {log}"
+
+
+rule evaluate:
+    """Per-position accuracy and simulated acceptance length on held-out rows."""
+    input:
+        model="drafter/model.safetensors",
+        vocab="drafter/vocab.safetensors",
+        table="prepared/tokenized.parquet",
+        manifests=all_manifests,
+    output:
+        json="drafter/eval.json",
+        plot="drafter/eval.png",
+    log:
+        "logs/evaluate.log",
+    shell:
+        "{PYTHON} -u {SCRIPTS}/evaluate.py --config {RESOLVED} --model {input.model}"
+        " --vocab {input.vocab} --table {input.table} --manifests {input.manifests}"
+        " --out {output.json} --plot {output.plot} 2>&1 | tee {log}"
+
+
+rule export:
+    """Drafter checkpoints that SGLang and vLLM load as an EAGLE-3 draft model."""
+    input:
+        model="drafter/model.safetensors",
+        vocab="drafter/vocab.safetensors",
+    output:
+        export_targets(),
+    log:
+        "logs/export.log",
+    shell:
+        "{PYTHON} -u {SCRIPTS}/export.py --config {RESOLVED} --model {input.model}"
+        " --vocab {input.vocab} --out-dir drafter/export 2>&1 | tee {log}"
+
+
+rule live_acceptance:
+    """Real speculative decoding with the exported checkpoint against the target."""
+    input:
+        export="drafter/export/sglang/model.safetensors",
+        table="prepared/tokenized.parquet",
+        offline="drafter/eval.json",
+    output:
+        "drafter/live.json",
+    log:
+        "logs/live_acceptance.log",
+    shell:
+        "{PYTHON} -u {SCRIPTS}/live_acceptance.py --config {RESOLVED}"
+        " --export-dir drafter/export/sglang --table {input.table} --out {output}"
+        " 2>&1 | tee {log}"
