@@ -8,7 +8,6 @@ min_version("9.0")
 configfile: "config.yaml"
 
 
-
 include: "rules/common.smk"
 include: "rules/prepare.smk"
 include: "rules/extract.smk"

@@ -40,6 +40,7 @@ RUN_TOKEN_ENV = "EAGLEPIPE_RUN_TOKEN"
 
 def setup(config: dict) -> dict:
     """Validate the config, write the resolved copy jobs read, and return it."""
+    use_project_python()
     resolved = validate_config(config)
     if is_toy_model(resolved):
         # Aux ids of the toy target can be checked before it exists: its depth is configured.
@@ -48,14 +49,23 @@ def setup(config: dict) -> dict:
     return resolved
 
 
+def use_project_python() -> None:
+    """Make `python` in rule shell commands the interpreter running snakemake.
+
+    Jobs inherit this environment, so rules never reach a bare python3 from PATH (under
+    `--sdm conda` Snakemake puts the rule's environment first instead). Unbuffered output
+    keeps progress lines live in logs.
+    """
+    bindir = os.path.dirname(sys.executable)
+    path = os.environ.get("PATH", "")
+    if path.split(os.pathsep)[0] != bindir:
+        os.environ["PATH"] = bindir + os.pathsep + path
+    os.environ["PYTHONUNBUFFERED"] = "1"
+
+
 def run_token() -> str:
     """One token per snakemake invocation; jobs inherit it through the environment."""
     return os.environ.setdefault(RUN_TOKEN_ENV, uuid.uuid4().hex)
-
-
-def python() -> str:
-    """The project's Python: the interpreter running snakemake, never a bare python3."""
-    return sys.executable
 
 
 def model_config_file(config: dict) -> str:
@@ -197,7 +207,6 @@ __all__ = [
     "model_config_file",
     "prepare_provenance",
     "print_space_plan",
-    "python",
     "run_token",
     "setup",
     "shard_provenance",

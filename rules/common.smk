@@ -1,4 +1,6 @@
 # Helpers and input functions; all logic is in eaglepipe.workflow.
+import os
+
 import eaglepipe.workflow as workflow_lib
 from eaglepipe.config import RESOLVED_CONFIG
 from snakemake.utils import validate
@@ -7,9 +9,8 @@ from snakemake.utils import validate
 CONFIG = workflow_lib.setup(config)
 validate(config, schema="../schemas/config.schema.yaml")
 RUN_TOKEN = workflow_lib.run_token()
-PYTHON = workflow_lib.python()
 RESOLVED = str(RESOLVED_CONFIG)
-SCRIPTS = f"{workflow.basedir}/scripts"
+ENV = "../envs/pipeline.yaml"
 SHARDS = workflow_lib.shards(CONFIG)
 MODEL_CONFIG = workflow_lib.model_config_file(CONFIG)
 DATASET = CONFIG["dataset"]["path"]
@@ -19,6 +20,27 @@ wildcard_constraints:
     start=r"\d+",
     end=r"\d+",
     engine=r"sglang|vllm",
+
+
+def script(name):
+    return f"{workflow.basedir}/scripts/{name}"
+
+
+def output_dir(wildcards, output):
+    """The directory holding the rule's first output."""
+    return os.path.dirname(output[0])
+
+
+def export_root(wildcards, output):
+    """drafter/export: the parent of the per-engine export directories."""
+    return os.path.dirname(os.path.dirname(output[0]))
+
+
+def input_dir(name):
+    def directory_of(wildcards, input):
+        return os.path.dirname(input[name])
+
+    return directory_of
 
 
 def shard_provenance(wildcards):

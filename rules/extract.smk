@@ -11,8 +11,12 @@ rule extract:
     benchmark:
         "logs/benchmarks/extract/rows_{start}-{end}.tsv"
     retries: 1
+    conda:
+        ENV
     params:
+        script=script("extract.py"),
+        config=RESOLVED,
         provenance=shard_provenance,
     shell:
-        "{PYTHON} -u {SCRIPTS}/extract.py --config {RESOLVED}"
+        "python -u {params.script} --config {params.config}"
         " --shard rows_{wildcards.start}-{wildcards.end} 2>&1 | tee {log}"

@@ -6,11 +6,16 @@ rule build_toy_target:
         "models/toy-target/config.json",
     log:
         "logs/build_toy_target.log",
+    conda:
+        ENV
     threads: 2
     params:
+        script=script("build_toy_target.py"),
+        config=RESOLVED,
         toy=CONFIG["model"]["toy"],
+        out_dir=output_dir,
     shell:
-        "{PYTHON} -u {SCRIPTS}/build_toy_target.py --config {RESOLVED} --out models/toy-target"
+        "python -u {params.script} --config {params.config} --out {params.out_dir}"
         " 2>&1 | tee {log}"
 
 
@@ -25,7 +30,11 @@ rule prepare:
         skipped="prepared/skipped.json",
     log:
         "logs/prepare.log",
+    conda:
+        ENV
     params:
+        script=script("prepare.py"),
+        config=RESOLVED,
         provenance=prepare_provenance,
     shell:
-        "{PYTHON} -u {SCRIPTS}/prepare.py --config {RESOLVED} 2>&1 | tee {log}"
+        "python -u {params.script} --config {params.config} 2>&1 | tee {log}"

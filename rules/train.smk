@@ -6,9 +6,14 @@ rule vocab:
         "drafter/vocab.safetensors",
     log:
         "logs/vocab.log",
+    conda:
+        ENV
+    params:
+        script=script("vocab.py"),
+        config=RESOLVED,
     shell:
-        "{PYTHON} -u {SCRIPTS}/vocab.py --config {RESOLVED} --table {input.table} --out {output}"
-        " 2>&1 | tee {log}"
+        "python -u {params.script} --config {params.config} --table {input.table}"
+        " --out {output} 2>&1 | tee {log}"
 
 
 rule train:
@@ -25,12 +30,18 @@ rule train:
         "logs/train.log",
     benchmark:
         "logs/benchmarks/train.tsv"
+    conda:
+        ENV
     threads: 2
+    params:
+        script=script("train.py"),
+        config=RESOLVED,
+        checkpoints="drafter/checkpoints",
     shell:
-        "{PYTHON} -u {SCRIPTS}/train.py --config {RESOLVED} --vocab {input.vocab}"
-        " --table {input.table} --manifests {input.manifests} --validated {input.validated}"
-        " --out {output.model} --log {output.log} --checkpoint-dir drafter/checkpoints"
-        " 2>&1 | tee {log}"
+        "python -u {params.script} --config {params.config} --vocab {input.vocab}"
+        " --table {input.table} --manifests {input.manifests}"
+        " --validated {input.validated} --out {output.model} --log {output.log}"
+        " --checkpoint-dir {params.checkpoints} 2>&1 | tee {log}"
 
 
 rule evaluate:
@@ -45,8 +56,13 @@ rule evaluate:
         plot="drafter/eval.png",
     log:
         "logs/evaluate.log",
+    conda:
+        ENV
+    params:
+        script=script("evaluate.py"),
+        config=RESOLVED,
     shell:
-        "{PYTHON} -u {SCRIPTS}/evaluate.py --config {RESOLVED} --model {input.model}"
+        "python -u {params.script} --config {params.config} --model {input.model}"
         " --vocab {input.vocab} --table {input.table} --manifests {input.manifests}"
         " --out {output.json} --plot {output.plot} 2>&1 | tee {log}"
 
@@ -60,9 +76,15 @@ rule export:
         export_targets(),
     log:
         "logs/export.log",
+    conda:
+        ENV
+    params:
+        script=script("export.py"),
+        config=RESOLVED,
+        out_dir=export_root,
     shell:
-        "{PYTHON} -u {SCRIPTS}/export.py --config {RESOLVED} --model {input.model}"
-        " --vocab {input.vocab} --out-dir drafter/export 2>&1 | tee {log}"
+        "python -u {params.script} --config {params.config} --model {input.model}"
+        " --vocab {input.vocab} --out-dir {params.out_dir} 2>&1 | tee {log}"
 
 
 rule live_acceptance:
@@ -75,7 +97,13 @@ rule live_acceptance:
         "drafter/live.json",
     log:
         "logs/live_acceptance.log",
+    conda:
+        ENV
+    params:
+        script=script("live_acceptance.py"),
+        config=RESOLVED,
+        export_dir=input_dir("export"),
     shell:
-        "{PYTHON} -u {SCRIPTS}/live_acceptance.py --config {RESOLVED}"
-        " --export-dir drafter/export/sglang --table {input.table} --out {output}"
+        "python -u {params.script} --config {params.config}"
+        " --export-dir {params.export_dir} --table {input.table} --out {output}"
         " 2>&1 | tee {log}"

@@ -9,6 +9,11 @@ rule validate:
         "logs/validate/rows_{start}-{end}.log",
     benchmark:
         "logs/benchmarks/validate/rows_{start}-{end}.tsv"
+    conda:
+        ENV
+    params:
+        script=script("validate.py"),
+        config=RESOLVED,
     shell:
-        "{PYTHON} -u {SCRIPTS}/validate.py --config {RESOLVED}"
+        "python -u {params.script} --config {params.config}"
         " --shard rows_{wildcards.start}-{wildcards.end} 2>&1 | tee {log}"
