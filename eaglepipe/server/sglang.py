@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from pathlib import Path
 
 from .. import config as cfg
 from ..errors import PipelineError
@@ -100,7 +99,13 @@ def sglang_layer_ids(
     return [i + 1 for i in ids]
 
 
-def hook_spec(*, dump_dir: str | os.PathLike, request_prefix: str, aux_layer_ids: list[int]):
+def hook_spec(
+    *,
+    dump_dir: str | os.PathLike,
+    request_prefix: str,
+    aux_layer_ids: list[int],
+    instance_id: str,
+) -> dict:
     """The `--forward-hooks` entry: SGLang calls `make_dump_hook(spec["config"])` per rank."""
     return {
         "name": HOOK_NAME,
@@ -110,6 +115,7 @@ def hook_spec(*, dump_dir: str | os.PathLike, request_prefix: str, aux_layer_ids
             "dump_dir": str(dump_dir),
             "request_prefix": request_prefix,
             "aux_layer_ids": list(aux_layer_ids),
+            "instance_id": instance_id,
         },
     }
 
@@ -127,7 +133,7 @@ _REFUSED_FLAGS = {
     "--enable-torch-compile": "compiled forwards may bypass Python forward hooks",
     "--cuda-graph-config": "it can re-enable the prefill CUDA graph, where hooks do not fire",
 }
-# Flags the launcher sets from config; naming the key to change instead.
+# Flags the launcher sets itself: from the named config key, or always (None).
 _LAUNCHER_FLAGS = {
     "--model-path": "model.path",
     "--model": "model.path",
@@ -138,15 +144,15 @@ _LAUNCHER_FLAGS = {
     "--mem-fraction-static": "server.sglang.mem_fraction_static",
     "--trust-remote-code": "model.trust_remote_code",
     "--dtype": "server.dtype",
-    "--speculative-algorithm": "(fixed: EAGLE3 names the capture convention)",
-    "--speculative-draft-model-path": "(none: capture runs without a draft model)",
-    "--speculative-draft-model": "(none: capture runs without a draft model)",
-    "--enable-return-aux-hidden-states": "(always set)",
     "--return-aux-hidden-state-layer-ids": "aux_layer_ids",
-    "--forward-hooks": "(the project's dump hook)",
-    "--disable-radix-cache": "(always set)",
-    "--disable-prefill-cuda-graph": "(always set)",
-    "--disable-decode-cuda-graph": "(always set)",
+    "--speculative-algorithm": None,
+    "--speculative-draft-model-path": None,
+    "--speculative-draft-model": None,
+    "--enable-return-aux-hidden-states": None,
+    "--forward-hooks": None,
+    "--disable-radix-cache": None,
+    "--disable-prefill-cuda-graph": None,
+    "--disable-decode-cuda-graph": None,
 }
 # Flags allowed only at the value that keeps a single tensor-parallel group.
 _MUST_BE_ONE = {
@@ -183,6 +189,13 @@ def _flag_values(extra_args: list[str]) -> list[tuple[str, str | None]]:
     return pairs
 
 
+def _is_one(value: str | None) -> bool:
+    try:
+        return value is None or int(value) == 1
+    except ValueError:
+        return False
+
+
 def check_extra_args(extra_args: list[str]) -> None:
     """Refuse extra args that break per-request capture or fight the launcher's own flags."""
     key = "server.sglang.extra_args"
@@ -190,10 +203,10 @@ def check_extra_args(extra_args: list[str]) -> None:
         if flag in _REFUSED_FLAGS:
             raise PipelineError(f"{key}: {flag} is not supported: {_REFUSED_FLAGS[flag]}")
         if flag in _LAUNCHER_FLAGS:
-            raise PipelineError(
-                f"{key}: {flag} is set by the launcher; use config {_LAUNCHER_FLAGS[flag]}"
-            )
-        if flag in _MUST_BE_ONE and value not in (None, "1"):
+            source = _LAUNCHER_FLAGS[flag]
+            how = f"from config key {source}" if source else "itself, for capture"
+            raise PipelineError(f"{key}: {flag} is set by the launcher {how}")
+        if flag in _MUST_BE_ONE and not _is_one(value):
             raise PipelineError(
                 f"{key}: {flag} {value} is not supported (tensor parallelism only): "
                 f"{_MUST_BE_ONE[flag]}"
@@ -215,8 +228,8 @@ def launch_command(
 ) -> tuple[list[str], dict[str, str]]:
     """The SGLang server command for `config`, and the full environment to run it in.
 
-    `instance_id` names this server start; it is carried in the hook's log lines via the dump
-    dir (`<dump_root>/<instance_id>/`), which the caller creates.
+    `dump_dir` (`<dump_root>/<instance_id>/`, made by the caller) and `instance_id` travel in
+    the hook's config; the hook logs both when SGLang registers it.
     """
     if not (PATCH_DIR / f"{HOOK_MODULE}.py").is_file():
         raise PipelineError(f"{PATCH_DIR / (HOOK_MODULE + '.py')} is missing from the checkout")
@@ -236,6 +249,7 @@ def launch_command(
         dump_dir=dump_dir,
         request_prefix=config["extract"]["request_prefix"],
         aux_layer_ids=our_ids,
+        instance_id=instance_id,
     )
 
     argv = [
@@ -267,21 +281,13 @@ def launch_command(
         "--forward-hooks",
         json.dumps([spec], separators=(",", ":")),
         "--disable-radix-cache",
-        "--chunked-prefill-size",
-        "-1",
+        "--chunked-prefill-size=-1",
         "--disable-prefill-cuda-graph",
         "--disable-decode-cuda-graph",
         *extra_args,
     ]
 
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(PATCH_DIR), env.get("PYTHONPATH", "")) if p
-    )
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PATCH_DIR), env.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"
-    env["EAGLEPIPE_SERVER_INSTANCE"] = instance_id
     return argv, env
-
-
-def patch_dir() -> Path:
-    return PATCH_DIR

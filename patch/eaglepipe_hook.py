@@ -1,0 +1,175 @@
+"""SGLang forward hook that dumps each prefixed request's aux and final hidden states.
+
+Loaded by SGLang's `--forward-hooks` as `eaglepipe_hook:make_dump_hook` (the launcher in
+eaglepipe/server/sglang.py puts this directory on PYTHONPATH). SGLang calls the factory once per
+TP rank with the spec's `config` and registers the returned callable with
+`module.register_forward_hook` on the logits processor, so the hook sees LogitsProcessor.forward's
+positional inputs: (input_ids, hidden_states, lm_head, forward_batch, aux_hidden_states).
+`hidden_states` there is post-final-norm; `aux_hidden_states` is the residual stream entering the
+captured layers, either one packed [T, K*H] tensor (DeepSeek family) or a list of K [T, H]
+tensors (Llama family). Every name used here is checked against the pinned SGLang source by
+tests/test_sglang_contract.py.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+from pathlib import Path
+
+import torch
+
+from eaglepipe.dump import DumpWriter
+
+logger = logging.getLogger("eaglepipe_hook")
+
+# sglang.srt.constants.HEALTH_CHECK_RID_PREFIX in the pinned version (contract-tested). Our
+# prefix filter (`<prefix>-`, prefix alphanumeric) already excludes these; checked anyway.
+HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"
+_FORWARD_BATCH_ARG = 3
+_AUX_ARG = 4
+
+
+def _tensor_parallel_rank() -> int:
+    from sglang.srt.distributed import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
+
+
+def make_dump_hook(config: dict):
+    """SGLang's hook factory: a dump hook on TP rank 0, None (nothing registered) elsewhere."""
+    missing = [k for k in ("dump_dir", "request_prefix", "aux_layer_ids") if k not in config]
+    if missing:
+        raise ValueError(f"eaglepipe forward hook: config lacks {', '.join(missing)}")
+    rank = _tensor_parallel_rank()
+    if rank != 0:
+        logger.info("eaglepipe dump hook: TP rank %d does not write (rank 0 does)", rank)
+        return None
+    hook = LogitsDumpHook(
+        dump_dir=Path(config["dump_dir"]),
+        request_prefix=str(config["request_prefix"]),
+        aux_layer_ids=[int(i) for i in config["aux_layer_ids"]],
+    )
+    atexit.register(hook.close)
+    logger.info(
+        "eaglepipe dump hook: instance %s writes %s-* dumps of aux layers %s to %s",
+        config.get("instance_id", "?"),
+        hook.request_prefix,
+        hook.aux_layer_ids,
+        hook.dump_dir,
+    )
+    return hook
+
+
+class LogitsDumpHook:
+    """Forward hook on the logits processor; hands prefill batches to the dump writer."""
+
+    def __init__(self, *, dump_dir: Path, request_prefix: str, aux_layer_ids: list[int]):
+        self.dump_dir = dump_dir
+        self.request_prefix = request_prefix
+        self.aux_layer_ids = aux_layer_ids
+        self.writer = DumpWriter(dump_dir, request_prefix)
+        self._module_id: int | None = None
+
+    def is_dumped(self, rid) -> bool:
+        return (
+            isinstance(rid, str)
+            and rid.startswith(f"{self.request_prefix}-")
+            and not rid.startswith(HEALTH_CHECK_RID_PREFIX)
+        )
+
+    def __call__(self, module, args, output) -> None:
+        # Two matched modules would dump every request twice.
+        if self._module_id is None:
+            self._module_id = id(module)
+        elif self._module_id != id(module):
+            raise RuntimeError(
+                "eaglepipe dump hook is attached to two modules; --forward-hooks "
+                "target_modules must match exactly one logits processor"
+            )
+        if len(args) <= _FORWARD_BATCH_ARG:
+            return None
+        forward_batch = args[_FORWARD_BATCH_ARG]
+        rids = list(getattr(forward_batch, "rids", None) or [])
+        dumped = [i for i, rid in enumerate(rids) if self.is_dumped(rid)]
+        if not dumped or forward_batch.forward_mode.is_decode_or_idle():
+            return None
+        if forward_batch.forward_mode.name != "EXTEND":
+            raise RuntimeError(
+                f"eaglepipe dump hook: requests {[rids[i] for i in dumped]} arrived in a "
+                f"{forward_batch.forward_mode.name} batch; only plain prefill (EXTEND) is "
+                "supported (chunked prefill, mixed chunks and speculative modes are off)"
+            )
+        self._dump_prefill(args, forward_batch, rids, dumped)
+        return None
+
+    def _dump_prefill(self, args, forward_batch, rids: list[str], dumped: list[int]) -> None:
+        seq_lens = _host_list(forward_batch, "extend_seq_lens")[: len(rids)]
+        prefix_lens = _host_list(forward_batch, "extend_prefix_lens")[: len(rids)]
+        if len(seq_lens) != len(rids) or len(prefix_lens) != len(rids):
+            raise RuntimeError(
+                f"eaglepipe dump hook: batch has {len(rids)} rids but {len(seq_lens)} extend "
+                f"lengths and {len(prefix_lens)} prefix lengths"
+            )
+        for i in dumped:
+            if prefix_lens[i] > 0:
+                raise RuntimeError(
+                    f"eaglepipe dump hook: request {rids[i]} starts at token {prefix_lens[i]} "
+                    "(a prefix-cache hit or a later prefill chunk); its earlier tokens were "
+                    "never seen, so its dump cannot be placed. Run SGLang with "
+                    "--disable-radix-cache and --chunked-prefill-size=-1"
+                )
+        if not getattr(forward_batch, "contains_last_prefill_chunk", True):
+            raise RuntimeError(
+                f"eaglepipe dump hook: batch of {rids} holds only unfinished prefill chunks; "
+                "run SGLang with --chunked-prefill-size=-1"
+            )
+        hidden_states = args[1]
+        aux = args[_AUX_ARG] if len(args) > _AUX_ARG else None
+        total = sum(seq_lens)
+        if hidden_states.shape[0] < total:
+            raise RuntimeError(
+                f"eaglepipe dump hook: hidden states hold {hidden_states.shape[0]} tokens, "
+                f"the batch's extend lengths sum to {total}"
+            )
+        aux_packed = self._pack_aux(aux, hidden_states, [rids[i] for i in dumped])
+        self.writer.submit(rids, seq_lens, aux_packed[:total], hidden_states[:total])
+
+    def _pack_aux(self, aux, hidden_states: torch.Tensor, dumped_rids: list[str]):
+        count = len(self.aux_layer_ids)
+        hidden_size = hidden_states.shape[-1]
+        if aux is None:
+            raise RuntimeError(
+                f"eaglepipe dump hook: no aux hidden states for {dumped_rids}; SGLang must run "
+                "with --enable-return-aux-hidden-states and --return-aux-hidden-state-layer-ids"
+            )
+        if isinstance(aux, torch.Tensor):
+            packed = aux
+        else:
+            if len(aux) != count:
+                raise RuntimeError(
+                    f"eaglepipe dump hook: {len(aux)} aux hidden states captured, "
+                    f"{count} expected (layers {self.aux_layer_ids})"
+                )
+            packed = torch.cat(list(aux), dim=-1)
+        if packed.shape[-1] != count * hidden_size or packed.shape[0] != hidden_states.shape[0]:
+            raise RuntimeError(
+                f"eaglepipe dump hook: aux hidden states are {tuple(packed.shape)}, expected "
+                f"[{hidden_states.shape[0]}, {count} x {hidden_size}] for layers "
+                f"{self.aux_layer_ids}"
+            )
+        return packed
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def _host_list(forward_batch, name: str) -> list[int]:
+    """A per-request length list, from the host mirror when SGLang filled it (no device sync)."""
+    host = getattr(forward_batch, f"{name}_cpu", None)
+    if host is not None:
+        return [int(v) for v in host]
+    device = getattr(forward_batch, name, None)
+    if device is None:
+        raise RuntimeError(f"eaglepipe dump hook: forward batch has no {name}")
+    return [int(v) for v in device.tolist()]
