@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import socket
 import sys
 import time
@@ -26,15 +25,22 @@ from datetime import datetime
 from pathlib import Path
 from typing import TextIO
 
+import numpy as np
 import psutil
 
-from .config import HIDDEN_STATES_DIR, LOG_DIR, PREPARED_TABLE
+from .config import HIDDEN_STATES_DIR, LOG_DIR, PREPARED_TABLE, TOY_MODEL_DIR, text_config
 from .errors import PipelineError
+from .shard_plan import parse_shard_name
+from .shard_store import (
+    JOURNAL_NAME,
+    LOCK_NAME,
+    MANIFEST_NAME,
+    format_bytes,
+    plan_bytes,
+    plan_chunks,
+    read_journal,
+)
 
-SHARD_NAME = re.compile(r"^rows_(\d+)-(\d+)$")
-MANIFEST = "manifest.json"
-JOURNAL = "journal.jsonl"
-LOCK = ".lock"
 EXTRACT_LOG_DIR = LOG_DIR / "extract"
 # Throughput is measured over this trailing window, so an ETA reflects the current pace.
 RECENT_WINDOW_S = 3600.0
@@ -81,18 +87,12 @@ class StatusSummary:
     bytes_per_s: float | None
     remaining_tokens: int | None
     eta_s: float | None
+    remaining_bytes: int | None = None
     generated_at: float = field(default_factory=time.time)
 
     @property
     def failed(self) -> list[ShardStatus]:
         return [s for s in self.shards if s.state == FAILED]
-
-
-def parse_shard_name(name: str) -> tuple[int, int]:
-    match = SHARD_NAME.match(name)
-    if not match:
-        raise PipelineError(f"shard name {name!r} is not of the form rows_<start>-<end>")
-    return int(match.group(1)), int(match.group(2))
 
 
 def _parse_time(value) -> float | None:
@@ -116,28 +116,13 @@ def _read_json(path: Path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
-def _read_journal(path: Path) -> list[dict]:
-    """Finished chunks of an unfinished shard; a torn last line (killed mid-append) is ignored."""
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return []
-    entries = []
-    for line in text.splitlines():
-        try:
-            entry = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(entry, dict):
-            entries.append(entry)
-    return entries
-
-
 def lock_is_live(lock: dict, *, hostname: str | None = None) -> bool:
-    """A lock taken on this host is live while its PID runs and started no later than the lock.
+    """Whether the holder recorded in a shard's writer lock still runs.
 
-    A lock from another host (a cluster node) cannot be checked from here; it counts as live,
-    and the shard is shown as running there.
+    The writer empties the lock file on release; a killed writer leaves its PID behind, so a
+    PID that is gone, a zombie, or a process younger than the lock (a recycled PID) is dead.
+    A lock from another host (a cluster node) cannot be checked from here and counts as live.
+    The lock itself is never taken: trying it could make a starting writer fail.
     """
     hostname = hostname or socket.gethostname()
     pid = lock.get("pid")
@@ -149,16 +134,15 @@ def lock_is_live(lock: dict, *, hostname: str | None = None) -> bool:
         process = psutil.Process(pid)
         if process.status() == psutil.STATUS_ZOMBIE:
             return False
-        started = _parse_time(lock.get("started"))
-        # A recycled PID belongs to a process created after the lock was taken.
+        started = _parse_time(lock.get("started_at"))
         return started is None or process.create_time() <= started + 1.0
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return False
 
 
 def last_error_line(log_path: Path) -> str | None:
-    """The line a person needs from a failed job's log: the last `error:` line, else the last
-    line of a Python traceback."""
+    """The line a person needs from a failed job's log: the last `error:` line, else the
+    exception line of the last Python traceback."""
     try:
         with open(log_path, "rb") as f:
             size = f.seek(0, os.SEEK_END)
@@ -180,12 +164,12 @@ def last_error_line(log_path: Path) -> str | None:
     return None
 
 
-def _chunks_planned(lock: dict | None, journal: list[dict]) -> int | None:
-    for source in (lock or {}, *reversed(journal)):
-        for key in ("chunks_planned", "planned_chunks", "num_chunks"):
-            if isinstance(source.get(key), int):
-                return source[key]
-    return None
+def _read_lock(path: Path) -> dict | None:
+    try:
+        return _read_json(path)
+    except PipelineError:
+        # Empty (released) or torn by a kill mid-write: nobody holds it.
+        return None
 
 
 def inspect_shard(
@@ -195,10 +179,11 @@ def inspect_shard(
     log_dir: Path = EXTRACT_LOG_DIR,
     hostname: str | None = None,
 ) -> ShardStatus:
-    row_start, row_end = parse_shard_name(name)
-    status = ShardStatus(name, row_start, row_end)
+    """One shard's state from its manifest, journal, writer lock and log (no chunk is opened)."""
+    shard = parse_shard_name(name)
+    status = ShardStatus(name, shard.start, shard.end)
     shard_dir = Path(hidden_states_dir) / name
-    manifest = _read_json(shard_dir / MANIFEST)
+    manifest = _read_json(shard_dir / MANIFEST_NAME)
     if manifest is not None:
         timing = manifest.get("timing") or {}
         status.state = DONE
@@ -210,64 +195,74 @@ def inspect_shard(
         status.finished_at = _parse_time(timing.get("finished_at"))
         status.last_activity = status.finished_at
         return status
-    if not shard_dir.is_dir():
-        error = last_error_line(Path(log_dir) / f"{name}.log")
-        if error:
-            status.state, status.error = FAILED, error
-        return status
 
-    journal_path = shard_dir / JOURNAL
-    journal = _read_journal(journal_path)
-    status.chunks_done = len(journal)
-    status.rows = sum(len(entry.get("row_ids", [])) for entry in journal)
-    status.tokens = sum(int(entry.get("num_tokens", 0)) for entry in journal)
-    status.bytes = sum(int(entry.get("bytes", 0)) for entry in journal)
-    if journal:
-        status.last_activity = journal_path.stat().st_mtime
-    lock = _read_lock(shard_dir / LOCK)
-    status.chunks_planned = _chunks_planned(lock, journal)
-    if lock is not None and lock_is_live(lock, hostname=hostname):
-        status.state = RUNNING
-        status.lock_pid, status.lock_host = lock.get("pid"), lock.get("host")
-        status.started_at = _parse_time(lock.get("started"))
-        return status
+    if shard_dir.is_dir():
+        journal = list(read_journal(shard_dir).values())
+        status.chunks_done = len(journal)
+        status.rows = sum(len(entry.get("row_ids", [])) for entry in journal)
+        status.tokens = sum(int(entry.get("num_tokens", 0)) for entry in journal)
+        status.bytes = sum(int(entry.get("bytes", 0)) for entry in journal)
+        if journal:
+            status.last_activity = (shard_dir / JOURNAL_NAME).stat().st_mtime
+        lock = _read_lock(shard_dir / LOCK_NAME)
+        if lock is not None and lock_is_live(lock, hostname=hostname):
+            status.state = RUNNING
+            status.lock_pid, status.lock_host = lock.get("pid"), lock.get("host")
+            status.started_at = _parse_time(lock.get("started_at"))
+            return status
     error = last_error_line(Path(log_dir) / f"{name}.log")
     if error:
         status.state, status.error = FAILED, error
-    elif journal:
+    elif status.chunks_done:
         status.state = PARTIAL
     return status
 
 
-def _read_lock(path: Path) -> dict | None:
-    try:
-        return _read_json(path)
-    except PipelineError:
-        # A lock torn by a kill is no lock at all.
-        return None
+@dataclass
+class PreparedRows:
+    """`row_id` and `num_tokens` of the prepared table (sorted by row id), for planning."""
+
+    row_ids: np.ndarray
+    num_tokens: np.ndarray
+
+    @classmethod
+    def read(cls, prepared_table: str | os.PathLike) -> PreparedRows | None:
+        if not Path(prepared_table).exists():
+            return None
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(prepared_table, columns=["row_id", "num_tokens"])
+        row_ids = table.column("row_id").to_numpy().astype("int64")
+        order = np.argsort(row_ids, kind="stable")
+        return cls(row_ids[order], table.column("num_tokens").to_numpy().astype("int64")[order])
+
+    def of_shard(self, shard: ShardStatus) -> tuple[np.ndarray, np.ndarray]:
+        lo, hi = np.searchsorted(self.row_ids, [shard.row_start, shard.row_end])
+        return self.row_ids[lo:hi], self.num_tokens[lo:hi]
 
 
-def planned_tokens_by_shard(
-    shards: list[ShardStatus], prepared_table: Path = PREPARED_TABLE
-) -> dict[str, int] | None:
-    """Token count of each shard's kept rows, from two columns of the prepared table."""
-    if not Path(prepared_table).exists() or not shards:
-        return None
-    import numpy as np
-    import pyarrow.parquet as pq
+def fill_plan(
+    shards: list[ShardStatus],
+    prepared: PreparedRows,
+    *,
+    hidden_size: int | None = None,
+    chunk_max_bytes: int | None = None,
+) -> dict[str, int]:
+    """Planned tokens of every shard; planned chunk counts of unfinished shards with progress.
 
-    table = pq.read_table(prepared_table, columns=["row_id", "num_tokens"])
-    row_ids = table.column("row_id").to_numpy()
-    num_tokens = table.column("num_tokens").to_numpy().astype("int64")
-    ordered = sorted(shards, key=lambda s: s.row_start)
-    starts = np.asarray([s.row_start for s in ordered])
-    ends = np.asarray([s.row_end for s in ordered])
-    index = np.searchsorted(starts, row_ids, side="right") - 1
-    totals = np.zeros(len(ordered), dtype="int64")
-    inside = index >= 0
-    inside[inside] &= row_ids[inside] < ends[index[inside]]
-    np.add.at(totals, index[inside], num_tokens[inside])
-    return {shard.name: int(total) for shard, total in zip(ordered, totals, strict=True)}
+    Chunk counts need the target's hidden size and the chunk bound; they are planned exactly
+    as extraction plans them (`shard_store.plan_chunks`).
+    """
+    planned_tokens = {}
+    for shard in shards:
+        row_ids, num_tokens = prepared.of_shard(shard)
+        planned_tokens[shard.name] = int(num_tokens.sum())
+        unfinished = shard.state in (RUNNING, PARTIAL, FAILED) and shard.chunks_done
+        if unfinished and hidden_size and chunk_max_bytes:
+            shard.chunks_planned = len(
+                plan_chunks(row_ids, num_tokens, hidden_size, max_chunk_bytes=chunk_max_bytes)
+            )
+    return planned_tokens
 
 
 def recent_throughput(
@@ -349,10 +344,16 @@ def shard_status(
     plan: Iterable[str],
     *,
     log_dir: str | os.PathLike | None = None,
+    hidden_size: int | None = None,
+    chunk_max_bytes: int | None = None,
     now: float | None = None,
     window_s: float = RECENT_WINDOW_S,
 ) -> StatusSummary:
-    """Status of every planned shard (names `rows_<start>-<end>`) under `workdir`."""
+    """Status of every planned shard (names `rows_<start>-<end>`) under `workdir`.
+
+    `hidden_size` and `chunk_max_bytes` (optional) let running shards show chunks done of
+    planned and the totals show the bytes still to write.
+    """
     workdir = Path(workdir)
     log_dir = workdir / EXTRACT_LOG_DIR if log_dir is None else Path(log_dir)
     hostname = socket.gethostname()
@@ -365,16 +366,16 @@ def shard_status(
         )
         for name in plan
     ]
-    planned = planned_tokens_by_shard(shards, workdir / PREPARED_TABLE)
-    return summarize(shards, planned_tokens=planned, now=now, window_s=window_s)
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "PB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} PB"
+    prepared = PreparedRows.read(workdir / PREPARED_TABLE)
+    planned = (
+        fill_plan(shards, prepared, hidden_size=hidden_size, chunk_max_bytes=chunk_max_bytes)
+        if prepared is not None
+        else None
+    )
+    summary = summarize(shards, planned_tokens=planned, now=now, window_s=window_s)
+    if hidden_size and summary.remaining_tokens is not None:
+        summary.remaining_bytes = plan_bytes([summary.remaining_tokens], hidden_size)
+    return summary
 
 
 def human_count(n: float) -> str:
@@ -405,7 +406,7 @@ def format_status(summary: StatusSummary, *, list_all: bool = False, max_listed:
         f"shards: {total} planned, {c[DONE]} done, {c[RUNNING]} running, {c[FAILED]} failed, "
         f"{c[PARTIAL]} partial, {c[REMAINING]} remaining",
         f"written: {summary.rows} rows, {human_count(summary.tokens)} tokens, "
-        f"{human_bytes(summary.bytes)}"
+        f"{format_bytes(summary.bytes)}"
         + (
             f" (of {human_count(summary.planned_tokens)} tokens planned)"
             if summary.planned_tokens
@@ -415,13 +416,15 @@ def format_status(summary: StatusSummary, *, list_all: bool = False, max_listed:
     if summary.tokens_per_s:
         lines.append(
             f"recent throughput: {human_count(summary.tokens_per_s)} tokens/s, "
-            f"{human_bytes(summary.bytes_per_s or 0)}/s"
+            f"{format_bytes(summary.bytes_per_s or 0)}/s"
         )
     else:
         lines.append("recent throughput: none in the last hour")
     if summary.eta_s is not None:
-        left = human_count(summary.remaining_tokens or 0)
-        lines.append(f"remaining: {left} tokens, ETA {human_duration(summary.eta_s)}")
+        left = f"{human_count(summary.remaining_tokens or 0)} tokens"
+        if summary.remaining_bytes is not None:
+            left += f" ({format_bytes(summary.remaining_bytes)})"
+        lines.append(f"remaining: {left}, ETA {human_duration(summary.eta_s)}")
     else:
         lines.append("remaining: ETA unknown until a shard makes progress")
 
@@ -451,11 +454,25 @@ def format_status(summary: StatusSummary, *, list_all: bool = False, max_listed:
 
 def planned_shard_names(config: dict, workdir: str | os.PathLike = ".") -> list[str]:
     """The run's shard names, planned exactly as the workflow plans them."""
-    from . import shard_plan
+    from .shard_plan import plan_for_source
 
-    num_rows = shard_plan.count_source_rows(Path(workdir) / config["dataset"]["path"])
-    plan = shard_plan.plan_shards(num_rows, config["shards"]["rows_per_shard"])
-    return [shard if isinstance(shard, str) else shard.name for shard in plan]
+    workdir = Path(workdir)
+    plan = plan_for_source(
+        workdir / config["dataset"]["path"],
+        config["shards"]["rows_per_shard"],
+        cache_dir=workdir / ".eaglepipe" / "cache",
+    )
+    return [shard.name for shard in plan]
+
+
+def _hidden_size(config: dict, workdir: Path) -> int | None:
+    """The target's hidden size, if its config is readable yet (the toy target may be unbuilt)."""
+    model_dir = Path(config["model"]["path"] or TOY_MODEL_DIR)
+    try:
+        model_config = json.loads((workdir / model_dir / "config.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    return int(text_config(model_config)["hidden_size"])
 
 
 def print_status(
@@ -466,7 +483,12 @@ def print_status(
     stream: TextIO | None = None,
 ) -> int:
     """`eaglepipe status`: print where the run stands; exit code 1 if any shard failed."""
-    stream = stream or sys.stdout
-    summary = shard_status(workdir, planned_shard_names(config, workdir))
-    print(format_status(summary, list_all=list_all), file=stream, flush=True)
+    workdir = Path(workdir)
+    summary = shard_status(
+        workdir,
+        planned_shard_names(config, workdir),
+        hidden_size=_hidden_size(config, workdir),
+        chunk_max_bytes=config["shards"]["chunk_max_bytes"],
+    )
+    print(format_status(summary, list_all=list_all), file=stream or sys.stdout, flush=True)
     return 1 if summary.failed else 0

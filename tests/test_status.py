@@ -1,0 +1,277 @@
+"""`eaglepipe status`: shard states from real manifest / journal / lock / log files."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import REPO_ROOT
+
+from eaglepipe import status
+from eaglepipe.config import load_config
+from eaglepipe.shard_plan import plan_shards
+from eaglepipe.shard_store import plan_chunks
+
+HIDDEN = 64
+NOW = datetime(2026, 1, 2, 12, 0, tzinfo=UTC).timestamp()
+
+
+def iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).isoformat(timespec="seconds")
+
+
+def write_manifest(workdir: Path, name: str, *, tokens: int, nbytes: int, start: float, end: float):
+    shard_dir = workdir / "hidden_states" / name
+    shard_dir.mkdir(parents=True, exist_ok=True)
+    first, last = status.parse_shard_name(name).start, status.parse_shard_name(name).end
+    manifest = {
+        "format_version": 1,
+        "shard": name,
+        "row_start": first,
+        "row_end": last,
+        "num_rows": last - first,
+        "num_tokens": tokens,
+        "num_bytes": nbytes,
+        "chunks": [{"file": "chunk-00000.safetensors", "bytes": nbytes, "num_tokens": tokens}],
+        "timing": {
+            "started_at": iso(start),
+            "finished_at": iso(end),
+            "seconds": end - start,
+            "tokens_per_s": tokens / (end - start),
+        },
+    }
+    (shard_dir / "manifest.json").write_text(json.dumps(manifest))
+
+
+def write_journal(workdir: Path, name: str, chunks: list[tuple[list[int], int, int]]):
+    shard_dir = workdir / "hidden_states" / name
+    shard_dir.mkdir(parents=True, exist_ok=True)
+    lines = [
+        json.dumps(
+            {
+                "file": f"chunk-{i:05d}.safetensors",
+                "row_ids": rows,
+                "num_tokens": tokens,
+                "bytes": nbytes,
+                "xxh3_128": "0" * 32,
+                "plan_digest": "d",
+            }
+        )
+        for i, (rows, tokens, nbytes) in enumerate(chunks)
+    ]
+    # A torn last line, as a kill mid-append leaves it.
+    (shard_dir / "journal.jsonl").write_text("\n".join(lines) + '\n{"file": "chunk-0')
+    return shard_dir
+
+
+def write_lock(shard_dir: Path, pid: int, *, host: str | None = None, started: float | None = None):
+    info = {
+        "pid": pid,
+        "host": host or socket.gethostname(),
+        "started_at": iso(started if started is not None else datetime.now(UTC).timestamp()),
+    }
+    (shard_dir / "writer.lock").write_text(json.dumps(info) + "\n")
+
+
+def write_log(workdir: Path, name: str, text: str):
+    log = workdir / "logs" / "extract" / f"{name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text(text)
+
+
+def write_prepared(workdir: Path, row_ids: list[int], tokens: list[int]):
+    table = pa.table(
+        {
+            "row_id": pa.array(row_ids, pa.int64()),
+            "num_tokens": pa.array(tokens, pa.int32()),
+        }
+    )
+    (workdir / "prepared").mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, workdir / "prepared" / "tokenized.parquet")
+
+
+@pytest.fixture
+def sleeper():
+    """A live process to stand in for an extract job holding a shard's writer lock."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_every_state_with_totals_throughput_and_eta(tmp_path, sleeper):
+    names = [s.name for s in plan_shards(50, 10)]
+    tokens_per_row = 100
+    write_prepared(tmp_path, list(range(50)), [tokens_per_row] * 50)
+    # Two shards finished within the last hour, one 10 minutes each.
+    write_manifest(tmp_path, names[0], tokens=1000, nbytes=5000, start=NOW - 1800, end=NOW - 1200)
+    write_manifest(tmp_path, names[1], tokens=1000, nbytes=5000, start=NOW - 1200, end=NOW - 600)
+    # Running: two chunks of its planned ones journaled, lock held by a live process.
+    running = write_journal(tmp_path, names[2], [([20, 21], 200, 1000), ([22, 23], 200, 1000)])
+    write_lock(running, sleeper.pid)
+    # Killed: journal and a lock naming a dead PID, log without an error -> partial.
+    killed = write_journal(tmp_path, names[3], [([30, 31, 32], 300, 1500)])
+    write_lock(killed, dead_pid())
+    write_log(tmp_path, names[3], "extract rows_30-40: 3/10 rows\n")
+    # Failed: the job died with a one-line error.
+    write_log(
+        tmp_path,
+        names[4],
+        "progress 1/10\nerror: server at 127.0.0.1:40001 died (exit code -9); log tail: ...\n",
+    )
+
+    summary = status.shard_status(
+        tmp_path, names, hidden_size=HIDDEN, chunk_max_bytes=2 * 100 * (4 * HIDDEN * 2 + 5) + 100
+    )
+    by_name = {s.name: s for s in summary.shards}
+    assert [by_name[n].state for n in names] == ["done", "done", "running", "partial", "failed"]
+    assert summary.counts == {"done": 2, "running": 1, "failed": 1, "partial": 1, "remaining": 0}
+    assert by_name[names[2]].lock_pid == sleeper.pid
+    assert by_name[names[2]].chunks_done == 2
+    # Chunks planned the way extraction plans them: two 100-token rows per chunk here.
+    assert by_name[names[2]].chunks_planned == 5
+    assert by_name[names[4]].error.startswith("error: server at 127.0.0.1:40001 died")
+    assert summary.rows == 10 + 10 + 4 + 3
+    assert summary.tokens == 1000 + 1000 + 400 + 300
+    assert summary.bytes == 5000 + 5000 + 2000 + 1500
+    assert summary.planned_tokens == 50 * tokens_per_row
+    assert summary.remaining_tokens == 5000 - 2000 - 400 - 300
+    assert summary.tokens_per_s is not None and summary.tokens_per_s > 0
+    assert summary.eta_s == pytest.approx(summary.remaining_tokens / summary.tokens_per_s)
+
+    text = status.format_status(summary)
+    assert "2 done, 1 running, 1 failed, 1 partial, 0 remaining" in text
+    assert f"running  {names[2]}: 2/5 chunks (pid {sleeper.pid}" in text
+    assert f"FAILED   {names[4]}: error: server at 127.0.0.1:40001 died" in text
+    assert "ETA" in text
+
+
+def test_throughput_counts_only_the_recent_window():
+    done_long_ago = status.ShardStatus(
+        "rows_0-10",
+        0,
+        10,
+        state="done",
+        tokens=10_000,
+        started_at=NOW - 9000,
+        finished_at=NOW - 8000,
+    )
+    recent = status.ShardStatus(
+        "rows_10-20", 10, 20, state="done", tokens=3600, started_at=NOW - 3600, finished_at=NOW
+    )
+    tokens_per_s, _ = status.recent_throughput([done_long_ago, recent], NOW, window_s=3600)
+    assert tokens_per_s == pytest.approx(1.0)
+    assert status.recent_throughput([done_long_ago], NOW, window_s=3600) == (None, None)
+
+
+def test_eta_without_prepared_table_scales_done_shards(tmp_path):
+    names = [s.name for s in plan_shards(40, 10)]
+    write_manifest(tmp_path, names[0], tokens=500, nbytes=100, start=NOW - 100, end=NOW - 50)
+    summary = status.shard_status(tmp_path, names, now=NOW)
+    assert summary.planned_tokens is None
+    # 50 tokens per row over the 30 rows left.
+    assert summary.remaining_tokens == 1500
+    assert summary.eta_s == pytest.approx(1500 / summary.tokens_per_s)
+
+
+def test_traceback_last_line_is_the_error(tmp_path):
+    log = tmp_path / "x.log"
+    log.write_text(
+        "starting\nTraceback (most recent call last):\n"
+        '  File "x.py", line 1, in <module>\n    main()\n'
+        "OSError: [Errno 28] No space left on device\n"
+    )
+    assert status.last_error_line(log) == "OSError: [Errno 28] No space left on device"
+    log.write_text("all fine\nwrote 3 chunks\n")
+    assert status.last_error_line(log) is None
+    assert status.last_error_line(tmp_path / "missing.log") is None
+
+
+def test_lock_liveness(sleeper):
+    me = socket.gethostname()
+    assert status.lock_is_live({"pid": sleeper.pid, "host": me, "started_at": iso(NOW * 2)})
+    assert not status.lock_is_live({"pid": dead_pid(), "host": me})
+    # The PID runs, but it started long after the lock was taken: a recycled PID.
+    assert not status.lock_is_live({"pid": os.getpid(), "host": me, "started_at": iso(0)})
+    # Another node's writer cannot be checked from here; it is reported as running there.
+    assert status.lock_is_live({"pid": 1, "host": "gpu-node-17"})
+
+
+def test_released_lock_and_error_in_log_means_failed(tmp_path):
+    names = ["rows_0-10"]
+    shard_dir = write_journal(tmp_path, names[0], [([0, 1], 20, 100)])
+    (shard_dir / "writer.lock").write_text("")  # released: the writer empties it
+    write_log(tmp_path, names[0], "error: chunk-00001.safetensors: disk full\n")
+    summary = status.shard_status(tmp_path, names)
+    assert summary.shards[0].state == "failed"
+    assert summary.failed == summary.shards
+
+
+def test_five_thousand_shards(tmp_path):
+    plan = plan_shards(5000 * 8, 8)
+    names = [s.name for s in plan]
+    write_prepared(tmp_path, list(range(5000 * 8)), [10] * (5000 * 8))
+    for name in names[:3000]:
+        write_manifest(tmp_path, name, tokens=80, nbytes=1000, start=NOW - 500, end=NOW - 100)
+    for name in names[3000:3010]:
+        write_journal(tmp_path, name, [([0], 10, 100)])
+    for name in names[3010:3013]:
+        write_log(tmp_path, name, "error: row 3 is malformed\n")
+    summary = status.shard_status(tmp_path, names, now=NOW)
+    assert summary.counts == {
+        "done": 3000,
+        "running": 0,
+        "failed": 3,
+        "partial": 10,
+        "remaining": 1987,
+    }
+    assert summary.tokens == 3000 * 80 + 10 * 10
+    assert summary.remaining_tokens == 2000 * 80 - 10 * 10
+    text = status.format_status(summary)
+    assert text.count("FAILED") == 3
+    assert len(status.format_status(summary, list_all=True).splitlines()) > 5000
+
+
+def test_print_status_exit_codes(tmp_path):
+    dataset = tmp_path / "conversations.jsonl"
+    dataset.write_text("".join(json.dumps({"messages": [], "i": i}) + "\n" for i in range(20)))
+    config = load_config(REPO_ROOT / "config.yaml")
+    config["dataset"]["path"] = str(dataset)
+    config["shards"]["rows_per_shard"] = 8
+
+    out = io.StringIO()
+    assert status.print_status(config, workdir=tmp_path, stream=out) == 0
+    assert "3 planned, 0 done" in out.getvalue()
+
+    write_log(tmp_path, "rows_8-16", "error: server never became healthy within 900 s\n")
+    out = io.StringIO()
+    assert status.print_status(config, workdir=tmp_path, stream=out) == 1
+    assert "FAILED   rows_8-16: error: server never became healthy" in out.getvalue()
+
+
+def test_chunk_plan_matches_extraction():
+    """fill_plan counts chunks with shard_store.plan_chunks itself, not a copy of its rule."""
+    shard = status.ShardStatus("rows_0-6", 0, 6, state="running", chunks_done=1)
+    prepared = status.PreparedRows(row_ids=np.arange(6), num_tokens=np.full(6, 50))
+    planned = status.fill_plan([shard], prepared, hidden_size=HIDDEN, chunk_max_bytes=60_000)
+    expected = plan_chunks(list(range(6)), [50] * 6, HIDDEN, max_chunk_bytes=60_000)
+    assert planned == {"rows_0-6": 300}
+    assert shard.chunks_planned == len(expected) > 1
