@@ -377,9 +377,15 @@ def write_chunk(
 # Journal and resume
 
 
-def append_journal(shard_dir: str | os.PathLike, record: ChunkRecord, digest: str) -> None:
-    """Record a finished (renamed) chunk; durable before the next chunk starts."""
-    line = json.dumps({**record.manifest_entry(), "plan_digest": digest}, sort_keys=True) + "\n"
+def append_journal(
+    shard_dir: str | os.PathLike, record: ChunkRecord, digest: str, extra: dict | None = None
+) -> None:
+    """Record a finished (renamed) chunk; durable before the next chunk starts.
+
+    `extra` holds facts kept with the chunk (e.g. the engine that computed it).
+    """
+    entry = {**(extra or {}), **record.manifest_entry(), "plan_digest": digest}
+    line = json.dumps(entry, sort_keys=True) + "\n"
     fd = os.open(Path(shard_dir) / JOURNAL_NAME, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
         os.write(fd, line.encode())

@@ -1,0 +1,365 @@
+"""The extraction client: prefill-only requests to the hidden-state server, dumps collected.
+
+Many requests are kept in flight so the server can batch them. Each row's request id is
+`<prefix>-<nonce>-<row_id>-<attempt>` with a fresh nonce per client process, so a retry, a
+re-extraction and a request left queued by a dead client never share a dump name. For every
+answered request the client reads `<dump_dir>/<rid>.safetensors`, checks it against the
+request, deletes it and hands the tensors to the caller.
+
+Two bounds keep the handoff directory (a tmpfs, usually) from filling: the number of requests
+in flight and the bytes of dumps requested but not yet read and deleted. A liveness watchdog
+runs beside the requests, so a server that dies or hangs fails the shard within seconds
+instead of after the per-request timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import shutil
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import torch
+
+from .dump import is_pipeline_rid, make_rid, parse_rid, read_dump
+from .errors import PipelineError
+
+# How often the watchdog asks whether the server is alive, and how many consecutive failed
+# health probes (on top of the lifecycle's process check) count as "stopped answering".
+LIVENESS_INTERVAL_S = 1.0
+HEALTH_PROBE_TIMEOUT_S = 5.0
+HEALTH_FAILURES_FATAL = 3
+BACKOFF_BASE_S = 0.25
+BACKOFF_MAX_S = 8.0
+
+
+@dataclass(frozen=True)
+class RowRequest:
+    row_id: int
+    input_ids: Sequence[int]
+
+
+@dataclass
+class ExtractedRow:
+    row_id: int
+    aux_hidden_states: torch.Tensor  # bf16 [T, 3H]
+    final_hidden_states: torch.Tensor  # bf16 [T, H]
+    dump_bytes: int
+
+
+@dataclass(frozen=True)
+class ClientSettings:
+    request_prefix: str
+    max_inflight_requests: int
+    max_inflight_bytes: int
+    retries: int
+    request_timeout_s: float
+    hidden_size: int
+    num_aux_layers: int = 3
+
+    @classmethod
+    def from_config(cls, config: dict, hidden_size: int, dump_dir: Path) -> ClientSettings:
+        extract = config["extract"]
+        max_bytes = extract.get("max_inflight_bytes")
+        if max_bytes is None:
+            max_bytes = max(1, handoff_free_bytes(dump_dir) // 4)
+        return cls(
+            request_prefix=extract["request_prefix"],
+            max_inflight_requests=int(extract["max_inflight_requests"]),
+            max_inflight_bytes=int(max_bytes),
+            retries=int(extract["retries"]),
+            request_timeout_s=float(extract["request_timeout_s"]),
+            hidden_size=hidden_size,
+        )
+
+
+@dataclass
+class ClientStats:
+    nonce: str
+    requests_sent: int = 0
+    retries: int = 0
+    stale_dumps_swept: int = 0
+    dump_bytes_ingested: int = 0
+    failures: list[str] = field(default_factory=list)
+
+
+class TransientError(Exception):
+    """A failure worth retrying with a new attempt number (reset, timeout, 5xx)."""
+
+
+def new_nonce() -> str:
+    return secrets.token_hex(6)
+
+
+def handoff_free_bytes(dump_dir: Path) -> int:
+    return shutil.disk_usage(dump_dir).free
+
+
+def expected_dump_bytes(num_tokens: int, hidden_size: int, num_aux_layers: int = 3) -> int:
+    return num_tokens * (num_aux_layers + 1) * hidden_size * 2
+
+
+class ByteBudget:
+    """An async counting limit on bytes; one request larger than the cap runs alone."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.in_use = 0
+        self._cond = asyncio.Condition()
+
+    async def acquire(self, n: int) -> None:
+        async with self._cond:
+            await self._cond.wait_for(lambda: self.in_use == 0 or self.in_use + n <= self.capacity)
+            self.in_use += n
+
+    async def release(self, n: int) -> None:
+        async with self._cond:
+            self.in_use -= n
+            self._cond.notify_all()
+
+
+def sweep_stale_dumps(dump_dir: Path, prefix: str, nonce: str, row_ids: set[int]) -> int:
+    """Delete dumps (and temp dumps) for these rows left by other client runs; never read them.
+
+    Only rows of this shard are touched: other shards' clients share the handoff dir.
+    """
+    swept = 0
+    for path in Path(dump_dir).iterdir():
+        name = path.name
+        if name.endswith(".tmp"):
+            name = name.removeprefix(".").removesuffix(".tmp")
+        if not name.endswith(".safetensors"):
+            continue
+        rid = name.removesuffix(".safetensors")
+        if not is_pipeline_rid(rid, prefix):
+            continue
+        try:
+            _prefix, their_nonce, row_id, _attempt = parse_rid(rid)
+        except PipelineError:
+            continue  # not a row request of ours (e.g. a hand-made rid): not ours to judge
+        if row_id in row_ids and their_nonce != nonce:
+            path.unlink(missing_ok=True)
+            swept += 1
+    return swept
+
+
+def check_dump(
+    aux: torch.Tensor, final: torch.Tensor, row: RowRequest, rid: str, settings: ClientSettings
+) -> None:
+    """The dump must answer exactly this request: token count, layer widths, dtype."""
+    t = len(row.input_ids)
+    h = settings.hidden_size
+    where = f"row {row.row_id} (request {rid})"
+    if aux.shape[0] != t or final.shape[0] != t:
+        raise PipelineError(
+            f"{where}: the server's dump holds {aux.shape[0]} tokens, the request had {t}"
+        )
+    if aux.shape[1] != settings.num_aux_layers * h:
+        raise PipelineError(
+            f"{where}: aux_hidden_states width {aux.shape[1]}, "
+            f"expected {settings.num_aux_layers} x {h}"
+        )
+    if final.shape[1] != h:
+        raise PipelineError(f"{where}: final_hidden_states width {final.shape[1]}, expected {h}")
+    if aux.dtype != torch.bfloat16 or final.dtype != torch.bfloat16:
+        raise PipelineError(f"{where}: dump dtype {aux.dtype}/{final.dtype}, expected bfloat16")
+
+
+class ExtractionClient:
+    """One shard's worth of requests against one server; see `extract_rows`."""
+
+    def __init__(
+        self,
+        url: str,
+        dump_dir: Path,
+        settings: ClientSettings,
+        is_alive: Callable[[], bool] | None = None,
+        nonce: str | None = None,
+        log: Callable[[str], None] | None = None,
+    ):
+        self.url = url.rstrip("/")
+        self.dump_dir = Path(dump_dir)
+        self.settings = settings
+        self.is_alive = is_alive
+        self.stats = ClientStats(nonce=nonce or new_nonce())
+        self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+
+    async def run(
+        self,
+        rows: Sequence[RowRequest],
+        on_row: Callable[[ExtractedRow], Awaitable[None]],
+        may_send: Callable[[int], Awaitable[None]] | None = None,
+    ) -> ClientStats:
+        s = self.settings
+        swept = sweep_stale_dumps(
+            self.dump_dir, s.request_prefix, self.stats.nonce, {r.row_id for r in rows}
+        )
+        self.stats.stale_dumps_swept = swept
+        if swept:
+            self.log(f"swept {swept} stale dump(s) of this shard's rows left by earlier runs")
+        budget = ByteBudget(s.max_inflight_bytes)
+        slots = asyncio.Semaphore(s.max_inflight_requests)
+        connector = aiohttp.TCPConnector(limit=s.max_inflight_requests)
+        try:
+            async with aiohttp.ClientSession(connector=connector) as session:
+                async with asyncio.TaskGroup() as group:
+                    watchdog = group.create_task(self._watchdog(session))
+                    row_tasks = []
+                    for row in rows:
+                        if may_send is not None:
+                            await may_send(row.row_id)
+                        size = expected_dump_bytes(len(row.input_ids), s.hidden_size)
+                        await budget.acquire(size)
+                        await slots.acquire()
+                        row_tasks.append(
+                            group.create_task(
+                                self._one_row(session, row, size, budget, slots, on_row)
+                            )
+                        )
+                    await asyncio.gather(*row_tasks)
+                    watchdog.cancel()
+        except* PipelineError as group_error:
+            raise group_error.exceptions[0] from None
+        finally:
+            self._remove_own_dumps()
+        return self.stats
+
+    async def _one_row(self, session, row, size, budget, slots, on_row) -> None:
+        try:
+            extracted = await self._request_with_retries(session, row)
+        finally:
+            slots.release()
+            await budget.release(size)
+        await on_row(extracted)
+
+    async def _request_with_retries(self, session, row: RowRequest) -> ExtractedRow:
+        s = self.settings
+        last_error = ""
+        for attempt in range(s.retries + 1):
+            rid = make_rid(s.request_prefix, self.stats.nonce, row.row_id, attempt)
+            try:
+                return await self._request_once(session, row, rid)
+            except TransientError as exc:
+                last_error = str(exc)
+                self._remove_dump(rid)
+                if attempt == s.retries:
+                    break
+                self.stats.retries += 1
+                delay = min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2**attempt)
+                self.log(f"row {row.row_id}: {last_error}; retry {attempt + 1} in {delay:.2f}s")
+                await asyncio.sleep(delay)
+        raise PipelineError(
+            f"row {row.row_id} failed after {s.retries + 1} attempt(s): {last_error}"
+        )
+
+    async def _request_once(self, session, row: RowRequest, rid: str) -> ExtractedRow:
+        payload = {
+            "input_ids": [int(t) for t in row.input_ids],
+            "rid": rid,
+            "sampling_params": {"max_new_tokens": 0},
+        }
+        timeout = aiohttp.ClientTimeout(total=self.settings.request_timeout_s)
+        self.stats.requests_sent += 1
+        try:
+            async with session.post(f"{self.url}/generate", json=payload, timeout=timeout) as resp:
+                body = await resp.text()
+                if resp.status >= 500:
+                    raise TransientError(f"server answered {resp.status}: {body[:200]}")
+                if resp.status != 200:
+                    raise PipelineError(
+                        f"row {row.row_id}: server refused request {rid} with {resp.status}: "
+                        f"{body[:300]}"
+                    )
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise TransientError(f"request {rid} failed: {type(exc).__name__} {exc}") from exc
+        path = self.dump_dir / f"{rid}.safetensors"
+        if not path.exists():
+            raise TransientError(f"server answered request {rid} but wrote no dump {path}")
+        try:
+            aux, final, _meta = await asyncio.to_thread(read_dump, path)
+            check_dump(aux, final, row, rid, self.settings)
+        except PipelineError as exc:
+            message = str(exc)
+            if not message.startswith(f"row {row.row_id} "):
+                message = f"row {row.row_id}: {message}"
+            raise PipelineError(message) from None
+        finally:
+            path.unlink(missing_ok=True)
+        size = expected_dump_bytes(len(row.input_ids), self.settings.hidden_size)
+        self.stats.dump_bytes_ingested += size
+        return ExtractedRow(
+            row_id=row.row_id,
+            aux_hidden_states=aux,
+            final_hidden_states=final,
+            dump_bytes=size,
+        )
+
+    async def _watchdog(self, session) -> None:
+        """Fail fast when the server process dies or stops answering health probes."""
+        failures = 0
+        probe_timeout = aiohttp.ClientTimeout(total=HEALTH_PROBE_TIMEOUT_S)
+        while True:
+            await asyncio.sleep(LIVENESS_INTERVAL_S)
+            if self.is_alive is not None and not await asyncio.to_thread(self.is_alive):
+                raise PipelineError(f"the server at {self.url} died during extraction")
+            try:
+                async with session.get(f"{self.url}/health", timeout=probe_timeout) as resp:
+                    ok = resp.status == 200
+            except (aiohttp.ClientError, TimeoutError):
+                ok = False
+            failures = 0 if ok else failures + 1
+            if failures >= HEALTH_FAILURES_FATAL:
+                raise PipelineError(
+                    f"the server at {self.url} stopped answering /health "
+                    f"({failures} probes in a row failed)"
+                )
+
+    def _remove_dump(self, rid: str) -> None:
+        (self.dump_dir / f"{rid}.safetensors").unlink(missing_ok=True)
+
+    def _remove_own_dumps(self) -> None:
+        """Leave no dump of this run behind (requests cancelled by a failure may have landed)."""
+        marker = f"-{self.stats.nonce}-"
+        with contextlib.suppress(FileNotFoundError):
+            for path in self.dump_dir.iterdir():
+                if marker in path.name and path.name.endswith(".safetensors"):
+                    path.unlink(missing_ok=True)
+
+
+def extract_rows(
+    handle,
+    rows: Sequence[RowRequest],
+    on_row: Callable[[ExtractedRow], Awaitable[None]],
+    settings: ClientSettings,
+    *,
+    may_send: Callable[[int], Awaitable[None]] | None = None,
+    is_alive: Callable[[], bool] | None = None,
+    log: Callable[[str], None] | None = None,
+) -> ClientStats:
+    """Request every row from the server behind `handle`; `on_row` gets each checked row.
+
+    `may_send(row_id)` is awaited before each request (the caller's memory back-pressure).
+    Raises PipelineError naming the row when a row keeps failing or a dump is wrong, and when
+    the server dies or stops answering.
+    """
+    client = ExtractionClient(handle.url, Path(handle.dump_dir), settings, is_alive, log=log)
+    return asyncio.run(client.run(rows, on_row, may_send))
+
+
+__all__ = [
+    "ClientSettings",
+    "ClientStats",
+    "ExtractedRow",
+    "ExtractionClient",
+    "RowRequest",
+    "check_dump",
+    "expected_dump_bytes",
+    "extract_rows",
+    "new_nonce",
+    "sweep_stale_dumps",
+]

@@ -1,0 +1,411 @@
+"""One shard's extraction: prepared rows -> server -> checksummed chunks -> manifest.
+
+`extract_shard(config, "rows_0-64")`:
+
+1. loads the shard's prepared rows and plans its chunks from their token counts;
+2. checks the output filesystem has room for what is still to write (nothing is created
+   when it has not);
+3. takes the shard's writer lock and keeps every chunk the journal vouches for and that still
+   re-hashes; everything else in the shard directory is cleared;
+4. holds a server lease and requests only the rows of unfinished chunks; arriving rows are
+   buffered and each chunk is written, in row order, as soon as all its rows are in. A row is
+   only requested while its chunk is at most one unfinished chunk ahead of the next chunk to
+   write, so memory stays near two chunks plus the dumps in flight;
+5. writes `manifest.json` last, with provenance and timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+import torch
+import xxhash
+
+from . import __version__
+from .client import ClientSettings, ExtractedRow, ExtractionClient, RowRequest
+from .config import (
+    HIDDEN_STATES_DIR,
+    PREPARED_SUMMARY,
+    PREPARED_TABLE,
+    aux_layer_ids,
+    model_dir,
+    read_model_config,
+    text_config,
+)
+from .errors import PipelineError
+from .fingerprint import model_config_hash, tokenizer_fingerprint
+from .layers import CONVENTION, FINAL_CONVENTION
+from .shard_plan import parse_shard_name
+from .shard_store import (
+    MANIFEST_NAME,
+    ChunkRecord,
+    RowTensors,
+    ShardLock,
+    append_journal,
+    build_manifest,
+    check_free_space,
+    estimated_chunk_bytes,
+    format_bytes,
+    journalled_bytes,
+    plan_chunks,
+    plan_digest,
+    read_journal,
+    verified_chunks,
+    write_chunk,
+    write_manifest,
+)
+
+PROGRESS_INTERVAL_S = 2.0
+ENGINE_KEYS = ("engine", "engine_version")
+
+
+def _log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+@dataclass
+class ShardRows:
+    """The prepared rows of one shard, in row-id order."""
+
+    row_ids: list[int]
+    input_ids: list[np.ndarray]  # int32 per row
+    loss_masks: list[np.ndarray]  # uint8 per row
+
+    @property
+    def num_tokens(self) -> list[int]:
+        return [len(ids) for ids in self.input_ids]
+
+
+def load_shard_rows(table_path: Path, start: int, end: int) -> ShardRows:
+    from .prepare import load_prepared, rows_in_range
+
+    rows = rows_in_range(load_prepared(table_path), start, end)
+    rows = rows.sort_values("row_id")
+    return ShardRows(
+        row_ids=[int(r) for r in rows["row_id"]],
+        input_ids=[np.asarray(ids, dtype=np.int32) for ids in rows["input_ids"]],
+        loss_masks=[np.asarray(mask, dtype=np.uint8) for mask in rows["loss_mask"]],
+    )
+
+
+def shard_inputs_hash(rows: ShardRows) -> str:
+    """xxh3-128 over the shard's row ids, input ids and loss masks, in row order."""
+    hasher = xxhash.xxh3_128()
+    for row_id, ids, mask in zip(rows.row_ids, rows.input_ids, rows.loss_masks, strict=True):
+        hasher.update(np.asarray([row_id, len(ids)], dtype=np.int64).tobytes())
+        hasher.update(np.ascontiguousarray(ids, dtype=np.int32).tobytes())
+        hasher.update(np.ascontiguousarray(mask, dtype=np.uint8).tobytes())
+    return hasher.hexdigest()
+
+
+def _summary_provenance(summary_path: Path) -> dict:
+    try:
+        summary = json.loads(summary_path.read_text())
+    except FileNotFoundError:
+        raise PipelineError(f"{summary_path} is missing: run the prepare step first") from None
+    except json.JSONDecodeError as exc:
+        raise PipelineError(f"{summary_path} is not valid JSON: {exc}") from None
+    return summary.get("provenance", summary)
+
+
+def _tokenizer_fingerprint(config: dict, summary: dict) -> str:
+    recorded = summary.get("tokenizer_fingerprint")
+    return recorded if recorded else tokenizer_fingerprint(model_dir(config))
+
+
+def check_server_info(info: dict, aux_ids: list[int], hidden_size: int, url: str) -> None:
+    """The server must capture the configured layers of a model of this width."""
+    served_ids = [int(i) for i in info.get("aux_layer_ids", [])]
+    if served_ids != aux_ids:
+        raise PipelineError(
+            f"the server at {url} captures aux layers {served_ids}, the config asks for "
+            f"{aux_ids}: stop that server (eaglepipe server stop) so one with these layers starts"
+        )
+    served_hidden = int(info.get("hidden_size", -1))
+    if served_hidden != hidden_size:
+        raise PipelineError(
+            f"the server at {url} serves hidden size {served_hidden}, the model in the config "
+            f"has {hidden_size}: it is serving another model"
+        )
+
+
+class Progress:
+    """Unbuffered progress lines: rows done/total, tokens/s, MB/s, ETA."""
+
+    def __init__(self, shard: str, total_rows: int, done_rows: int, todo_tokens: int, log):
+        self.shard = shard
+        self.total_rows = total_rows
+        self.done_rows = done_rows
+        self.todo_tokens = todo_tokens
+        self.tokens = 0
+        self.bytes = 0
+        self.start = time.monotonic()
+        self.last = 0.0
+        self.log = log
+
+    def row(self, num_tokens: int, num_bytes: int) -> None:
+        self.done_rows += 1
+        self.tokens += num_tokens
+        self.bytes += num_bytes
+        now = time.monotonic()
+        if now - self.last >= PROGRESS_INTERVAL_S or self.done_rows == self.total_rows:
+            self.last = now
+            self.log(self.line())
+
+    def line(self) -> str:
+        elapsed = max(time.monotonic() - self.start, 1e-9)
+        tok_s = self.tokens / elapsed
+        left = self.todo_tokens - self.tokens
+        eta = f"{left / tok_s:.0f}s" if tok_s > 0 else "?"
+        return (
+            f"{self.shard}: {self.done_rows}/{self.total_rows} rows, {tok_s:,.0f} tokens/s, "
+            f"{self.bytes / elapsed / 1e6:.1f} MB/s, ETA {eta}"
+        )
+
+
+class ChunkAssembler:
+    """Buffers arriving rows and writes each planned chunk, in order, once it is complete."""
+
+    def __init__(
+        self,
+        shard_dir: Path,
+        chunks: list[list[int]],
+        todo: list[int],
+        rows: ShardRows,
+        digest: str,
+        hidden_size: int,
+        engine: dict,
+        progress: Progress,
+        log: Callable[[str], None],
+    ):
+        self.engine = engine
+        self.shard_dir = shard_dir
+        self.chunks = chunks
+        self.todo = todo
+        self.digest = digest
+        self.hidden_size = hidden_size
+        self.progress = progress
+        self.log = log
+        self.chunk_of = {r: i for i, ids in enumerate(chunks) for r in ids}
+        self.position = {chunk: pos for pos, chunk in enumerate(todo)}
+        self.prepared = {
+            r: (ids, mask)
+            for r, ids, mask in zip(rows.row_ids, rows.input_ids, rows.loss_masks, strict=True)
+        }
+        self.buffer: dict[int, ExtractedRow] = {}
+        self.next_pos = 0  # index into `todo` of the next chunk to write
+        self.records: dict[int, ChunkRecord] = {}
+        self._write_lock = asyncio.Lock()
+        self._advanced = asyncio.Condition()
+
+    async def may_send(self, row_id: int) -> None:
+        """Hold back rows more than one unfinished chunk ahead of the next chunk to write."""
+        pos = self.position[self.chunk_of[row_id]]
+        async with self._advanced:
+            await self._advanced.wait_for(lambda: pos <= self.next_pos + 1)
+
+    async def on_row(self, row: ExtractedRow) -> None:
+        self.buffer[row.row_id] = row
+        self.progress.row(int(row.aux_hidden_states.shape[0]), row.dump_bytes)
+        async with self._write_lock:
+            while self.next_pos < len(self.todo):
+                index = self.todo[self.next_pos]
+                if any(r not in self.buffer for r in self.chunks[index]):
+                    return
+                rows = [self._row_tensors(self.buffer.pop(r)) for r in self.chunks[index]]
+                record = await asyncio.to_thread(self._write, index, rows)
+                self.records[index] = record
+                async with self._advanced:
+                    self.next_pos += 1
+                    self._advanced.notify_all()
+
+    def _write(self, index: int, rows: list[RowTensors]) -> ChunkRecord:
+        record = write_chunk(self.shard_dir, index, rows, hidden_size=self.hidden_size)
+        append_journal(self.shard_dir, record, self.digest, extra=self.engine)
+        self.log(
+            f"wrote {record.file}: {len(record.row_ids)} rows, {record.num_tokens} tokens, "
+            f"{format_bytes(record.bytes)}"
+        )
+        return record
+
+    def _row_tensors(self, row: ExtractedRow) -> RowTensors:
+        ids, mask = self.prepared[row.row_id]
+        return RowTensors(
+            row_id=row.row_id,
+            input_ids=torch.from_numpy(ids),
+            loss_mask=torch.from_numpy(mask),
+            aux_hidden_states=row.aux_hidden_states,
+            final_hidden_states=row.final_hidden_states,
+        )
+
+
+def _extract_chunks(
+    config: dict,
+    shard_dir: Path,
+    chunks: list[list[int]],
+    todo: list[int],
+    rows: ShardRows,
+    digest: str,
+    hidden_size: int,
+    aux_ids: list[int],
+    progress: Progress,
+    log: Callable[[str], None],
+) -> tuple[dict[int, ChunkRecord], int, dict]:
+    """Request the rows of the unfinished chunks and write those chunks as they complete."""
+    from .server.lifecycle import server_lease
+
+    wanted = {r for i in todo for r in chunks[i]}
+    requests = [
+        RowRequest(row_id=r, input_ids=ids.tolist())
+        for r, ids in zip(rows.row_ids, rows.input_ids, strict=True)
+        if r in wanted
+    ]
+    with server_lease(config) as handle:
+        info = dict(handle.info)
+        check_server_info(info, aux_ids, hidden_size, handle.url)
+        engine = {"engine": info.get("engine"), "engine_version": info.get("engine_version")}
+        settings = ClientSettings.from_config(config, hidden_size, Path(handle.dump_dir))
+        log(
+            f"{progress.shard}: requesting {len(requests)} rows from {handle.url} "
+            f"({info.get('engine')} {info.get('engine_version')}), up to "
+            f"{settings.max_inflight_requests} requests and "
+            f"{format_bytes(settings.max_inflight_bytes)} of dumps in flight"
+        )
+        assembler = ChunkAssembler(
+            shard_dir, chunks, todo, rows, digest, hidden_size, engine, progress, log
+        )
+        client = ExtractionClient(
+            handle.url, Path(handle.dump_dir), settings, _liveness(handle), log=log
+        )
+        try:
+            asyncio.run(client.run(requests, assembler.on_row, assembler.may_send))
+        finally:
+            log(f"{progress.shard}: {client.stats.requests_sent} request(s) sent")
+    return assembler.records, client.stats.requests_sent, engine
+
+
+def _liveness(handle) -> Callable[[], bool] | None:
+    from .server import lifecycle
+
+    check = getattr(lifecycle, "server_alive", None)
+    if check is None:
+        return None
+    return lambda: bool(check(handle))
+
+
+def extract_shard(
+    config: dict,
+    shard_name: str,
+    *,
+    hidden_states_dir: Path = HIDDEN_STATES_DIR,
+    prepared_table: Path = PREPARED_TABLE,
+    prepared_summary: Path = PREPARED_SUMMARY,
+    log: Callable[[str], None] = _log,
+) -> dict:
+    """Extract one shard (resuming verified chunks) and return its manifest."""
+    started_at = datetime.now(UTC)
+    t0 = time.monotonic()
+    shard = parse_shard_name(shard_name)
+    shard_dir = Path(hidden_states_dir) / shard_name
+    rows = load_shard_rows(Path(prepared_table), shard.start, shard.end)
+    summary = _summary_provenance(Path(prepared_summary))
+    hidden_size = int(text_config(read_model_config(config))["hidden_size"])
+    aux_ids = aux_layer_ids(config)
+    inputs_hash = shard_inputs_hash(rows)
+    model_hash = model_config_hash(model_dir(config))
+    content_key = {
+        "shard_inputs_hash": inputs_hash,
+        "model_config_hash": model_hash,
+        "aux_layer_ids": aux_ids,
+        "hidden_size": hidden_size,
+        "dtype": "bfloat16",
+    }
+    chunks = plan_chunks(
+        rows.row_ids,
+        rows.num_tokens,
+        hidden_size,
+        max_chunk_bytes=int(config["shards"]["chunk_max_bytes"]),
+    )
+    digest = plan_digest(chunks, content_key)
+    tokens_of = dict(zip(rows.row_ids, rows.num_tokens, strict=True))
+    planned_bytes = sum(
+        estimated_chunk_bytes([tokens_of[r] for r in ids], hidden_size) for ids in chunks
+    )
+    needed = max(0, planned_bytes - journalled_bytes(shard_dir, chunks, digest))
+    check_free_space(needed, shard_dir, f"shard {shard_name}")
+
+    with ShardLock(shard_dir):
+        # A manifest left from an earlier run must not vouch for a shard being rewritten.
+        (shard_dir / MANIFEST_NAME).unlink(missing_ok=True)
+        done = verified_chunks(shard_dir, chunks, digest)
+        todo = [i for i in range(len(chunks)) if i not in done]
+        done_rows = sum(len(chunks[i]) for i in done)
+        if done:
+            log(
+                f"{shard_name}: {len(done)}/{len(chunks)} chunk(s) verified from an earlier run "
+                f"({done_rows} rows), {len(todo)} to extract"
+            )
+        requests_sent = 0
+        progress = Progress(
+            shard_name,
+            len(rows.row_ids),
+            done_rows,
+            sum(tokens_of[r] for i in todo for r in chunks[i]),
+            log,
+        )
+        records = dict(done)
+        if todo:
+            new_records, requests_sent, engine = _extract_chunks(
+                config, shard_dir, chunks, todo, rows, digest, hidden_size, aux_ids, progress, log
+            )
+            records.update(new_records)
+        else:
+            # Nothing to request: no server is started; the chunks' journal names their engine.
+            # (An empty shard, every row skipped by prepare, has no chunk and no engine.)
+            entries = read_journal(shard_dir)
+            first = entries.get(records[0].file, {}) if records else {}
+            engine = {key: first.get(key) for key in ENGINE_KEYS}
+        seconds = time.monotonic() - t0
+        manifest = build_manifest(
+            shard=shard_name,
+            row_start=shard.start,
+            row_end=shard.end,
+            hidden_size=hidden_size,
+            aux_layer_ids=aux_ids,
+            records=[records[i] for i in range(len(chunks))],
+            provenance={
+                "model_config_hash": model_hash,
+                "tokenizer_fingerprint": _tokenizer_fingerprint(config, summary),
+                "dataset_hash": summary.get("dataset_hash"),
+                "shard_inputs_hash": inputs_hash,
+                "aux_layer_ids": aux_ids,
+                "layer_convention": CONVENTION,
+                "final_convention": FINAL_CONVENTION,
+                "engine": engine["engine"],
+                "engine_version": engine["engine_version"],
+                "project_version": __version__,
+            },
+            timing={
+                "started_at": started_at.isoformat(timespec="seconds"),
+                "finished_at": datetime.now(UTC).isoformat(timespec="seconds"),
+                "seconds": round(seconds, 3),
+                "tokens_per_s": round(progress.tokens / seconds, 1),
+                "mb_per_s": round(progress.bytes / seconds / 1e6, 3),
+                "requests_sent": requests_sent,
+            },
+        )
+        write_manifest(shard_dir, manifest)
+    log(
+        f"{shard_name}: done, {manifest['num_rows']} rows, {manifest['num_tokens']} tokens, "
+        f"{format_bytes(manifest['num_bytes'])} in {len(chunks)} chunk(s), "
+        f"{requests_sent} request(s) sent"
+    )
+    return manifest

@@ -1,0 +1,26 @@
+#!/usr/bin/env python3
+"""Extract one shard's hidden states through the shared server (resumes verified chunks)."""
+
+import argparse
+import sys
+
+from eaglepipe.config import config_from_arg
+from eaglepipe.errors import PipelineError
+from eaglepipe.extract import extract_shard
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--config", required=True, help="resolved config JSON or a YAML config")
+    parser.add_argument("--shard", required=True, help="shard name, e.g. rows_0-64")
+    args = parser.parse_args()
+    try:
+        extract_shard(config_from_arg(args.config), args.shard)
+    except PipelineError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
