@@ -62,6 +62,7 @@ class RowProblem(Exception):
 class Conversation:
     row_id: int
     messages: list[dict]
+    line: int | None = None  # 1-based line number in a JSONL file
 
 
 @dataclass(frozen=True)
@@ -202,7 +203,7 @@ def iter_rows(path: str | os.PathLike, fmt: str = "auto") -> Iterator[Conversati
                 yield BadRow(row_id, INVALID_JSON, str(exc), line_no)
                 continue
             try:
-                yield Conversation(row_id, normalize_record(record, fmt))
+                yield Conversation(row_id, normalize_record(record, fmt), line_no)
             except RowProblem as problem:
                 yield BadRow(row_id, problem.reason, problem.detail, line_no)
     else:

@@ -54,7 +54,9 @@ class Shard:
 def plan_shards(num_rows: int, rows_per_shard: int) -> list[Shard]:
     """Consecutive ranges of `rows_per_shard` rows; the last one short; none for 0 rows."""
     if not isinstance(rows_per_shard, int) or rows_per_shard < 1:
-        raise PipelineError(f"shards.rows_per_shard must be a positive integer, not {rows_per_shard!r}")
+        raise PipelineError(
+            f"shards.rows_per_shard must be a positive integer, not {rows_per_shard!r}"
+        )
     if num_rows < 0:
         raise PipelineError(f"a dataset cannot have {num_rows} rows")
     return [
@@ -134,7 +136,9 @@ def _count_rows(path: Path) -> int:
     return sum(1 for _ in iter_jsonl_lines(path))
 
 
-def count_source_rows(path: str | os.PathLike, cache_dir: str | os.PathLike = DEFAULT_CACHE_DIR) -> int:
+def count_source_rows(
+    path: str | os.PathLike, cache_dir: str | os.PathLike = DEFAULT_CACHE_DIR
+) -> int:
     """Number of data rows in the source (cached by path, size and mtime_ns)."""
     path = Path(path).resolve()
     cached, cache_file = _load_cache(path, cache_dir)

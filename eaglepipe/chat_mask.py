@@ -1,0 +1,207 @@
+"""Tokenize a conversation with the target's chat template and mark the assistant tokens.
+
+Real chat templates have no `{% generation %}` tags, so the assistant spans are found by
+rendering the conversation turn by turn and diffing the texts. For the assistant message i:
+
+- `header_end` = len(render(messages[:i], add_generation_prompt=True)): the conversation so
+  far plus the assistant header (`<|assistant|>\\n`, `<|im_start|>assistant\\n`, ...);
+- `turn_end` = len(render(messages[:i + 1])): the same plus the reply and its end of turn.
+
+When both renders are prefixes of the full render, the span is `[header_end, turn_end)`.
+
+What counts (loss mask = 1):
+
+- the assistant's content, and the **end-of-turn token** that closes it (`<|end|>`,
+  `<|im_end|>`, `<|eot_id|>`, ...): the drafter must learn to predict where a reply stops;
+- not the **assistant header** (role tokens and the newline after them): the serving engine
+  puts it in the prompt, the model never generates it;
+- not the whitespace a template adds after the end-of-turn token as a separator between turns
+  (the trailing whitespace of the span is dropped), nor any system or user token.
+
+Character spans become token positions through the fast tokenizer's offsets of one
+tokenization of the full text (a token counts if it overlaps a span), so `input_ids` are
+exactly what `apply_chat_template(messages, tokenize=True)` gives. Tokenizers without
+offsets (slow or custom-code ones) are tokenized segment by segment at the span edges.
+
+Templates whose prefix renders are not prefixes of the full render (some rewrite earlier
+turns) fall back to locating each assistant content, stripped, in the full text after the
+previous span, extended by the template's end-of-turn marker (found by rendering a probe
+conversation); a content the template does not render verbatim is a bad row
+("chat template error") with a message saying so.
+
+Truncation: the first `max_length` tokens are kept (the conversation's start, where the
+context of every kept token lies). A row whose assistant tokens all fall beyond the limit is a
+bad row ("assistant tokens truncated away"); a row with none at all is "no assistant tokens".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .dataset import ASSISTANT_TRUNCATED, NO_ASSISTANT_TOKENS, TEMPLATE_ERROR, RowProblem
+from .errors import PipelineError
+
+_PROBE_USER = "\u2063probe-user\u2063"
+_PROBE_ASSISTANT = "\u2063probe-assistant\u2063"
+
+
+@dataclass(frozen=True)
+class TokenizedConversation:
+    input_ids: list[int]
+    loss_mask: list[int]
+    truncated: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+
+def require_chat_template(tokenizer, where: str) -> None:
+    if not getattr(tokenizer, "chat_template", None):
+        raise PipelineError(f"the tokenizer of {where} has no chat template")
+
+
+def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    """The chat template's text for `messages` (a template error is a RowProblem)."""
+    from jinja2.exceptions import TemplateError
+
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+    except (TemplateError, ValueError, TypeError, KeyError, IndexError) as exc:
+        message = str(exc).splitlines()[0] if str(exc) else repr(exc)
+        raise RowProblem(TEMPLATE_ERROR, message) from None
+    if not isinstance(text, str):
+        raise PipelineError("apply_chat_template(tokenize=False) did not return a string")
+    return text
+
+
+class _EndOfTurn:
+    """The template's end-of-turn marker after an assistant reply, probed once per tokenizer."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._marker: str | None = None
+
+    def marker(self) -> str:
+        if self._marker is None:
+            probe = [
+                {"role": "user", "content": _PROBE_USER},
+                {"role": "assistant", "content": _PROBE_ASSISTANT},
+            ]
+            try:
+                text = render(self.tokenizer, probe)
+            except RowProblem:
+                text = ""
+            at = text.rfind(_PROBE_ASSISTANT)
+            self._marker = text[at + len(_PROBE_ASSISTANT) :].rstrip() if at >= 0 else ""
+        return self._marker
+
+
+def assistant_char_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """The full rendered text and the character spans `[start, end)` the loss mask covers."""
+    full = render(tokenizer, messages)
+    end_of_turn = _EndOfTurn(tokenizer)
+    spans: list[tuple[int, int]] = []
+    cursor = 0
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        with_header = render(tokenizer, messages[:i], add_generation_prompt=True)
+        through = render(tokenizer, messages[: i + 1])
+        if (
+            full.startswith(through)
+            and through.startswith(with_header)
+            and len(with_header) >= cursor
+        ):
+            start, end = len(with_header), len(through)
+            without_header = render(tokenizer, messages[:i]) if i else ""
+            if len(with_header) == len(without_header):
+                # The template ignores add_generation_prompt: skip the header by finding the reply.
+                found = through.find(message["content"].strip(), start)
+                start = found if found >= 0 else start
+        else:
+            start, end = _locate_reply(full, message["content"], cursor, end_of_turn, i)
+        end = start + len(full[start:end].rstrip())
+        if end > start:
+            spans.append((start, end))
+        cursor = max(cursor, end)
+    return full, spans
+
+
+def _locate_reply(
+    full: str, content: str, cursor: int, end_of_turn: _EndOfTurn, index: int
+) -> tuple[int, int]:
+    needle = content.strip()
+    found = full.find(needle, cursor) if needle else -1
+    if found < 0:
+        raise RowProblem(
+            TEMPLATE_ERROR,
+            f"message {index}: the chat template rewrites earlier turns and does not render "
+            "this assistant reply verbatim, so its tokens cannot be located",
+        )
+    end = found + len(needle)
+    marker = end_of_turn.marker()
+    if marker and full.startswith(marker, end):
+        end += len(marker)
+    return found, end
+
+
+def _mask_from_offsets(
+    offsets: list[tuple[int, int]], spans: list[tuple[int, int]], text_length: int
+) -> list[int]:
+    in_span = bytearray(text_length + 1)
+    for a, b in spans:
+        in_span[a:b] = b"\x01" * (b - a)
+    # A token counts if any character it covers lies in a span.
+    return [1 if (in_span[s] if s == e else any(in_span[s:e])) else 0 for s, e in offsets]
+
+
+def _tokenize_by_segments(tokenizer, text: str, spans: list[tuple[int, int]]):
+    ids: list[int] = []
+    mask: list[int] = []
+    edges = [0]
+    for a, b in spans:
+        edges += [a, b]
+    edges.append(len(text))
+    for j in range(len(edges) - 1):
+        segment = text[edges[j] : edges[j + 1]]
+        if not segment:
+            continue
+        seg_ids = tokenizer(segment, add_special_tokens=False)["input_ids"]
+        ids += seg_ids
+        mask += [j % 2] * len(seg_ids)  # odd segments are assistant spans
+    return ids, mask
+
+
+def tokenize_conversation(
+    tokenizer, messages: list[dict], max_length: int, use_offsets: bool | None = None
+) -> TokenizedConversation:
+    """input_ids and assistant loss mask of one conversation, truncated to `max_length`.
+
+    Raises RowProblem ("no assistant tokens", "assistant tokens truncated away", "chat
+    template error") for a row that cannot be trained on.
+    """
+    if max_length < 1:
+        raise PipelineError(f"dataset.max_length must be positive, not {max_length}")
+    text, spans = assistant_char_spans(tokenizer, messages)
+    if use_offsets is None:
+        use_offsets = bool(getattr(tokenizer, "is_fast", False))
+    if use_offsets:
+        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = list(encoded["input_ids"])
+        mask = _mask_from_offsets([tuple(o) for o in encoded["offset_mapping"]], spans, len(text))
+    else:
+        ids, mask = _tokenize_by_segments(tokenizer, text, spans)
+    if not any(mask):
+        raise RowProblem(NO_ASSISTANT_TOKENS, f"{len(ids)} tokens, none from an assistant turn")
+    truncated = len(ids) > max_length
+    if truncated:
+        ids, mask = ids[:max_length], mask[:max_length]
+        if not any(mask):
+            raise RowProblem(
+                ASSISTANT_TRUNCATED,
+                f"every assistant token lies beyond dataset.max_length={max_length}",
+            )
+    return TokenizedConversation(ids, mask, truncated)

@@ -1,0 +1,342 @@
+"""The prepare stage: tokenize every source row, mask assistant tokens, choose the held-out split.
+
+Writes, each only when its bytes change (so a rerun with the same inputs leaves every
+downstream target up to date):
+
+- `prepared/tokenized.parquet`: one row per kept source row, ordered by `row_id`
+  (`row_id`, `split`, `num_tokens`, `input_ids`, `loss_mask`, `truncated`);
+- `prepared/skipped.json`: count, per-reason counts and the skipped rows;
+- `prepared/summary.json`: counts, length histogram, split and shard sizes, provenance.
+
+The Parquet bytes are deterministic: the table is built from an explicit Arrow schema with no
+pandas metadata, and written to memory before being compared with the file on disk.
+
+The held-out rows (`split == "eval"`) are chosen here so vocabulary, training and evaluation
+all read one split: `holdout.mode: fraction` takes the rows whose seeded hash of the row id
+falls below `fraction`; `holdout.mode: shards` takes every row of the listed shards.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from . import config as config_mod
+from .atomic import dumps_json, write_if_changed
+from .chat_mask import require_chat_template, tokenize_conversation
+from .dataset import BadRow, RowProblem, bad_row_error, dataset_hash, iter_rows
+from .errors import PipelineError
+from .fingerprint import model_config_hash, tokenizer_fingerprint
+from .shard_plan import DEFAULT_CACHE_DIR, count_source_rows, parse_shard_name, plan_shards
+
+HISTOGRAM_BINS = 16
+_SKIP_EXAMPLES_PRINTED = 10
+
+
+def table_schema():
+    import pyarrow as pa
+
+    return pa.schema(
+        [
+            ("row_id", pa.int64()),
+            ("split", pa.string()),
+            ("num_tokens", pa.int32()),
+            ("input_ids", pa.list_(pa.int32())),
+            ("loss_mask", pa.list_(pa.uint8())),
+            ("truncated", pa.bool_()),
+        ]
+    )
+
+
+def load_target_tokenizer(config: dict):
+    """The target's tokenizer (with remote code only when model.trust_remote_code is set)."""
+    from transformers import AutoTokenizer
+
+    model_dir = config_mod.model_dir(config)
+    if not model_dir.is_dir():
+        raise PipelineError(f"model.path: {model_dir} does not exist")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            model_dir, trust_remote_code=config["model"].get("trust_remote_code", False)
+        )
+    except (OSError, ValueError) as exc:
+        raise PipelineError(f"cannot load the tokenizer of {model_dir}: {exc}") from None
+    require_chat_template(tokenizer, str(model_dir))
+    return tokenizer
+
+
+def is_eval_row(row_id: int, fraction: float, seed: int) -> bool:
+    """Seeded, per-row and order-free: a row's split never depends on the other rows."""
+    draw = xxhash.xxh3_64_intdigest(f"{seed}:{row_id}".encode()) / 2**64
+    return draw < fraction
+
+
+def _eval_shard_ids(holdout: dict, num_rows: int, rows_per_shard: int) -> set[int]:
+    """Indices (in the plan) of the shards held out whole; validates the names against the plan."""
+    plan = plan_shards(num_rows, rows_per_shard)
+    names = {shard.name: index for index, shard in enumerate(plan)}
+    chosen = set()
+    for name in holdout.get("shards", []):
+        parse_shard_name(name)
+        if name not in names:
+            raise PipelineError(
+                f"config key dataset.holdout.shards: {name} is not a shard of the plan "
+                f"({len(plan)} shards of {rows_per_shard} rows over {num_rows} source rows)"
+            )
+        chosen.add(names[name])
+    if holdout.get("mode") == "shards" and not chosen:
+        raise PipelineError("config key dataset.holdout.shards: mode 'shards' needs at least one")
+    return chosen
+
+
+class _Progress:
+    """Plain unbuffered progress lines: done/total, tokens, rows/s, ETA."""
+
+    def __init__(self, total: int, every_s: float = 2.0):
+        self.total = total
+        self.every_s = every_s
+        self.started = time.monotonic()
+        self.last = self.started
+
+    def update(self, done: int, tokens: int, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self.last < self.every_s:
+            return
+        self.last = now
+        elapsed = max(now - self.started, 1e-9)
+        rate = done / elapsed
+        eta = (self.total - done) / rate if rate else 0.0
+        percent = 100.0 * done / self.total if self.total else 100.0
+        print(
+            f"prepare: {done:,}/{self.total:,} rows ({percent:.0f}%), {tokens:,} tokens, "
+            f"{rate:,.0f} rows/s, {tokens / elapsed:,.0f} tokens/s, ETA {eta:.0f}s",
+            flush=True,
+        )
+
+
+def _parquet_bytes(row_ids, splits, token_arrays, mask_arrays, truncated) -> bytes:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    lengths = np.array([len(a) for a in token_arrays], dtype=np.int64)
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
+    if lengths.sum() >= np.iinfo(np.int32).max:
+        raise PipelineError("the prepared table exceeds 2^31 tokens: split the dataset")
+    np.cumsum(lengths, out=offsets[1:])
+    values = np.concatenate(token_arrays) if token_arrays else np.zeros(0, np.int32)
+    masks = np.concatenate(mask_arrays) if mask_arrays else np.zeros(0, np.uint8)
+    table = pa.Table.from_arrays(
+        [
+            pa.array(np.asarray(row_ids, dtype=np.int64)),
+            pa.array(splits, type=pa.string()),
+            pa.array(lengths.astype(np.int32)),
+            pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=pa.int32())),
+            pa.ListArray.from_arrays(pa.array(offsets), pa.array(masks, type=pa.uint8())),
+            pa.array(np.asarray(truncated, dtype=bool)),
+        ],
+        schema=table_schema(),
+    )
+    buffer = io.BytesIO()
+    pq.write_table(table, buffer, compression="zstd")
+    return buffer.getvalue()
+
+
+def _histogram(lengths: np.ndarray, max_length: int) -> dict:
+    edges = np.unique(np.linspace(0, max_length, HISTOGRAM_BINS + 1).round().astype(np.int64))
+    edges[-1] = max_length + 1  # the last bin includes rows of exactly max_length tokens
+    counts, _ = np.histogram(lengths, bins=edges)
+    return {"edges": edges.tolist(), "counts": counts.tolist()}
+
+
+def run_prepare(
+    config: dict,
+    prepared_dir: str | os.PathLike | None = None,
+    cache_dir: str | os.PathLike = DEFAULT_CACHE_DIR,
+) -> dict:
+    """Run the prepare stage; returns the summary (also written to prepared/summary.json)."""
+    prepared_dir = Path(prepared_dir) if prepared_dir is not None else config_mod.PREPARED_DIR
+    dataset_cfg = config["dataset"]
+    source = Path(dataset_cfg["path"])
+    fmt = dataset_cfg.get("format", "auto")
+    max_length = dataset_cfg.get("max_length", 4096)
+    policy = dataset_cfg.get("bad_rows", "error")
+    holdout = dataset_cfg.get("holdout", {}) or {}
+    mode = holdout.get("mode", "fraction")
+    fraction = holdout.get("fraction", 0.05)
+    seed = holdout.get("seed", 0)
+    rows_per_shard = config["shards"]["rows_per_shard"]
+
+    tokenizer = load_target_tokenizer(config)
+    model_dir = config_mod.model_dir(config)
+    total = count_source_rows(source, cache_dir)
+    eval_shards = _eval_shard_ids(holdout, total, rows_per_shard) if mode == "shards" else set()
+    print(
+        f"prepare: {total:,} source rows in {source}, tokenizer of {model_dir}, "
+        f"max_length {max_length}, bad rows: {policy}",
+        flush=True,
+    )
+
+    row_ids: list[int] = []
+    splits: list[str] = []
+    token_arrays: list[np.ndarray] = []
+    mask_arrays: list[np.ndarray] = []
+    truncated: list[bool] = []
+    skipped: list[BadRow] = []
+    progress = _Progress(total)
+    done = tokens = 0
+    for row in iter_rows(source, fmt):
+        done += 1
+        if not isinstance(row, BadRow):
+            try:
+                tokenized = tokenize_conversation(tokenizer, row.messages, max_length)
+            except RowProblem as problem:
+                row = BadRow(row.row_id, problem.reason, problem.detail, row.line)
+        if isinstance(row, BadRow):
+            if policy == "error":
+                raise bad_row_error(source, row)
+            skipped.append(row)
+            if len(skipped) <= _SKIP_EXAMPLES_PRINTED:
+                print(f"prepare: skipping {row.describe(source)}", flush=True)
+            continue
+        if mode == "shards":
+            held_out = row.row_id // rows_per_shard in eval_shards
+        else:
+            held_out = is_eval_row(row.row_id, fraction, seed)
+        row_ids.append(row.row_id)
+        splits.append("eval" if held_out else "train")
+        token_arrays.append(np.asarray(tokenized.input_ids, dtype=np.int32))
+        mask_arrays.append(np.asarray(tokenized.loss_mask, dtype=np.uint8))
+        truncated.append(tokenized.truncated)
+        tokens += tokenized.num_tokens
+        progress.update(done, tokens)
+    progress.update(done, tokens, force=True)
+    if done != total:
+        raise PipelineError(
+            f"dataset.path {source} changed while it was read ({total} rows counted, {done} read)"
+        )
+
+    summary = _summary(
+        config, source, model_dir, total, row_ids, splits, token_arrays, mask_arrays, truncated
+    )
+    summary["skipped_rows"] = len(skipped)
+    skipped_doc = {
+        "count": len(skipped),
+        "reasons": dict(sorted(Counter(b.reason for b in skipped).items())),
+        "rows": [{"row_id": b.row_id, "reason": b.reason, "detail": b.detail} for b in skipped],
+    }
+    written = {
+        config_mod.PREPARED_TABLE.name: write_if_changed(
+            prepared_dir / config_mod.PREPARED_TABLE.name,
+            _parquet_bytes(row_ids, splits, token_arrays, mask_arrays, truncated),
+        ),
+        config_mod.PREPARED_SKIPPED.name: write_if_changed(
+            prepared_dir / config_mod.PREPARED_SKIPPED.name, dumps_json(skipped_doc)
+        ),
+        config_mod.PREPARED_SUMMARY.name: write_if_changed(
+            prepared_dir / config_mod.PREPARED_SUMMARY.name, dumps_json(summary)
+        ),
+    }
+    _print_outcome(summary, skipped_doc, prepared_dir, written)
+    return summary
+
+
+def _summary(
+    config, source, model_dir, total, row_ids, splits, token_arrays, mask_arrays, truncated
+) -> dict:
+    dataset_cfg = config["dataset"]
+    max_length = dataset_cfg.get("max_length", 4096)
+    rows_per_shard = config["shards"]["rows_per_shard"]
+    lengths = np.array([len(a) for a in token_arrays], dtype=np.int64)
+    assistant = np.array([int(m.sum()) for m in mask_arrays], dtype=np.int64)
+    is_eval = np.array([s == "eval" for s in splits], dtype=bool)
+    shard_index = np.asarray(row_ids, dtype=np.int64) // rows_per_shard
+    shards = []
+    for index, shard in enumerate(plan_shards(total, rows_per_shard)):
+        in_shard = shard_index == index
+        shards.append(
+            {
+                "shard": shard.name,
+                "rows": int(in_shard.sum()),
+                "tokens": int(lengths[in_shard].sum()),
+                "eval_rows": int((in_shard & is_eval).sum()),
+            }
+        )
+    return {
+        "source_rows": total,
+        "rows": len(row_ids),
+        "tokens": int(lengths.sum()),
+        "assistant_tokens": int(assistant.sum()),
+        "truncated_rows": int(sum(truncated)),
+        "max_length": max_length,
+        "length_histogram": _histogram(lengths, max_length),
+        "length_stats": {
+            "min": int(lengths.min()) if len(lengths) else 0,
+            "mean": round(float(lengths.mean()), 2) if len(lengths) else 0.0,
+            "max": int(lengths.max()) if len(lengths) else 0,
+        },
+        "split": {
+            name: {
+                "rows": int(selected.sum()),
+                "tokens": int(lengths[selected].sum()),
+                "assistant_tokens": int(assistant[selected].sum()),
+            }
+            for name, selected in (("train", ~is_eval), ("eval", is_eval))
+        },
+        "holdout": dataset_cfg.get("holdout", {}),
+        "rows_per_shard": rows_per_shard,
+        "shards": shards,
+        "provenance": {
+            "dataset_path": str(source),
+            "dataset_format": dataset_cfg.get("format", "auto"),
+            "dataset_hash": dataset_hash(source),
+            "tokenizer_fingerprint": tokenizer_fingerprint(model_dir),
+            "model_config_hash": model_config_hash(model_dir),
+            "max_length": max_length,
+        },
+    }
+
+
+def _print_outcome(summary: dict, skipped: dict, prepared_dir: Path, written: dict) -> None:
+    split = summary["split"]
+    print(
+        f"prepare: kept {summary['rows']:,} of {summary['source_rows']:,} rows "
+        f"({summary['tokens']:,} tokens, {summary['assistant_tokens']:,} assistant, "
+        f"{summary['truncated_rows']:,} truncated); train {split['train']['rows']:,} rows, "
+        f"eval {split['eval']['rows']:,} rows",
+        flush=True,
+    )
+    if skipped["count"]:
+        reasons = ", ".join(f"{reason}: {n}" for reason, n in skipped["reasons"].items())
+        print(f"prepare: skipped {skipped['count']:,} bad rows ({reasons})", flush=True)
+    if summary["rows"] and not split["eval"]["rows"]:
+        print("prepare: warning: the held-out split is empty (see dataset.holdout)", flush=True)
+    changed = [name for name, was_written in written.items() if was_written]
+    unchanged = [name for name, was_written in written.items() if not was_written]
+    print(
+        f"prepare: {prepared_dir}: wrote {', '.join(changed) or 'nothing'}"
+        + (f"; unchanged {', '.join(unchanged)}" if unchanged else ""),
+        flush=True,
+    )
+
+
+def load_prepared(path: str | os.PathLike = config_mod.PREPARED_TABLE):
+    """The prepared table as a pandas DataFrame (ordered by row_id)."""
+    import pandas as pd
+
+    path = Path(path)
+    if not path.is_file():
+        raise PipelineError(f"prepared table {path} does not exist: run the prepare rule first")
+    return pd.read_parquet(path)
+
+
+def rows_in_range(table, start: int, end: int):
+    """The rows with `start <= row_id < end` (a shard's rows), as a new DataFrame."""
+    row_ids = table["row_id"].to_numpy()
+    lo, hi = np.searchsorted(row_ids, [start, end], side="left")
+    return table.iloc[lo:hi].reset_index(drop=True)

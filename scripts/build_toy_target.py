@@ -1,0 +1,32 @@
+#!/usr/bin/env python3
+"""Build the embedded toy target (tiny Llama + BPE tokenizer with a chat template) into --out."""
+
+import argparse
+import sys
+
+from eaglepipe.config import config_from_arg
+from eaglepipe.errors import PipelineError
+from eaglepipe.toy_target import build_toy_target
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--config", required=True, help="resolved config JSON or a YAML config")
+    parser.add_argument("--out", required=True, help="model directory to (re)create")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: min(4, CPUs))"
+    )
+    args = parser.parse_args()
+    try:
+        config = config_from_arg(args.config)
+        build_toy_target(
+            args.out, config["model"]["toy"], config["dataset"]["path"], num_threads=args.threads
+        )
+    except PipelineError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,25 @@
+#!/usr/bin/env python3
+"""Tokenize the dataset with the target's chat template: prepared/tokenized.parquet and friends."""
+
+import argparse
+import sys
+
+from eaglepipe.config import config_from_arg
+from eaglepipe.errors import PipelineError
+from eaglepipe.prepare import run_prepare
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--config", required=True, help="resolved config JSON or a YAML config")
+    args = parser.parse_args()
+    try:
+        run_prepare(config_from_arg(args.config))
+    except PipelineError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
