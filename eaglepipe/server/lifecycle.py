@@ -1,0 +1,817 @@
+"""Server lifecycle: one shared server per run and node, started on demand, never left behind.
+
+    with server_lease(config) as handle:      # starts the server if none fits, else reuses it
+        ...  requests to handle.url; handle.check() / await handle.guard(request) ...
+
+- The first job that needs the server starts it under the node-local lock (`leases.py` has the
+  layout of `.eaglepipe/server/<hostname>/`); every job holds a lease while it uses it.
+- A healthy server with the same fingerprint (engine, model, layer ids, launch settings) is
+  reused across jobs and runs; one with another fingerprint is stopped and replaced, unless
+  other jobs still hold leases on it.
+- The server runs under `eaglepipe.server.supervise` in its own process group, with the
+  project's Python, unbuffered, logging to `logs/server/`. Stopping it stops the whole group
+  (SIGTERM, SIGKILL after a grace period) and waits until the port is free.
+- A port held by a process this pipeline did not start is an error naming that process.
+- `stop_if_started_by(run_token)` is what the Snakefile's onsuccess/onerror call; a job
+  interrupted by SIGINT/SIGTERM stops the server its run started if no other job uses it; an
+  idle supervisor stops itself (the last resort after a killed workflow).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import filelock
+import psutil
+
+from .. import config as cfg
+from ..atomic import atomic_write_json
+from ..dump import prepare_dump_dir
+from ..errors import PipelineError
+from ..fingerprint import hash_json, model_config_hash
+from .leases import (
+    STARTED_CHILDREN,
+    Lease,
+    ProcessRef,
+    RequestGate,
+    ServerPaths,
+    append_history,
+    hostname,
+    live_leases,
+    now_iso,
+    pinned_instance,
+    read_history,
+    read_json,
+    reap_started_children,
+    remove_dead_leases,
+)
+from .ports import describe_port_holders, port_is_free, wait_port_free
+from .supervise import owner_file
+
+RUN_TOKEN_ENV = "EAGLEPIPE_RUN_TOKEN"
+SERVER_LOG_DIR = cfg.LOG_DIR / "server"
+SUPERVISOR_MODULE = "eaglepipe.server.supervise"
+STOP_GRACE_S = 20.0
+PORT_RELEASE_TIMEOUT_S = 15.0
+PROBE_TIMEOUT_S = 5.0
+PROGRESS_EVERY_S = 5.0
+LOG_TAIL_LINES = 20
+
+# Health probes go straight to the server, never through an http_proxy from the environment.
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def new_run_token() -> str:
+    """A token naming one workflow run; the Snakefile exports it as EAGLEPIPE_RUN_TOKEN."""
+    return f"run-{time.strftime('%Y%m%dT%H%M%S')}-{secrets.token_hex(4)}"
+
+
+def current_run_token() -> str:
+    """The run's token, or one naming this process when it runs outside a workflow."""
+    token = os.environ.get(RUN_TOKEN_ENV)
+    if token:
+        return token
+    me = ProcessRef.current()
+    return f"process-{hostname()}-{me.pid}-{int(me.create_time)}"
+
+
+# ---------------------------------------------------------------- what to launch
+
+
+def launch_settings(config: dict) -> dict:
+    """Everything that decides what the server computes; its hash is the fingerprint."""
+    server = config["server"]
+    model = cfg.model_dir(config).resolve()
+    settings = {
+        "engine": server["engine"],
+        "model_dir": str(model),
+        "model_config_hash": model_config_hash(model),
+        "aux_layer_ids": cfg.aux_layer_ids(config),
+        "dtype": server["dtype"],
+        "device": server["device"],
+        "max_batch_tokens": server["max_batch_tokens"],
+        "trust_remote_code": config["model"]["trust_remote_code"],
+        "request_prefix": config["extract"]["request_prefix"],
+        "host": server["host"],
+        "port": server["port"],
+    }
+    if server["engine"] == "sglang":
+        settings["sglang"] = server["sglang"]
+    return settings
+
+
+def server_fingerprint(config: dict) -> str:
+    return hash_json(launch_settings(config))
+
+
+def engine_command(
+    config: dict, *, host: str, port: int, dump_dir: Path, instance_id: str
+) -> tuple[list[str], dict[str, str]]:
+    """The engine's argv and extra environment (the supervisor runs it)."""
+    engine = config["server"]["engine"]
+    if engine == "sglang":
+        try:
+            sglang = importlib.import_module("eaglepipe.server.sglang")
+        except ModuleNotFoundError as exc:
+            if exc.name != "eaglepipe.server.sglang":
+                raise
+            raise PipelineError(
+                "server.engine sglang: the sglang engine is unavailable in this installation "
+                "(eaglepipe/server/sglang.py is missing)"
+            ) from None
+        return sglang.launch_command(
+            config, host=host, port=port, dump_dir=dump_dir, instance_id=instance_id
+        )
+    server = config["server"]
+    argv = [
+        sys.executable,
+        "-u",
+        "-m",
+        "eaglepipe.server.reference",
+        "--model",
+        str(cfg.model_dir(config).resolve()),
+        "--aux-layer-ids",
+        ",".join(str(i) for i in cfg.aux_layer_ids(config)),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--dump-dir",
+        str(dump_dir),
+        "--request-prefix",
+        config["extract"]["request_prefix"],
+        "--device",
+        server["device"],
+        "--dtype",
+        server["dtype"],
+        "--max-batch-tokens",
+        str(server["max_batch_tokens"]),
+        "--instance-id",
+        instance_id,
+    ]
+    if config["model"]["trust_remote_code"]:
+        argv.append("--trust-remote-code")
+    return argv, {}
+
+
+# ---------------------------------------------------------------- small helpers
+
+
+def http_get_json(url: str, timeout_s: float) -> dict:
+    with _DIRECT.open(url, timeout=timeout_s) as response:
+        body = response.read()
+    return json.loads(body) if body.strip() else {}
+
+
+def probe_health(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
+    """None if GET /health answers 200 in time, else why not."""
+    try:
+        with _DIRECT.open(f"{url}/health", timeout=timeout_s) as response:
+            response.read()
+            return None if response.status == 200 else f"HTTP {response.status}"
+    except urllib.error.HTTPError as exc:
+        return f"HTTP {exc.code}"
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        return f"{type(reason).__name__}: {reason}" if str(reason) else type(reason).__name__
+
+
+def log_tail(path: str | os.PathLike, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            text = f.read().decode(errors="replace")
+    except FileNotFoundError:
+        return "(no log written)"
+    return "\n".join(text.splitlines()[-lines:]) or "(log is empty)"
+
+
+def supervisor_process(state: dict) -> psutil.Process | None:
+    """The state's supervisor if it is alive and really ours (pid, start time and command line)."""
+    proc = ProcessRef(state["pid"], state["create_time"]).process()
+    if proc is None:
+        return None
+    try:
+        return proc if SUPERVISOR_MODULE in " ".join(proc.cmdline()) else None
+    except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+        return None
+
+
+def group_members(pgid: int, started_after: float) -> list[psutil.Process]:
+    """Live processes of our server's group (created after its supervisor, so never a reuse)."""
+    members = []
+    for proc in psutil.process_iter():
+        try:
+            if os.getpgid(proc.pid) != pgid or proc.create_time() < started_after - 1:
+                continue
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                members.append(proc)
+        except (ProcessLookupError, psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+    return members
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        return
+
+
+def _wait_group_gone(pgid: int, started_after: float, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while group_members(pgid, started_after):
+        reap_started_children()
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+def _describe(state: dict) -> str:
+    return f"{state['engine']} server (supervisor PID {state['pid']}, port {state['port']})"
+
+
+# ---------------------------------------------------------------- the handle
+
+
+@dataclass
+class ServerHandle:
+    """A running server as a client sees it, plus the helpers that keep a client from hanging."""
+
+    url: str
+    dump_dir: Path
+    info: dict
+    state: dict
+    gate: RequestGate | None = None
+    _watchdog: Watchdog | None = field(default=None, repr=False)
+
+    @property
+    def pid(self) -> int:
+        return self.state["pid"]
+
+    @property
+    def log_path(self) -> Path:
+        return Path(self.state["log"])
+
+    def _dead_error(self) -> PipelineError:
+        return PipelineError(
+            f"{_describe(self.state)} exited while in use; log: {self.log_path}; last lines:\n"
+            f"{log_tail(self.log_path)}"
+        )
+
+    def _unresponsive_error(self, seconds: float, why: str) -> PipelineError:
+        return PipelineError(
+            f"{_describe(self.state)} stopped answering {self.url}/health for {seconds:.0f}s "
+            f"({why}); log: {self.log_path}"
+        )
+
+    def raise_if_dead(self, probe_timeout_s: float = PROBE_TIMEOUT_S) -> None:
+        """Raise PipelineError at once if the server process is gone or /health does not answer."""
+        if supervisor_process(self.state) is None:
+            raise self._dead_error()
+        why = probe_health(self.url, probe_timeout_s)
+        if why is not None:
+            if supervisor_process(self.state) is None:
+                raise self._dead_error()
+            raise self._unresponsive_error(probe_timeout_s, why)
+
+    def start_watchdog(self, *, unresponsive_after_s: float = 20.0) -> None:
+        if self._watchdog is None:
+            self._watchdog = Watchdog(self, unresponsive_after_s)
+            self._watchdog.start()
+
+    def stop_watchdog(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog = None
+
+    @property
+    def failure(self) -> PipelineError | None:
+        """Set by the watchdog (within about a second of a death) and never cleared."""
+        return self._watchdog.failure if self._watchdog is not None else None
+
+    def check(self) -> None:
+        """Cheap: raise the watchdog's error if the server died or stopped answering."""
+        if self.failure is not None:
+            raise self.failure
+
+    async def guard(self, awaitable, *, poll_s: float = 0.25):
+        """Await `awaitable`, but fail with the watchdog's error as soon as the server dies."""
+        self.start_watchdog()
+        task = asyncio.ensure_future(awaitable)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=poll_s)
+                if done:
+                    return task.result()
+                self.check()
+        finally:
+            if not task.done():
+                task.cancel()
+
+    def exclusive_waiting(self) -> bool:
+        """True while a spot check waits for exclusive use: stop sending, drain, then yield."""
+        return self.gate is not None and self.gate.exclusive_waiting()
+
+    def yield_to_exclusive(self) -> bool:
+        """With no request in flight: let a waiting spot check run, return when it is done."""
+        return self.gate is not None and self.gate.yield_to_exclusive()
+
+
+def server_alive(handle: ServerHandle) -> bool:
+    """True while the handle's server process lives; raises the detailed error once it is gone.
+
+    The extraction client calls this every second from its watchdog; raising (rather than
+    returning False) lets its failure name the supervisor PID and the log with its last lines.
+    """
+    if supervisor_process(handle.state) is None:
+        raise handle._dead_error()
+    return True
+
+
+class Watchdog(threading.Thread):
+    """Checks the supervisor every second and /health continuously; records the first failure."""
+
+    def __init__(self, handle: ServerHandle, unresponsive_after_s: float):
+        super().__init__(name="eaglepipe-server-watchdog", daemon=True)
+        self.handle = handle
+        self.unresponsive_after_s = unresponsive_after_s
+        self.failure: PipelineError | None = None
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        last_answer = time.monotonic()
+        probe_timeout = min(PROBE_TIMEOUT_S, self.unresponsive_after_s / 2)
+        while not self._stop_event.is_set():
+            if supervisor_process(self.handle.state) is None:
+                self.failure = self.handle._dead_error()
+                return
+            why = probe_health(self.handle.url, probe_timeout)
+            if why is None:
+                last_answer = time.monotonic()
+            elif time.monotonic() - last_answer > self.unresponsive_after_s:
+                if supervisor_process(self.handle.state) is None:
+                    self.failure = self.handle._dead_error()
+                else:
+                    silent = time.monotonic() - last_answer
+                    self.failure = self.handle._unresponsive_error(silent, why)
+                return
+            self._stop_event.wait(1.0)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join()
+
+
+# ---------------------------------------------------------------- lock, start, stop
+
+
+@contextmanager
+def _locked(paths: ServerPaths, wait_s: float | None = None) -> Iterator[None]:
+    """The node-local decision lock; progress lines while another job starts the server."""
+    paths.make()
+    lock = filelock.FileLock(paths.lock)
+    started = time.monotonic()
+    while True:
+        try:
+            lock.acquire(timeout=10)
+            break
+        except filelock.Timeout:
+            waited = time.monotonic() - started
+            if wait_s is not None and waited > wait_s:
+                raise PipelineError(
+                    f"gave up after {waited:.0f}s waiting for the server lock {paths.lock}"
+                ) from None
+            print(
+                f"waiting for the server lock {paths.lock} "
+                f"(another job is starting or stopping the server): {waited:.0f}s",
+                file=sys.stderr,
+                flush=True,
+            )
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _lock_wait_s(config: dict) -> float:
+    return config["server"]["health_timeout_s"] + 2 * STOP_GRACE_S + 60
+
+
+def _remove_stale_dumps(dump_root: Path) -> None:
+    """Remove dump dirs of this host's instances whose supervisor is gone (a dead run's dumps)."""
+    for owner in dump_root.glob("*.owner.json"):
+        content = read_json(owner)
+        if not content or content.get("host") != hostname():
+            continue
+        if ProcessRef(content["pid"], content["create_time"]).alive():
+            continue
+        instance_dir = dump_root / owner.name.removesuffix(".owner.json")
+        shutil.rmtree(instance_dir, ignore_errors=True)
+        owner.unlink(missing_ok=True)
+
+
+def _stop_group(state: dict, paths: ServerPaths, reason: str) -> None:
+    """Stop the server's whole process group, wait for its port, and remove its traces."""
+    pgid, since = state["pgid"], state["create_time"]
+    if group_members(pgid, since):
+        print(f"stopping {_describe(state)}: {reason}", file=sys.stderr, flush=True)
+        _signal_group(pgid, signal.SIGTERM)
+        if not _wait_group_gone(pgid, since, STOP_GRACE_S):
+            _signal_group(pgid, signal.SIGKILL)
+            _wait_group_gone(pgid, since, STOP_GRACE_S)
+    reap_started_children()
+    port_free = wait_port_free(state["host"], state["port"], PORT_RELEASE_TIMEOUT_S)
+    shutil.rmtree(state["dump_dir"], ignore_errors=True)
+    owner_file(Path(state["dump_dir"])).unlink(missing_ok=True)
+    current = read_json(paths.state)
+    if current and current.get("instance_id") == state["instance_id"]:
+        paths.state.unlink(missing_ok=True)
+    if pinned_instance(paths) == state["instance_id"]:
+        paths.pinned.unlink(missing_ok=True)
+    append_history(
+        paths,
+        "stop",
+        pid=state["pid"],
+        instance_id=state["instance_id"],
+        reason=reason,
+        port_free=port_free,
+    )
+
+
+def _server_info_if_healthy(state: dict) -> dict | None:
+    """/server_info of the state's server if it answers as that very instance."""
+    if probe_health(state["url"]) is not None:
+        return None
+    try:
+        info = http_get_json(f"{state['url']}/server_info", PROBE_TIMEOUT_S)
+    except (urllib.error.URLError, OSError, json.JSONDecodeError):
+        return None
+    if info.get("instance_id", state["instance_id"]) != state["instance_id"]:
+        return None
+    return info
+
+
+def _adopt(state: dict, paths: ServerPaths, run_token: str, ttl_s: float) -> None:
+    """A run that reuses a server whose starting run is over becomes the run that stops it."""
+    owner = state.get("owner_run")
+    if state.get("pinned") or owner == run_token:
+        return
+    if any(other.get("run_token") == owner for other in live_leases(paths, ttl_s)):
+        return
+    state["owner_run"] = run_token
+    atomic_write_json(paths.state, state)
+
+
+def _ensure_server(
+    config: dict, paths: ServerPaths, run_token: str, lease: Lease
+) -> tuple[dict, dict]:
+    """Under the lock: reuse, replace or start the server. Returns (state, server_info)."""
+    server = config["server"]
+    ttl_s = server["lease_ttl_s"]
+    fingerprint = server_fingerprint(config)
+    remove_dead_leases(paths, ttl_s)
+    state = read_json(paths.state)
+    if state is not None:
+        if supervisor_process(state) is None:
+            _stop_group(state, paths, "stale state: its supervisor is gone")
+        elif state["fingerprint"] == fingerprint:
+            info = _server_info_if_healthy(state)
+            if info is not None:
+                _adopt(state, paths, run_token, ttl_s)
+                append_history(paths, "reuse", pid=state["pid"], run_token=run_token)
+                return state, info
+            _stop_group(state, paths, "it does not answer its health check")
+        else:
+            others = live_leases(paths, ttl_s, exclude=lease.path)
+            if others:
+                holders = ", ".join(f"PID {other['pid']}" for other in others)
+                raise PipelineError(
+                    f"{_describe(state)} runs with other settings (fingerprint "
+                    f"{state['fingerprint'][:12]}, this config needs {fingerprint[:12]}) and is "
+                    f"in use by {holders}: wait for them, or stop it with `eaglepipe server stop`"
+                )
+            _stop_group(state, paths, "the configuration changed (different fingerprint)")
+    return _start(config, paths, run_token, fingerprint)
+
+
+def _new_instance_id() -> str:
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+
+
+def _start(config: dict, paths: ServerPaths, run_token: str, fingerprint: str) -> tuple[dict, dict]:
+    server = config["server"]
+    host, port = server["host"], server["port"]
+    dump_root = cfg.dump_root(config).resolve()
+    dump_root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    _remove_stale_dumps(dump_root)
+    if not port_is_free(host, port):
+        raise PipelineError(
+            f"cannot start the server: {describe_port_holders(host, port)}, which this pipeline "
+            "did not start and leaves running: stop it, or set server.port to a free port"
+        )
+    instance_id = _new_instance_id()
+    dump_dir = prepare_dump_dir(dump_root / instance_id)
+    engine_argv, engine_env = engine_command(
+        config, host=host, port=port, dump_dir=dump_dir, instance_id=instance_id
+    )
+    log_path = (SERVER_LOG_DIR / f"{hostname()}-{instance_id}.log").resolve()
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    argv = [
+        sys.executable,
+        "-u",
+        "-m",
+        SUPERVISOR_MODULE,
+        "--state-dir",
+        str(paths.root.resolve()),
+        "--idle-timeout",
+        str(server["idle_timeout_s"]),
+        "--lease-ttl",
+        str(server["lease_ttl_s"]),
+        "--dump-dir",
+        str(dump_dir),
+        "--instance-id",
+        instance_id,
+        "--",
+        *engine_argv,
+    ]
+    env = {**os.environ, **engine_env, "PYTHONUNBUFFERED": "1"}
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+    STARTED_CHILDREN[proc.pid] = proc
+    supervisor = ProcessRef.of(proc.pid)
+    atomic_write_json(
+        owner_file(dump_dir),
+        {"host": hostname(), "pid": proc.pid, "create_time": supervisor.create_time},
+    )
+    state = {
+        "pid": proc.pid,
+        "pgid": proc.pid,
+        "create_time": supervisor.create_time,
+        "host": host,
+        "port": port,
+        "url": f"http://{host}:{port}",
+        "engine": server["engine"],
+        "fingerprint": fingerprint,
+        "settings": launch_settings(config),
+        "instance_id": instance_id,
+        "dump_dir": str(dump_dir),
+        "log": str(log_path),
+        "node": hostname(),
+        "started_by": run_token,
+        "owner_run": run_token,
+        "pinned": False,
+        "lease_ttl_s": server["lease_ttl_s"],
+        "idle_timeout_s": server["idle_timeout_s"],
+        "started_at": now_iso(),
+        "argv": argv,
+    }
+    atomic_write_json(paths.state, state)
+    append_history(paths, "start", pid=proc.pid, instance_id=instance_id, run_token=run_token)
+    print(
+        f"started {server['engine']} server: supervisor pid {proc.pid}, port {port}, "
+        f"log {log_path}",
+        file=sys.stderr,
+        flush=True,
+    )
+    info = _wait_healthy(proc, state, paths, server["health_timeout_s"])
+    engine_children = psutil.Process(proc.pid).children()
+    state["engine_pid"] = engine_children[0].pid if engine_children else None
+    state["ready_at"] = now_iso()
+    atomic_write_json(paths.state, state)
+    append_history(paths, "ready", pid=proc.pid, instance_id=instance_id)
+    return state, info
+
+
+def _wait_healthy(
+    proc: subprocess.Popen, state: dict, paths: ServerPaths, timeout_s: float
+) -> dict:
+    started = time.monotonic()
+    last_print = 0.0
+    while True:
+        code = proc.poll()
+        if code is not None:
+            _fail_start(state, paths, f"exited with code {code} before becoming healthy")
+        info = _server_info_if_healthy(state)
+        if info is not None:
+            print(
+                f"server pid {proc.pid} on port {state['port']} is healthy after "
+                f"{time.monotonic() - started:.0f}s",
+                file=sys.stderr,
+                flush=True,
+            )
+            return info
+        elapsed = time.monotonic() - started
+        if elapsed > timeout_s:
+            _fail_start(
+                state, paths, f"was not healthy within {timeout_s:g}s (server.health_timeout_s)"
+            )
+        if elapsed - last_print >= PROGRESS_EVERY_S:
+            print(
+                f"waiting for server pid {proc.pid} on port {state['port']}: "
+                f"{elapsed:.0f}s / {timeout_s:g}s, log: {state['log']}",
+                file=sys.stderr,
+                flush=True,
+            )
+            last_print = elapsed
+        time.sleep(0.5)
+
+
+def _fail_start(state: dict, paths: ServerPaths, what: str) -> None:
+    _stop_group(state, paths, f"start failed: {what}")
+    raise PipelineError(
+        f"{_describe(state)} {what}; last lines of {state['log']}:\n{log_tail(state['log'])}"
+    )
+
+
+# ---------------------------------------------------------------- public API
+
+
+class _TermSignal:
+    received = False
+
+
+@contextmanager
+def _sigterm_raises() -> Iterator[_TermSignal]:
+    """Turn SIGTERM into SystemExit inside the lease, so the lease cleans up like on Ctrl-C.
+
+    Only where nobody else handles SIGTERM, and only in the main thread (Python's rule).
+    """
+    flag = _TermSignal()
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    ):
+        yield flag
+        return
+
+    def on_term(signum, frame):
+        flag.received = True
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield flag
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+@contextmanager
+def server_lease(
+    config: dict,
+    *,
+    run_token: str | None = None,
+    exclusive: bool = False,
+    paths: ServerPaths | None = None,
+) -> Iterator[ServerHandle]:
+    """Hold the node's server for the block, starting it if no fitting one runs.
+
+    exclusive=True (validation spot checks) waits until no other job has requests in flight
+    and keeps them out until the block ends. Shared users keep the gate for the whole block;
+    those that call `handle.yield_to_exclusive()` between requests let a spot check in sooner.
+    """
+    token = run_token or current_run_token()
+    paths = paths or ServerPaths.for_this_host()
+    ttl_s = config["server"]["lease_ttl_s"]
+    lease = Lease(paths, ttl_s=ttl_s, run_token=token, kind="exclusive" if exclusive else "shared")
+    gate = RequestGate(paths)
+    handle: ServerHandle | None = None
+    interrupted = False
+    with _sigterm_raises() as term:
+        lease.acquire()
+        try:
+            with _locked(paths, _lock_wait_s(config)):
+                state, info = _ensure_server(config, paths, token, lease)
+            handle = ServerHandle(
+                url=state["url"],
+                dump_dir=Path(state["dump_dir"]),
+                info=info,
+                state=state,
+                gate=gate,
+            )
+            if exclusive:
+                gate.acquire_exclusive()
+            else:
+                gate.enter_shared()
+            handle.start_watchdog(unresponsive_after_s=max(ttl_s, 10.0))
+            yield handle
+        except KeyboardInterrupt:
+            interrupted = True
+            raise
+        except SystemExit:
+            interrupted = term.received
+            raise
+        finally:
+            if handle is not None:
+                handle.stop_watchdog()
+            gate.release_exclusive()
+            lease.release()
+            if interrupted:
+                _stop_after_interrupt(paths, token, ttl_s)
+
+
+def _stop_after_interrupt(paths: ServerPaths, run_token: str, ttl_s: float) -> None:
+    """An interrupted job stops the server its run started, unless other jobs still use it."""
+    with _locked(paths):
+        state = read_json(paths.state)
+        if not state or state.get("pinned") or state.get("owner_run") != run_token:
+            return
+        if live_leases(paths, ttl_s):
+            return
+        _stop_group(state, paths, "the job using it was interrupted and no other job uses it")
+
+
+def stop_if_started_by(run_token: str, *, paths: ServerPaths | None = None) -> bool:
+    """Stop this node's server if `run_token`'s run started (or adopted) it. For onsuccess/onerror.
+
+    A server started by hand (`eaglepipe server start`) is left running. Returns True if stopped.
+    """
+    paths = paths or ServerPaths.for_this_host()
+    if not paths.state.exists():
+        return False
+    with _locked(paths):
+        state = read_json(paths.state)
+        if not state:
+            return False
+        if supervisor_process(state) is None:
+            _stop_group(state, paths, "stale state: its supervisor is gone")
+            return False
+        if state.get("pinned") or state.get("owner_run") != run_token:
+            return False
+        _stop_group(state, paths, f"the run {run_token} that started it ended")
+        return True
+
+
+def stop_server(*, paths: ServerPaths | None = None) -> dict | None:
+    """Stop this node's server, whoever started it (it is ours: the state file names it)."""
+    paths = paths or ServerPaths.for_this_host()
+    with _locked(paths):
+        state = read_json(paths.state)
+        if not state:
+            return None
+        _stop_group(state, paths, "stopped by hand (eaglepipe server stop)")
+        return state
+
+
+def start_server(config: dict, *, paths: ServerPaths | None = None) -> ServerHandle:
+    """Start (or reuse) the server and pin it: it stays up until `stop_server`, never idles out."""
+    paths = paths or ServerPaths.for_this_host()
+    lease = Lease(paths, ttl_s=config["server"]["lease_ttl_s"], run_token=None, kind="manual")
+    lease.acquire()
+    try:
+        with _locked(paths, _lock_wait_s(config)):
+            state, info = _ensure_server(config, paths, current_run_token(), lease)
+            paths.pinned.write_text(state["instance_id"] + "\n")
+            state["pinned"] = True
+            atomic_write_json(paths.state, state)
+    finally:
+        lease.release()
+    return ServerHandle(url=state["url"], dump_dir=Path(state["dump_dir"]), info=info, state=state)
+
+
+def server_status(*, paths: ServerPaths | None = None) -> dict:
+    """What `eaglepipe server status` shows: the state, liveness, health, leases and starts."""
+    paths = paths or ServerPaths.for_this_host()
+    state = read_json(paths.state)
+    history = read_history(paths)
+    status = {
+        "state_dir": str(paths.root),
+        "state": state,
+        "running": False,
+        "healthy": False,
+        "starts": sum(1 for event in history if event["event"] == "start"),
+    }
+    if state is None:
+        return status
+    status["running"] = supervisor_process(state) is not None
+    if status["running"]:
+        status["health"] = probe_health(state["url"]) or "ok"
+        status["healthy"] = status["health"] == "ok"
+        status["uptime_s"] = time.time() - state["create_time"]
+    status["leases"] = live_leases(paths, state["lease_ttl_s"])
+    return status
