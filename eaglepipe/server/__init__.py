@@ -1,0 +1,1 @@
+"""The hidden-state server side: the reference server, its capture hooks and fault switch."""

@@ -1,0 +1,124 @@
+"""Capture a Hugging Face causal LM's aux layers and final hidden state with forward hooks.
+
+Only the hooked modules' outputs are kept (not `output_hidden_states=True` for every layer):
+decoder layer k's output is aux id k (eaglepipe.layers), and the final norm's output is the
+post-norm final hidden state. Each hook gathers the real (unpadded) tokens on the device right
+away, so padded activations are never held and what leaves the device is exactly the packed
+[T_total, H] per layer that the dump writer takes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from ..errors import PipelineError
+
+_LAYER_LIST_NAMES = ("layers", "h", "blocks")
+_FINAL_NORM_NAMES = ("norm", "final_layernorm", "ln_f", "norm_f", "final_norm")
+
+
+def text_config(model: nn.Module):
+    config = model.config
+    getter = getattr(config, "get_text_config", None)
+    return getter() if callable(getter) else config
+
+
+def _architecture(model: nn.Module) -> str:
+    names = getattr(model.config, "architectures", None) or [type(model).__name__]
+    return ", ".join(names)
+
+
+def find_decoder_stack(model: nn.Module) -> tuple[nn.ModuleList, nn.Module]:
+    """The decoder layer list and the final norm beside it (model.model.layers / .norm for
+    Llama and DeepSeek-V3; nested under language_model for multimodal wrappers)."""
+    num_layers = getattr(text_config(model), "num_hidden_layers", None)
+    for name, module in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if not isinstance(module, nn.ModuleList) or leaf not in _LAYER_LIST_NAMES:
+            continue
+        if num_layers is not None and len(module) != num_layers:
+            continue
+        parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        for norm_name in _FINAL_NORM_NAMES:
+            norm = getattr(parent, norm_name, None)
+            if isinstance(norm, nn.Module):
+                return module, norm
+    raise PipelineError(
+        f"cannot find the decoder layers and final norm of {_architecture(model)}: expected a "
+        f"ModuleList named one of {_LAYER_LIST_NAMES} with {num_layers} layers beside a norm "
+        f"named one of {_FINAL_NORM_NAMES} (e.g. model.model.layers and model.model.norm)"
+    )
+
+
+def packed_token_index(lengths: Sequence[int], padded_len: int, *, device) -> torch.Tensor:
+    """Flat indices of the real tokens of a right-padded [B, padded_len] batch, in order."""
+    pieces = [
+        torch.arange(row * padded_len, row * padded_len + length, dtype=torch.long)
+        for row, length in enumerate(lengths)
+    ]
+    index = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.long)
+    return index.to(device, non_blocking=True)
+
+
+class HiddenStateCapture:
+    """Forward hooks on decoder layers `layer_ids` and on the final norm.
+
+    Use `with capture.capturing(token_index): model(...)`, then `aux(ids)` ([T, len(ids)*H])
+    and `final` ([T, H]); `token_index` selects the real tokens of the flattened [B*S] batch
+    (None keeps every position).
+    """
+
+    def __init__(self, model: nn.Module, layer_ids: Sequence[int]):
+        layers, norm = find_decoder_stack(model)
+        self.num_layers = len(layers)
+        self.layer_ids = sorted(set(int(i) for i in layer_ids))
+        for layer_id in self.layer_ids:
+            if not 0 <= layer_id < self.num_layers:
+                raise PipelineError(
+                    f"cannot capture layer {layer_id} of a {self.num_layers}-layer model"
+                )
+        self.layers: dict[int, torch.Tensor] = {}
+        self.final: torch.Tensor | None = None
+        self._token_index: torch.Tensor | None = None
+        self._handles = [
+            layers[i].register_forward_hook(self._layer_hook(i)) for i in self.layer_ids
+        ]
+        self._handles.append(norm.register_forward_hook(self._final_hook))
+
+    def _gather(self, output) -> torch.Tensor:
+        hidden = output[0] if isinstance(output, tuple) else output
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        return flat if self._token_index is None else flat.index_select(0, self._token_index)
+
+    def _layer_hook(self, layer_id: int):
+        def hook(_module, _args, output):
+            self.layers[layer_id] = self._gather(output)
+
+        return hook
+
+    def _final_hook(self, _module, _args, output):
+        self.final = self._gather(output)
+
+    @contextmanager
+    def capturing(self, token_index: torch.Tensor | None) -> Iterator[HiddenStateCapture]:
+        self.layers, self.final = {}, None
+        self._token_index = token_index
+        try:
+            yield self
+        finally:
+            self._token_index = None
+
+    def aux(self, ids: Sequence[int]) -> torch.Tensor:
+        missing = [i for i in ids if i not in self.layers]
+        if missing or self.final is None:
+            raise PipelineError(f"forward pass did not reach captured layer(s) {missing or 'norm'}")
+        return torch.cat([self.layers[i] for i in ids], dim=-1)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()

@@ -1,0 +1,574 @@
+"""The reference hidden-state server: any local Hugging Face causal LM behind SGLang's HTTP API.
+
+It speaks the subset of SGLang's API the client uses (`/health`, `/health_generate`,
+`/generate` with `max_new_tokens = 0`, `/model_info`, `/server_info`) and writes each prefixed
+request's hidden states through the same `DumpWriter` as the SGLang hook. Concurrent requests
+are batched by a padded-token budget: the oldest waiting request plus those closest to it in
+length, right-padded with an attention mask (causal attention keeps padding out of every real
+token's result). One worker thread runs the forward passes; the writer thread writes the files.
+
+    python -u -m eaglepipe.server.reference --model DIR --aux-layer-ids 1,3,4 --host H \
+        --port P --dump-dir DIR --request-prefix eaglepipe --device auto --dtype auto \
+        --max-batch-tokens N --instance-id ID [--trust-remote-code]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import errno
+import inspect
+import os
+import signal
+import sys
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from aiohttp import web
+
+from .. import __version__
+from ..dump import (
+    DEFAULT_MAX_PINNED_BYTES,
+    DumpWriter,
+    is_pipeline_rid,
+    parse_rid,
+    prepare_dump_dir,
+)
+from ..errors import PipelineError
+from ..fingerprint import hash_json, model_config_hash
+from ..layers import CONVENTION, FINAL_CONVENTION, validate_aux_layer_ids
+from .capture import HiddenStateCapture, packed_token_index, text_config
+from .faults import DIE_EXIT_CODE, Faults, faults_from_env
+
+ENGINE = "reference"
+PROGRESS_INTERVAL_S = 5.0
+# After a lone request arrives, wait this long for companions so concurrent clients share a
+# forward pass; negligible next to a real prefill.
+DEFAULT_BATCH_WINDOW_MS = 10.0
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def log(message: str) -> None:
+    print(f"[reference] {message}", flush=True)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise PipelineError(f"--device {name!r} is not a torch device (auto, cpu, cuda)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise PipelineError(f"--device {name}: CUDA is not available on this machine")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in _DTYPES:
+        raise PipelineError(f"--dtype {name!r}: choose auto, {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def engine_version() -> str:
+    import transformers
+
+    return f"{__version__}+transformers-{transformers.__version__}"
+
+
+class ReferenceEngine:
+    """The model, its capture hooks and one batched forward pass (called from one thread)."""
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        aux_layer_ids: list[int],
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        trust_remote_code: bool = False,
+    ):
+        from transformers import AutoModelForCausalLM
+
+        self.model_dir = Path(model_dir)
+        if not (self.model_dir / "config.json").is_file():
+            raise PipelineError(f"--model {model_dir}: no config.json (a local HF model dir)")
+        self.device, self.dtype = device, dtype
+        load_kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code}
+        if device.type == "cuda":
+            load_kwargs["device_map"] = str(device)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), **load_kwargs)
+        except (OSError, ValueError) as exc:
+            raise PipelineError(f"cannot load model {model_dir}: {exc}") from None
+        self.model = model.to(device).eval()
+        config = text_config(self.model)
+        self.num_layers = int(config.num_hidden_layers)
+        self.hidden_size = int(config.hidden_size)
+        self.vocab_size = int(config.vocab_size)
+        self.max_positions = getattr(config, "max_position_embeddings", None)
+        validate_aux_layer_ids(aux_layer_ids, self.num_layers)
+        self.aux_layer_ids = list(aux_layer_ids)
+        # The shift fault reads id + 1; hooking it always costs nothing measurable.
+        self.shifted_layer_ids = [min(i + 1, self.num_layers - 1) for i in self.aux_layer_ids]
+        self.capture = HiddenStateCapture(self.model, self.aux_layer_ids + self.shifted_layer_ids)
+        forward_params = inspect.signature(self.model.forward).parameters
+        # Only the last position's logits: the lm_head over every token is wasted work.
+        self._extra = {"logits_to_keep": 1} if "logits_to_keep" in forward_params else {}
+
+    def forward(
+        self, sequences: list[list[int]], *, shift_layers: bool = False, drop_last: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """One padded forward over `sequences`; returns packed aux [T, 3H], final [T, H] and
+        the per-request token counts (real tokens only, still on the model's device)."""
+        lengths = [len(s) for s in sequences]
+        padded_len = max(lengths)
+        input_ids = torch.zeros((len(sequences), padded_len), dtype=torch.long)
+        attention_mask = torch.zeros_like(input_ids)
+        for row, seq in enumerate(sequences):
+            input_ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+            attention_mask[row, : len(seq)] = 1
+        kept = [n - 1 if drop_last and n > 1 else n for n in lengths]
+        index = packed_token_index(kept, padded_len, device=self.device)
+        with torch.inference_mode(), self.capture.capturing(index):
+            self.model(
+                input_ids=input_ids.to(self.device),
+                attention_mask=attention_mask.to(self.device),
+                use_cache=False,
+                **self._extra,
+            )
+            aux = self.capture.aux(self.shifted_layer_ids if shift_layers else self.aux_layer_ids)
+            final = self.capture.final
+        return aux, final, kept
+
+
+@dataclass
+class _Request:
+    rid: str
+    input_ids: list[int]
+    future: asyncio.Future
+    generate_ordinal: int | None = None  # 1-based count of /generate requests; None for health
+    batch_size: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Stats:
+    requests: int = 0
+    dumped: int = 0
+    failed: int = 0
+    tokens: int = 0
+    batches: int = 0
+    last_tokens: int = 0
+    last_time: float = field(default_factory=time.monotonic)
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "code": status}}, status=status)
+
+
+class ReferenceServer:
+    def __init__(
+        self,
+        engine: ReferenceEngine,
+        writer: DumpWriter,
+        *,
+        prefix: str,
+        max_batch_tokens: int,
+        info: dict,
+        faults: Faults,
+        batch_window_s: float = DEFAULT_BATCH_WINDOW_MS / 1000,
+    ):
+        self.engine = engine
+        self.writer = writer
+        self.prefix = prefix
+        self.max_batch_tokens = max_batch_tokens
+        self.info = info
+        self.faults = faults
+        self.batch_window_s = batch_window_s
+        self.stats = _Stats()
+        self._queue: asyncio.Queue[_Request] = asyncio.Queue()
+        self._waiting = 0
+        self._in_flight: set[str] = set()
+        self._generate_count = 0
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
+        self._tasks: list[asyncio.Task] = []
+
+    def make_app(self) -> web.Application:
+        app = web.Application(client_max_size=256 << 20)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/health_generate", self.health_generate)
+        app.router.add_post("/generate", self.generate)
+        app.router.add_get("/model_info", self.model_info)
+        app.router.add_get("/get_model_info", self.model_info)
+        app.router.add_get("/server_info", self.server_info)
+        app.router.add_get("/get_server_info", self.server_info)
+        app.on_startup.append(self._on_startup)
+        app.on_cleanup.append(self._on_cleanup)
+        return app
+
+    async def _on_startup(self, _app) -> None:
+        self._tasks = [
+            asyncio.create_task(self._batch_loop()),
+            asyncio.create_task(self._progress_loop()),
+        ]
+
+    async def _on_cleanup(self, _app) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # -- HTTP handlers
+
+    async def health(self, _request: web.Request) -> web.Response:
+        return web.Response(text="OK")
+
+    async def health_generate(self, _request: web.Request) -> web.Response:
+        item = self._enqueue(f"health-{uuid.uuid4().hex}", [0])
+        try:
+            await item.future
+        except Exception as exc:
+            return _error(503, f"health forward failed: {exc}")
+        finally:
+            self._in_flight.discard(item.rid)
+        return web.Response(text="OK")
+
+    async def model_info(self, _request: web.Request) -> web.Response:
+        path = str(self.engine.model_dir)
+        return web.json_response(
+            {"model_path": path, "tokenizer_path": path, "is_generation": True}
+        )
+
+    async def server_info(self, _request: web.Request) -> web.Response:
+        return web.json_response(self.info)
+
+    async def generate(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+        except ValueError:
+            return _error(400, "request body is not valid JSON")
+        self._generate_count += 1
+        ordinal = self._generate_count
+        if self.faults.dies_at(ordinal):
+            log(f"fault die_after:{self.faults.die_after}: exiting on generate request {ordinal}")
+            os._exit(DIE_EXIT_CODE)
+        problem = self._check_body(body)
+        if problem:
+            return _error(400, problem)
+        rid = body.get("rid") or uuid.uuid4().hex
+        if rid in self._in_flight:
+            return _error(400, f"rid {rid} is already in flight")
+        item = self._enqueue(rid, body["input_ids"], ordinal)
+        try:
+            await item.future
+        except PipelineError as exc:
+            return _error(500, str(exc))
+        except Exception as exc:
+            return _error(500, f"request {rid} failed: {type(exc).__name__}: {exc}")
+        finally:
+            self._in_flight.discard(rid)
+        tokens = len(item.input_ids)
+        return web.json_response(
+            {
+                "text": "",
+                "output_ids": [],
+                "meta_info": {
+                    "id": rid,
+                    "prompt_tokens": tokens,
+                    "completion_tokens": 0,
+                    "cached_tokens": 0,
+                    "finish_reason": {"type": "length", "length": 0},
+                    "e2e_latency": time.monotonic() - item.started,
+                    "batch_size": item.batch_size,
+                },
+            }
+        )
+
+    def _check_body(self, body) -> str | None:
+        """The first problem with a /generate body, naming the field, or None."""
+        if not isinstance(body, dict):
+            return "request body must be a JSON object"
+        ids = body.get("input_ids")
+        if ids is None:
+            if "text" in body:
+                return "input_ids is required: this server does not tokenize text"
+            return "input_ids is required"
+        if not isinstance(ids, list) or not ids:
+            return "input_ids must be a non-empty list of token ids"
+        if any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
+            return "input_ids must be a flat list of integers (batched requests are not supported)"
+        bad = next((t for t in ids if not 0 <= t < self.engine.vocab_size), None)
+        if bad is not None:
+            top = self.engine.vocab_size - 1
+            return f"input_ids holds token id {bad} outside the vocabulary (0..{top})"
+        limit = self.engine.max_positions
+        if limit and len(ids) > limit:
+            return f"input_ids has {len(ids)} tokens, more than max_position_embeddings {limit}"
+        params = body.get("sampling_params") or {}
+        if not isinstance(params, dict):
+            return "sampling_params must be an object"
+        if params.get("max_new_tokens", 128) != 0:
+            return (
+                f"sampling_params.max_new_tokens is {params.get('max_new_tokens', 'unset')}; "
+                "it must be 0 (prefill only)"
+            )
+        rid = body.get("rid")
+        if rid is not None and not isinstance(rid, str):
+            return "rid must be a string (batched requests are not supported)"
+        if rid is not None and is_pipeline_rid(rid, self.prefix):
+            try:
+                parse_rid(rid)
+            except PipelineError as exc:
+                return f"rid: {exc}"
+        return None
+
+    def _enqueue(self, rid: str, input_ids: list[int], ordinal: int | None = None) -> _Request:
+        item = _Request(rid, input_ids, asyncio.get_running_loop().create_future(), ordinal)
+        self._in_flight.add(rid)
+        self._queue.put_nowait(item)
+        return item
+
+    # -- batching
+
+    def _select_batch(self, pending: list[_Request]) -> tuple[list[_Request], list[_Request]]:
+        """The oldest request plus the waiting ones closest to it in length, within the budget
+        of padded tokens; the rest wait for the next pass."""
+        oldest, others = pending[0], pending[1:]
+        others.sort(key=lambda r: (abs(len(r.input_ids) - len(oldest.input_ids)), r.started))
+        batch, longest = [oldest], len(oldest.input_ids)
+        rest = []
+        for item in others:
+            padded = max(longest, len(item.input_ids)) * (len(batch) + 1)
+            if padded <= self.max_batch_tokens:
+                batch.append(item)
+                longest = max(longest, len(item.input_ids))
+            else:
+                rest.append(item)
+        rest.sort(key=lambda r: r.started)
+        return batch, rest
+
+    async def _batch_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        pending: list[_Request] = []
+        while True:
+            if not pending:
+                pending.append(await self._queue.get())
+                if self.batch_window_s > 0:
+                    await asyncio.sleep(self.batch_window_s)
+            while not self._queue.empty():
+                pending.append(self._queue.get_nowait())
+            # Requests whose client went away are dropped before they cost a forward pass.
+            pending = [r for r in pending if not r.future.done()]
+            self._waiting = len(pending)
+            if not pending:
+                continue
+            batch, pending = self._select_batch(pending)
+            if any(r.generate_ordinal and self.faults.hangs_at(r.generate_ordinal) for r in batch):
+                log(f"fault hang_after:{self.faults.hang_after}: worker stalls")
+                await asyncio.Event().wait()
+            for item in batch:
+                item.batch_size = len(batch)
+            try:
+                await loop.run_in_executor(self._executor, self._run_batch, batch, loop)
+            except Exception as exc:
+                self.stats.failed += len(batch)
+                error = PipelineError(
+                    f"forward of batch [{', '.join(r.rid for r in batch)}] failed: "
+                    f"{type(exc).__name__}: {exc}"
+                )
+                for item in batch:
+                    if not item.future.done():
+                        item.future.set_exception(error)
+            self.stats.batches += 1
+
+    def _run_batch(self, batch: list[_Request], loop: asyncio.AbstractEventLoop) -> None:
+        """Forward thread: one forward, then hand the tensors to the writer (may block on
+        backpressure, which stalls only this thread)."""
+        aux, final, counts = self.engine.forward(
+            [r.input_ids for r in batch],
+            shift_layers=self.faults.shift_layer_batched and len(batch) > 1,
+            drop_last=self.faults.wrong_token_count,
+        )
+        by_rid = {r.rid: r for r in batch}
+
+        def on_done(rid: str, error: BaseException | None) -> None:
+            loop.call_soon_threadsafe(self._resolve, by_rid[rid], error)
+
+        self.writer.submit([r.rid for r in batch], counts, aux, final, on_done)
+
+    def _resolve(self, item: _Request, error: BaseException | None) -> None:
+        if error is not None:
+            self.stats.failed += 1
+        else:
+            self.stats.requests += 1
+            self.stats.tokens += len(item.input_ids)
+            self.stats.dumped += is_pipeline_rid(item.rid, self.prefix)
+        if item.future.done():
+            return
+        if error is not None:
+            item.future.set_exception(error)
+        else:
+            item.future.set_result(None)
+
+    async def _progress_loop(self) -> None:
+        while True:
+            await asyncio.sleep(PROGRESS_INTERVAL_S)
+            stats, now = self.stats, time.monotonic()
+            if stats.tokens == stats.last_tokens:
+                continue
+            rate = (stats.tokens - stats.last_tokens) / (now - stats.last_time)
+            stats.last_tokens, stats.last_time = stats.tokens, now
+            log(
+                f"{stats.requests} requests done ({stats.dumped} dumped, {stats.failed} failed), "
+                f"{stats.tokens} tokens, {rate:.0f} tokens/s, {stats.batches} batches, "
+                f"{self._queue.qsize() + self._waiting} waiting"
+            )
+
+
+def server_info(args, engine: ReferenceEngine, dump_dir: Path) -> dict:
+    dtype = str(engine.dtype).removeprefix("torch.")
+    config_hash = model_config_hash(engine.model_dir)
+    return {
+        "engine": ENGINE,
+        "engine_version": engine_version(),
+        "model_path": str(engine.model_dir),
+        "aux_layer_ids": engine.aux_layer_ids,
+        "layer_convention": CONVENTION,
+        "final_convention": FINAL_CONVENTION,
+        "hidden_size": engine.hidden_size,
+        "num_layers": engine.num_layers,
+        "dtype": dtype,
+        "dump_dir": str(dump_dir),
+        "request_prefix": args.request_prefix,
+        "instance_id": args.instance_id,
+        "fingerprint": hash_json(
+            {
+                "model_config_hash": config_hash,
+                "aux_layer_ids": engine.aux_layer_ids,
+                "engine": ENGINE,
+                "dtype": dtype,
+            }
+        ),
+        "device": str(engine.device),
+        "max_batch_tokens": args.max_batch_tokens,
+    }
+
+
+def parse_layer_ids(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not comma-separated integers") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m eaglepipe.server.reference", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--model", required=True, help="local Hugging Face model directory")
+    parser.add_argument("--aux-layer-ids", required=True, type=parse_layer_ids, help="e.g. 1,3,4")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--dump-dir", required=True, help="this instance's handoff directory")
+    parser.add_argument("--request-prefix", default="eaglepipe")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default="auto", choices=["auto", *_DTYPES])
+    parser.add_argument("--max-batch-tokens", type=int, default=8192)
+    parser.add_argument("--instance-id", default="")
+    parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument(
+        "--batch-window-ms",
+        type=float,
+        default=DEFAULT_BATCH_WINDOW_MS,
+        help="how long a lone request waits for companions before its forward pass",
+    )
+    parser.add_argument(
+        "--max-pinned-bytes",
+        type=int,
+        default=DEFAULT_MAX_PINNED_BYTES,
+        help="bound on host memory holding batches not yet written (backpressure beyond it)",
+    )
+    return parser
+
+
+async def serve(args) -> None:
+    if args.max_batch_tokens < 1:
+        raise PipelineError(f"--max-batch-tokens {args.max_batch_tokens} must be at least 1")
+    faults = faults_from_env()
+    dump_dir = prepare_dump_dir(args.dump_dir)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    started = time.monotonic()
+    log(f"loading {args.model} on {device} as {dtype} ...")
+    engine = await asyncio.to_thread(
+        ReferenceEngine,
+        args.model,
+        args.aux_layer_ids,
+        device=device,
+        dtype=dtype,
+        trust_remote_code=args.trust_remote_code,
+    )
+    log(
+        f"loaded in {time.monotonic() - started:.1f}s: {engine.num_layers} layers, hidden "
+        f"{engine.hidden_size}, aux layers {engine.aux_layer_ids}, dumps to {dump_dir}"
+    )
+    if faults.active:
+        log(f"FAULT INJECTION ACTIVE: {faults.describe()}")
+    writer = DumpWriter(
+        dump_dir,
+        args.request_prefix,
+        aux_layer_ids=engine.aux_layer_ids,
+        max_pinned_bytes=args.max_pinned_bytes,
+    )
+    server = ReferenceServer(
+        engine,
+        writer,
+        prefix=args.request_prefix,
+        max_batch_tokens=args.max_batch_tokens,
+        info=server_info(args, engine, dump_dir),
+        faults=faults,
+        batch_window_s=args.batch_window_ms / 1000,
+    )
+    runner = web.AppRunner(server.make_app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port)
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        writer.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise PipelineError(f"port {args.port} on {args.host} is already in use") from None
+        raise PipelineError(f"cannot listen on {args.host}:{args.port}: {exc}") from None
+    log(f"listening on http://{args.host}:{args.port} (instance {args.instance_id or '-'})")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log("stopping")
+    await runner.cleanup()
+    writer.close()
+    log(f"stopped after {server.stats.requests} requests ({server.stats.dumped} dumped)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        asyncio.run(serve(args))
+    except PipelineError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
