@@ -1,0 +1,1126 @@
+"""The validation gate: prove a shard sound before any training may read it.
+
+`validate_shard` runs six checks over one extracted shard and writes
+`validated/rows_{start}-{end}.json` only when all of them pass:
+
+- provenance: the manifest's model, tokenizer, dataset hashes, layer ids and conventions equal
+  the current configuration's;
+- integrity: every listed chunk exists, has its listed size and re-hashes to its listed
+  xxh3-128; no unlisted chunk file is present;
+- schema: tensor names, dtypes and shapes agree with the offsets, the manifest's row ids,
+  hidden size and layer count;
+- coverage: the row ids are exactly the planned range minus the rows prepare skipped, without
+  duplicates, in order; input ids and loss masks equal the prepared table's;
+- values: everything finite, no sample whose hidden states are all zero or constant, per-layer
+  mean norms within `validate.norm_drift_factor` of the first validated shard of the same
+  provenance;
+- spot_check: a few seeded random rows re-extracted one at a time through the server (held
+  exclusively, so nothing else is batched with them) and, where the target fits in memory,
+  recomputed by an independent fp32 transformers forward on CPU; compared per token by
+  relative L2 error and cosine similarity. Stored tensors come from *batched* requests, so a
+  batching or layer-offset bug shows up here.
+
+The chunk-reading checks run chunk by chunk (hash, then schema, tokens and values while the
+chunk is still in the page cache), so a shard larger than memory is read from disk once.
+A failure raises `ValidationFailure` (a `PipelineError`) naming the shard, check, chunk and row.
+
+`verify_all` re-runs only integrity and schema over every shard, for data copied between
+machines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+import psutil
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from . import config as cfg
+from . import shard_store
+from .atomic import atomic_write_json
+from .errors import PipelineError
+from .fingerprint import hash_file, model_config_hash, tokenizer_files, tokenizer_fingerprint
+from .layers import CONVENTION, FINAL_CONVENTION, hf_hidden_state_index
+from .shard_plan import parse_shard_name
+
+CHECKS = ("integrity", "schema", "coverage", "values", "provenance", "spot_check")
+LAYER_NAMES = ("aux_0", "aux_1", "aux_2", "final")
+CHUNK_GLOB = "chunk-*.safetensors"
+CHUNK_TENSORS = {
+    "row_ids": "I64",
+    "offsets": "I64",
+    "input_ids": "I32",
+    "loss_mask": "U8",
+    "aux_hidden_states": "BF16",
+    "final_hidden_states": "BF16",
+}
+HIDDEN_DTYPES = {"bfloat16": "BF16"}
+PROVENANCE_FIELDS = (
+    "model_config_hash",
+    "tokenizer_fingerprint",
+    "dataset_hash",
+    "aux_layer_ids",
+    "layer_convention",
+    "final_convention",
+)
+# Hidden-state values are scanned in token blocks of about this many bytes, bounding memory.
+_VALUE_BLOCK_BYTES = 64 << 20
+
+
+class ValidationFailure(PipelineError):
+    """A failed check: the message names the shard, the check, and where known chunk and row."""
+
+    def __init__(
+        self,
+        shard: str,
+        check: str,
+        detail: str,
+        chunk: str | None = None,
+        row: int | None = None,
+    ):
+        where = f"shard {shard}"
+        if chunk is not None:
+            where += f", chunk {chunk}"
+        if row is not None:
+            where += f", row {row}"
+        super().__init__(f"validation check {check} failed ({where}): {detail}")
+        self.shard = shard
+        self.check = check
+        self.chunk = chunk
+        self.row = row
+        self.detail = detail
+
+
+# --- manifest -----------------------------------------------------------------------------
+
+
+def read_manifest(shard_dir: Path, shard: str) -> dict:
+    """The shard's manifest (shape checked by the shard store); a bad one fails `schema`."""
+    try:
+        manifest = shard_store.read_manifest(shard_dir / shard_store.MANIFEST_NAME)
+    except PipelineError as exc:
+        raise ValidationFailure(shard, "schema", str(exc)) from None
+    if manifest["shard"] != shard:
+        raise ValidationFailure(
+            shard, "schema", f"{shard_dir}/manifest.json describes shard {manifest['shard']!r}"
+        )
+    return manifest
+
+
+def _row_span(entry: dict) -> str:
+    rows = entry["row_ids"]
+    return f"rows {rows[0]}..{rows[-1]}" if rows else "no rows"
+
+
+# --- integrity ----------------------------------------------------------------------------
+
+
+def check_chunk_file(shard_dir: Path, shard: str, entry: dict) -> Path:
+    """The listed chunk exists with its listed byte size."""
+    path = shard_dir / entry["file"]
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise ValidationFailure(
+            shard,
+            "integrity",
+            f"{path} is listed in the manifest ({_row_span(entry)}) but missing",
+            chunk=entry["file"],
+            row=entry["row_ids"][0] if entry["row_ids"] else None,
+        ) from None
+    if size != entry["bytes"]:
+        raise ValidationFailure(
+            shard,
+            "integrity",
+            f"{path} has {size} bytes, the manifest lists {entry['bytes']} ({_row_span(entry)})",
+            chunk=entry["file"],
+            row=entry["row_ids"][0] if entry["row_ids"] else None,
+        )
+    return path
+
+
+def check_chunk_checksum(shard_dir: Path, shard: str, entry: dict) -> None:
+    """The chunk re-hashes (xxh3-128, streamed) to the manifest's checksum."""
+    path = shard_dir / entry["file"]
+    digest = hash_file(path)
+    if digest != entry["xxh3_128"]:
+        raise ValidationFailure(
+            shard,
+            "integrity",
+            f"{path} re-hashes to xxh3-128 {digest}, the manifest lists {entry['xxh3_128']} "
+            f"(corrupt chunk holding {_row_span(entry)})",
+            chunk=entry["file"],
+            row=entry["row_ids"][0] if entry["row_ids"] else None,
+        )
+
+
+def check_no_stray_chunks(shard_dir: Path, shard: str, manifest: dict) -> None:
+    """No chunk file on disk that the manifest does not list (a leftover or a copy mistake)."""
+    listed = {entry["file"] for entry in manifest["chunks"]}
+    stray = sorted(p.name for p in shard_dir.glob(CHUNK_GLOB) if p.name not in listed)
+    if stray:
+        raise ValidationFailure(
+            shard,
+            "integrity",
+            f"{shard_dir / stray[0]} is not listed in the manifest "
+            f"({len(stray)} unlisted chunk file(s): {', '.join(stray[:5])})",
+            chunk=stray[0],
+        )
+
+
+# --- schema -------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def open_chunk(shard_dir: Path, shard: str, entry: dict):
+    """The chunk opened memory-mapped; a file safetensors cannot parse fails `schema`."""
+    try:
+        reader = safe_open(shard_dir / entry["file"], framework="pt")
+    except Exception as exc:  # safetensors raises its own error types for corrupt headers
+        raise ValidationFailure(
+            shard,
+            "schema",
+            f"{shard_dir / entry['file']} is not a readable safetensors file: {exc}",
+            chunk=entry["file"],
+            row=entry["row_ids"][0] if entry["row_ids"] else None,
+        ) from None
+    with reader:
+        yield reader
+
+
+@dataclass
+class ChunkLayout:
+    """What the schema check established about one chunk."""
+
+    file: str
+    row_ids: np.ndarray
+    offsets: np.ndarray
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.offsets[-1])
+
+    def row_of_token(self, token: int) -> int:
+        return int(self.row_ids[np.searchsorted(self.offsets, token, side="right") - 1])
+
+
+def check_manifest_schema(shard: str, manifest: dict) -> None:
+    """Totals and layer count in the manifest agree with its chunk list."""
+
+    def fail(detail: str) -> None:
+        raise ValidationFailure(shard, "schema", f"manifest.json: {detail}")
+
+    chunks = manifest["chunks"]
+    names = [entry["file"] for entry in chunks]
+    expected_names = [f"chunk-{i:05d}.safetensors" for i in range(len(chunks))]
+    if names != expected_names:
+        fail(f"chunk files {names[:5]} are not numbered chunk-00000.safetensors onwards")
+    if manifest["num_aux_layers"] != len(manifest["aux_layer_ids"]):
+        fail(
+            f"num_aux_layers {manifest['num_aux_layers']} != "
+            f"{len(manifest['aux_layer_ids'])} aux_layer_ids"
+        )
+    if manifest["num_aux_layers"] != len(LAYER_NAMES) - 1:
+        fail(f"num_aux_layers is {manifest['num_aux_layers']}, EAGLE-3 uses 3")
+    if manifest["dtype"] not in HIDDEN_DTYPES:
+        fail(f"dtype {manifest['dtype']!r} is not one of {sorted(HIDDEN_DTYPES)}")
+    totals = {
+        "num_rows": sum(len(entry["row_ids"]) for entry in chunks),
+        "num_tokens": sum(entry["num_tokens"] for entry in chunks),
+        "num_bytes": sum(entry["bytes"] for entry in chunks),
+    }
+    for key, total in totals.items():
+        if manifest[key] != total:
+            fail(f"{key} is {manifest[key]}, its chunks add up to {total}")
+
+
+def check_chunk_schema(reader, shard: str, entry: dict, manifest: dict) -> ChunkLayout:
+    """Tensor names, dtypes and shapes of an open chunk agree with its offsets and manifest."""
+    chunk = entry["file"]
+    first_row = entry["row_ids"][0] if entry["row_ids"] else None
+
+    def fail(detail: str, row: int | None = first_row) -> None:
+        raise ValidationFailure(shard, "schema", detail, chunk=chunk, row=row)
+
+    names = set(reader.keys())
+    if names != set(CHUNK_TENSORS):
+        fail(
+            f"tensors {sorted(names)}; expected {sorted(CHUNK_TENSORS)} "
+            f"(missing {sorted(set(CHUNK_TENSORS) - names)}, "
+            f"extra {sorted(names - set(CHUNK_TENSORS))})"
+        )
+    expected_dtypes = dict(CHUNK_TENSORS)
+    hidden_dtype = HIDDEN_DTYPES[manifest["dtype"]]
+    expected_dtypes["aux_hidden_states"] = expected_dtypes["final_hidden_states"] = hidden_dtype
+    shapes = {}
+    for name, dtype in expected_dtypes.items():
+        tensor_slice = reader.get_slice(name)
+        if tensor_slice.get_dtype() != dtype:
+            fail(f"tensor {name} has dtype {tensor_slice.get_dtype()}, expected {dtype}")
+        shapes[name] = list(tensor_slice.get_shape())
+
+    num_rows = len(entry["row_ids"])
+    hidden = manifest["hidden_size"]
+    aux_width = manifest["num_aux_layers"] * hidden
+    if shapes["row_ids"] != [num_rows]:
+        fail(f"row_ids has shape {shapes['row_ids']}, the manifest lists {num_rows} rows")
+    if shapes["offsets"] != [num_rows + 1]:
+        fail(f"offsets has shape {shapes['offsets']}, expected [{num_rows + 1}]")
+    row_ids = reader.get_tensor("row_ids").numpy()
+    if row_ids.tolist() != list(entry["row_ids"]):
+        position = next(
+            (
+                i
+                for i, (a, b) in enumerate(zip(row_ids.tolist(), entry["row_ids"], strict=True))
+                if a != b
+            ),
+            0,
+        )
+        fail(
+            f"row_ids tensor holds row {int(row_ids[position])} at position {position}, "
+            f"the manifest lists row {entry['row_ids'][position]}",
+            row=int(entry["row_ids"][position]),
+        )
+    offsets = reader.get_tensor("offsets").numpy()
+    if offsets[0] != 0:
+        fail(f"offsets start at {int(offsets[0])}, not 0")
+    lengths = np.diff(offsets)
+    if (lengths <= 0).any():
+        position = int(np.argmax(lengths <= 0))
+        fail(
+            f"offsets give row {int(row_ids[position])} {int(lengths[position])} tokens",
+            row=int(row_ids[position]),
+        )
+    tokens = int(offsets[-1])
+    if tokens != entry["num_tokens"]:
+        fail(f"offsets end at {tokens} tokens, the manifest lists {entry['num_tokens']}")
+    expected_shapes = {
+        "input_ids": [tokens],
+        "loss_mask": [tokens],
+        "aux_hidden_states": [tokens, aux_width],
+        "final_hidden_states": [tokens, hidden],
+    }
+    for name, shape in expected_shapes.items():
+        if shapes[name] != shape:
+            fail(
+                f"tensor {name} has shape {shapes[name]}, expected {shape} "
+                f"({tokens} tokens, hidden size {hidden}, {manifest['num_aux_layers']} aux layers)"
+            )
+    return ChunkLayout(chunk, row_ids, offsets)
+
+
+# --- coverage -----------------------------------------------------------------------------
+
+
+@dataclass
+class PreparedRows:
+    """The prepared table's rows of one shard, and what prepare skipped in its range."""
+
+    token_ids: dict[int, np.ndarray]
+    loss_masks: dict[int, np.ndarray]
+    skipped: dict[int, str]
+
+
+def load_prepared_rows(table_path: Path, skipped_path: Path, start: int, end: int) -> PreparedRows:
+    """Rows `start <= row_id < end` of the prepared table, plus prepare's skip record."""
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(
+            table_path,
+            columns=["row_id", "input_ids", "loss_mask"],
+            filters=[("row_id", ">=", start), ("row_id", "<", end)],
+        )
+    except FileNotFoundError:
+        raise PipelineError(f"prepared table {table_path} does not exist: run prepare") from None
+    row_ids = table.column("row_id").to_numpy()
+    token_ids, loss_masks = {}, {}
+    for name, into, dtype in (
+        ("input_ids", token_ids, np.int32),
+        ("loss_mask", loss_masks, np.uint8),
+    ):
+        column = table.column(name).combine_chunks()
+        flat = column.flatten().to_numpy(zero_copy_only=False).astype(dtype, copy=False)
+        bounds = column.offsets.to_numpy()
+        for i, row in enumerate(row_ids.tolist()):
+            into[row] = flat[bounds[i] : bounds[i + 1]]
+    skipped = {}
+    if skipped_path.exists():
+        record = json.loads(skipped_path.read_text())
+        for item in record.get("rows", []):
+            if start <= item["row_id"] < end:
+                skipped[int(item["row_id"])] = str(item.get("reason", "skipped"))
+    return PreparedRows(token_ids, loss_masks, skipped)
+
+
+def check_coverage_rows(shard: str, manifest: dict, prepared: PreparedRows) -> dict:
+    """Row ids: the planned range minus prepare's skipped and absent rows, once each, in order."""
+    start, end = manifest["row_start"], manifest["row_end"]
+    seen: dict[int, str] = {}
+    previous = None
+    for entry in manifest["chunks"]:
+        for row in entry["row_ids"]:
+            if row in seen:
+                raise ValidationFailure(
+                    shard,
+                    "coverage",
+                    f"row {row} appears twice ({seen[row]} and {entry['file']})",
+                    chunk=entry["file"],
+                    row=row,
+                )
+            seen[row] = entry["file"]
+            if not start <= row < end:
+                raise ValidationFailure(
+                    shard,
+                    "coverage",
+                    f"row {row} lies outside the planned range [{start}, {end})",
+                    chunk=entry["file"],
+                    row=row,
+                )
+            if row in prepared.skipped:
+                raise ValidationFailure(
+                    shard,
+                    "coverage",
+                    f"row {row} was skipped by prepare ({prepared.skipped[row]}) but is stored",
+                    chunk=entry["file"],
+                    row=row,
+                )
+            if row not in prepared.token_ids:
+                raise ValidationFailure(
+                    shard,
+                    "coverage",
+                    f"row {row} is stored but absent from the prepared table",
+                    chunk=entry["file"],
+                    row=row,
+                )
+            if previous is not None and row < previous:
+                raise ValidationFailure(
+                    shard,
+                    "coverage",
+                    f"rows out of row-id order: row {row} after row {previous}",
+                    chunk=entry["file"],
+                    row=row,
+                )
+            previous = row
+    expected = sorted(set(prepared.token_ids) - set(prepared.skipped))
+    missing = [row for row in expected if row not in seen]
+    if missing:
+        raise ValidationFailure(
+            shard,
+            "coverage",
+            f"row {missing[0]} of the prepared table is not stored "
+            f"({len(missing)} missing row(s): {missing[:10]})",
+            row=missing[0],
+        )
+    planned = end - start
+    return {
+        "ok": True,
+        "planned_range": [start, end],
+        "rows": len(seen),
+        "skipped_rows": len(prepared.skipped),
+        "absent_rows": planned - len(seen) - len(prepared.skipped),
+    }
+
+
+def check_chunk_tokens(reader, shard: str, layout: ChunkLayout, prepared: PreparedRows) -> None:
+    """The chunk's input ids and loss masks equal the prepared table's, row by row."""
+    for name, table in (("input_ids", prepared.token_ids), ("loss_mask", prepared.loss_masks)):
+        stored = reader.get_tensor(name).numpy()
+        expected_parts = [table[int(row)] for row in layout.row_ids]
+        lengths = np.array([len(part) for part in expected_parts])
+        stored_lengths = np.diff(layout.offsets)
+        if not np.array_equal(lengths, stored_lengths):
+            i = int(np.argmax(lengths != stored_lengths))
+            raise ValidationFailure(
+                shard,
+                "coverage",
+                f"row {int(layout.row_ids[i])} has {int(stored_lengths[i])} tokens stored, "
+                f"the prepared table has {int(lengths[i])}",
+                chunk=layout.file,
+                row=int(layout.row_ids[i]),
+            )
+        expected = np.concatenate(expected_parts) if expected_parts else stored[:0]
+        differ = stored != expected
+        if differ.any():
+            token = int(np.argmax(differ))
+            row = layout.row_of_token(token)
+            position = token - int(layout.offsets[list(layout.row_ids).index(row)])
+            raise ValidationFailure(
+                shard,
+                "coverage",
+                f"{name} of row {row} differs from the prepared table at token {position} "
+                f"(stored {int(stored[token])}, prepared {int(expected[token])})",
+                chunk=layout.file,
+                row=row,
+            )
+
+
+# --- values -------------------------------------------------------------------------------
+
+
+@dataclass
+class ValueStats:
+    """Per-layer token-norm sums, accumulated chunk by chunk."""
+
+    hidden_size: int
+    num_aux_layers: int
+    norm_sums: np.ndarray = field(default_factory=lambda: np.zeros(len(LAYER_NAMES)))
+    norm_sq_sums: np.ndarray = field(default_factory=lambda: np.zeros(len(LAYER_NAMES)))
+    norm_max: np.ndarray = field(default_factory=lambda: np.zeros(len(LAYER_NAMES)))
+    tokens: int = 0
+
+    def layer_means(self) -> dict[str, float]:
+        return {
+            name: float(self.norm_sums[i] / max(self.tokens, 1))
+            for i, name in enumerate(LAYER_NAMES)
+        }
+
+
+def _layer_label(index: int, aux_layer_ids: list[int]) -> str:
+    if index < len(aux_layer_ids):
+        return f"aux_{index} (decoder layer {aux_layer_ids[index]} output)"
+    return "final (post-norm)"
+
+
+def _token_reductions(reader, layout: ChunkLayout, stats: ValueStats):
+    """Per token and layer: min, max and L2 norm, read in bounded token blocks."""
+    hidden, aux_layers = stats.hidden_size, stats.num_aux_layers
+    tokens = layout.num_tokens
+    layers = aux_layers + 1
+    block = max(1, _VALUE_BLOCK_BYTES // (layers * hidden * 2))
+    token_min = np.empty((tokens, layers), np.float32)
+    token_max = np.empty((tokens, layers), np.float32)
+    token_norm = np.empty((tokens, layers), np.float32)
+    aux_slice = reader.get_slice("aux_hidden_states")
+    final_slice = reader.get_slice("final_hidden_states")
+    for a in range(0, tokens, block):
+        b = min(tokens, a + block)
+        aux = aux_slice[a:b].view(b - a, aux_layers, hidden)
+        final = final_slice[a:b].view(b - a, 1, hidden)
+        for values, cols in ((aux, slice(0, aux_layers)), (final, slice(aux_layers, layers))):
+            token_min[a:b, cols] = values.amin(-1).float().numpy()
+            token_max[a:b, cols] = values.amax(-1).float().numpy()
+            token_norm[a:b, cols] = torch.linalg.vector_norm(
+                values, dim=-1, dtype=torch.float32
+            ).numpy()
+    return token_min, token_max, token_norm
+
+
+def check_chunk_values(
+    reader, shard: str, layout: ChunkLayout, stats: ValueStats, aux_layer_ids: list[int]
+) -> None:
+    """All finite; no row's slice of any layer all zero or constant; accumulate norms."""
+    token_min, token_max, token_norm = _token_reductions(reader, layout, stats)
+    # min/max propagate NaN and carry +-inf, so they reveal any non-finite element.
+    bad = ~(np.isfinite(token_min) & np.isfinite(token_max))
+    if bad.any():
+        token, layer = np.argwhere(bad)[0]
+        row = layout.row_of_token(int(token))
+        raise ValidationFailure(
+            shard,
+            "values",
+            f"non-finite hidden state in {_layer_label(int(layer), aux_layer_ids)} "
+            f"at token {int(token) - int(layout.offsets[list(layout.row_ids).index(row)])}",
+            chunk=layout.file,
+            row=row,
+        )
+    starts = layout.offsets[:-1]
+    row_min = np.minimum.reduceat(token_min, starts, axis=0)
+    row_max = np.maximum.reduceat(token_max, starts, axis=0)
+    constant = row_min == row_max
+    if constant.any():
+        index, layer = np.argwhere(constant)[0]
+        value = float(row_min[index, layer])
+        what = "all zero" if value == 0 else f"constant ({value:g})"
+        raise ValidationFailure(
+            shard,
+            "values",
+            f"hidden states of {_layer_label(int(layer), aux_layer_ids)} are {what} "
+            f"over the row's {int(np.diff(layout.offsets)[index])} tokens",
+            chunk=layout.file,
+            row=int(layout.row_ids[index]),
+        )
+    stats.norm_sums += token_norm.sum(axis=0, dtype=np.float64)
+    stats.norm_sq_sums += np.square(token_norm, dtype=np.float64).sum(axis=0)
+    stats.norm_max = np.maximum(stats.norm_max, token_norm.max(axis=0))
+    stats.tokens += layout.num_tokens
+
+
+def find_norm_reference(validated_dir: Path, shard: str, provenance: dict) -> dict | None:
+    """The earliest existing report (by validation time) of another shard of equal provenance."""
+    candidates = []
+    for path in sorted(Path(validated_dir).glob("rows_*.json")):
+        if path.stem == shard:
+            continue
+        try:
+            report = json.loads(path.read_text())
+        except (json.JSONDecodeError, OSError):
+            continue
+        if report.get("provenance") == provenance and "layer_norms" in report:
+            candidates.append((report.get("validated_at", ""), path.stem, report))
+    return min(candidates, key=lambda c: (c[0], c[1]))[2] if candidates else None
+
+
+def check_norm_drift(
+    shard: str,
+    stats: ValueStats,
+    reference: dict | None,
+    factor: float,
+    aux_layer_ids: list[int],
+) -> dict:
+    """Each layer's mean norm within `factor` of the reference shard's (either direction)."""
+    means = stats.layer_means()
+    result = {
+        "ok": True,
+        "tokens": stats.tokens,
+        "norm_std": {
+            name: float(
+                np.sqrt(max(stats.norm_sq_sums[i] / max(stats.tokens, 1) - means[name] ** 2, 0.0))
+            )
+            for i, name in enumerate(LAYER_NAMES)
+        },
+        "norm_max": {name: float(stats.norm_max[i]) for i, name in enumerate(LAYER_NAMES)},
+        "norm_drift_factor": factor,
+    }
+    if reference is None:
+        result["norm_ratio_to_reference"] = {name: 1.0 for name in LAYER_NAMES}
+        return result
+    ratios = {}
+    for index, name in enumerate(LAYER_NAMES):
+        ref = float(reference["layer_norms"][name])
+        ratio = means[name] / ref if ref > 0 else float("inf")
+        ratios[name] = ratio
+        if not 1.0 / factor <= ratio <= factor:
+            raise ValidationFailure(
+                shard,
+                "values",
+                f"mean L2 norm of {_layer_label(index, aux_layer_ids)} is {means[name]:.4g}, "
+                f"{ratio:.3g}x that of reference shard {reference['shard']} ({ref:.4g}); "
+                f"validate.norm_drift_factor allows {factor:g}x",
+            )
+    result["norm_ratio_to_reference"] = ratios
+    return result
+
+
+# --- provenance ---------------------------------------------------------------------------
+
+
+def expected_provenance(config: dict, summary_path: Path = cfg.PREPARED_SUMMARY) -> dict:
+    """The provenance the current configuration would give a freshly extracted shard."""
+    try:
+        summary = json.loads(Path(summary_path).read_text())
+    except FileNotFoundError:
+        raise PipelineError(
+            f"prepared summary {summary_path} does not exist: run prepare"
+        ) from None
+    summary_provenance = summary.get("provenance", summary)
+    model_dir = cfg.model_dir(config)
+    if tokenizer_files(model_dir):
+        tokenizer = tokenizer_fingerprint(model_dir)
+    else:
+        tokenizer = summary_provenance.get("tokenizer_fingerprint")
+    return {
+        "model_config_hash": model_config_hash(model_dir),
+        "tokenizer_fingerprint": tokenizer,
+        "dataset_hash": summary_provenance.get("dataset_hash"),
+        "aux_layer_ids": cfg.aux_layer_ids(config),
+        "layer_convention": CONVENTION,
+        "final_convention": FINAL_CONVENTION,
+    }
+
+
+def check_provenance(shard: str, manifest: dict, expected: dict) -> dict:
+    """Every provenance field equals the current configuration's, naming the first that differs."""
+    recorded = dict(manifest["provenance"])
+    stored_ids = manifest["aux_layer_ids"]
+    if stored_ids != recorded.get("aux_layer_ids"):
+        raise ValidationFailure(
+            shard,
+            "provenance",
+            f"manifest aux_layer_ids {stored_ids} disagree with its provenance.aux_layer_ids "
+            f"{recorded.get('aux_layer_ids')}",
+        )
+    for name in PROVENANCE_FIELDS:
+        if recorded.get(name) != expected[name]:
+            raise ValidationFailure(
+                shard,
+                "provenance",
+                f"field {name} is {recorded.get(name)!r} in the manifest but {expected[name]!r} "
+                "for the current configuration (the shard was made from another "
+                f"{'layer set' if name == 'aux_layer_ids' else 'model, tokenizer or dataset'}; "
+                "re-extract it)",
+            )
+    return {"ok": True, "fields": list(PROVENANCE_FIELDS)}
+
+
+# --- spot check ---------------------------------------------------------------------------
+
+
+@dataclass
+class StoredRow:
+    row_id: int
+    chunk: str
+    input_ids: list[int]
+    aux: torch.Tensor  # [T, 3H] float32
+    final: torch.Tensor  # [T, H] float32
+
+
+def pick_spot_rows(row_ids: list[int], count: int, seed: int, shard: str) -> list[int]:
+    """`count` rows chosen by a generator seeded with the config seed and the shard name."""
+    rng = random.Random(f"{seed}:{shard}")
+    return sorted(rng.sample(sorted(row_ids), min(count, len(row_ids))))
+
+
+def read_stored_rows(shard_dir: Path, manifest: dict, rows: list[int]) -> list[StoredRow]:
+    wanted = set(rows)
+    found = []
+    for entry in manifest["chunks"]:
+        hits = [i for i, row in enumerate(entry["row_ids"]) if row in wanted]
+        if not hits:
+            continue
+        with safe_open(shard_dir / entry["file"], framework="pt") as reader:
+            offsets = reader.get_tensor("offsets").tolist()
+            ids = reader.get_slice("input_ids")
+            aux = reader.get_slice("aux_hidden_states")
+            final = reader.get_slice("final_hidden_states")
+            for i in hits:
+                a, b = offsets[i], offsets[i + 1]
+                found.append(
+                    StoredRow(
+                        entry["row_ids"][i],
+                        entry["file"],
+                        ids[a:b].tolist(),
+                        aux[a:b].float(),
+                        final[a:b].float(),
+                    )
+                )
+    return found
+
+
+def per_token_errors(stored: torch.Tensor, fresh: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """Per-token relative L2 error of `stored` against `fresh`, and their cosine similarity."""
+    diff = torch.linalg.vector_norm(stored - fresh, dim=-1)
+    fresh_norm = torch.linalg.vector_norm(fresh, dim=-1)
+    stored_norm = torch.linalg.vector_norm(stored, dim=-1)
+    rel = diff / fresh_norm.clamp_min(1e-12)
+    cosine = (stored * fresh).sum(-1) / (stored_norm * fresh_norm).clamp_min(1e-12)
+    return rel.numpy(), cosine.numpy()
+
+
+def _split_layers(aux: torch.Tensor, final: torch.Tensor, hidden: int) -> list[torch.Tensor]:
+    return [*aux.view(aux.shape[0], -1, hidden).unbind(1), final]
+
+
+def compare_rows(
+    shard: str,
+    source: str,
+    stored_rows: list[StoredRow],
+    fresh: dict[int, tuple[torch.Tensor, torch.Tensor]],
+    hidden: int,
+    aux_layer_ids: list[int],
+    rel_l2_p99_max: float,
+    cosine_p1_min: float,
+) -> dict:
+    """Pool per-token errors per layer over the spot-check rows; fail past the percentile bounds."""
+    per_layer: dict[str, dict] = {}
+    for index, name in enumerate(LAYER_NAMES):
+        rels, coss, owners = [], [], []
+        for row in stored_rows:
+            fresh_aux, fresh_final = fresh[row.row_id]
+            stored_layer = _split_layers(row.aux, row.final, hidden)[index]
+            fresh_layer = _split_layers(fresh_aux, fresh_final, hidden)[index]
+            rel, cos = per_token_errors(stored_layer, fresh_layer)
+            rels.append(rel)
+            coss.append(cos)
+            owners.extend((row, t) for t in range(len(rel)))
+        rel_all, cos_all = np.concatenate(rels), np.concatenate(coss)
+        p99 = float(np.percentile(rel_all, 99))
+        p1 = float(np.percentile(cos_all, 1))
+        per_layer[name] = {
+            "rel_l2_p99": p99,
+            "rel_l2_max": float(rel_all.max()),
+            "cosine_p1": p1,
+            "cosine_min": float(cos_all.min()),
+        }
+        if p99 > rel_l2_p99_max or p1 < cosine_p1_min:
+            worst = int(np.argmax(rel_all))
+            row, token = owners[worst]
+            raise ValidationFailure(
+                shard,
+                "spot_check",
+                f"stored {_layer_label(index, aux_layer_ids)} disagrees with {source}: "
+                f"per-token relative L2 p99 {p99:.4g} (bound {rel_l2_p99_max:g}), cosine p1 "
+                f"{p1:.4g} (bound {cosine_p1_min:g}); worst at token {token} "
+                f"(rel L2 {rel_all[worst]:.4g}). A batching or layer-offset bug in extraction "
+                "gives exactly this",
+                chunk=row.chunk,
+                row=row.row_id,
+            )
+    return per_layer
+
+
+def new_nonce() -> str:
+    return os.urandom(6).hex()
+
+
+def _post_json(url: str, payload: dict, timeout: float) -> dict:
+    request = urllib.request.Request(
+        url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+def reextract_rows(
+    config: dict, shard: str, stored_rows: list[StoredRow], hidden: int
+) -> tuple[dict[int, tuple[torch.Tensor, torch.Tensor]], dict]:
+    """Each row sent alone through the server under an exclusive lease; its dump read back."""
+    from .dump import make_rid, read_dump
+    from .server.lifecycle import server_lease
+
+    prefix = config["extract"]["request_prefix"]
+    timeout = config["extract"]["request_timeout_s"]
+    fresh = {}
+    with server_lease(config, exclusive=True) as handle:
+        nonce = new_nonce()
+        for row in stored_rows:
+            rid = make_rid(prefix, nonce, row.row_id, 0)
+            payload = {
+                "input_ids": row.input_ids,
+                "rid": rid,
+                "sampling_params": {"max_new_tokens": 0},
+            }
+            try:
+                _post_json(f"{handle.url}/generate", payload, timeout)
+            except (urllib.error.URLError, OSError, TimeoutError) as exc:
+                raise ValidationFailure(
+                    shard,
+                    "spot_check",
+                    f"re-extraction request {rid} to {handle.url} failed: {exc}",
+                    chunk=row.chunk,
+                    row=row.row_id,
+                ) from None
+            dump_path = Path(handle.dump_dir) / f"{rid}.safetensors"
+            try:
+                aux, final, _ = read_dump(dump_path)
+            except PipelineError as exc:
+                raise ValidationFailure(
+                    shard,
+                    "spot_check",
+                    f"re-extraction {rid}: {exc}",
+                    chunk=row.chunk,
+                    row=row.row_id,
+                ) from None
+            finally:
+                dump_path.unlink(missing_ok=True)
+            aux, final = aux.float(), final.float()
+            if aux.shape != row.aux.shape or final.shape != row.final.shape:
+                raise ValidationFailure(
+                    shard,
+                    "spot_check",
+                    f"re-extraction {rid} returned aux {list(aux.shape)} / final "
+                    f"{list(final.shape)}, stored aux {list(row.aux.shape)} / final "
+                    f"{list(row.final.shape)}",
+                    chunk=row.chunk,
+                    row=row.row_id,
+                )
+            fresh[row.row_id] = (aux, final)
+        info = {"url": handle.url, "engine": handle.info.get("engine"), "nonce": nonce}
+    return fresh, info
+
+
+def model_fp32_bytes(model_dir: Path) -> int:
+    """Parameter bytes of the model loaded in fp32, estimated from its weight files."""
+    model_config = cfg.text_config(json.loads((model_dir / "config.json").read_text()))
+    stored_dtype = str(model_config.get("torch_dtype") or model_config.get("dtype") or "float32")
+    width = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}.get(stored_dtype, 2)
+    weights = sum(
+        p.stat().st_size
+        for pattern in ("*.safetensors", "*.bin", "*.pt")
+        for p in model_dir.glob(pattern)
+    )
+    return weights * 4 // width
+
+
+def independent_forward_fits(model_dir: Path) -> tuple[bool, str]:
+    """Whether an fp32 CPU forward leaves ample memory: weights at most a quarter of free RAM."""
+    need = model_fp32_bytes(model_dir)
+    available = psutil.virtual_memory().available
+    reason = f"model needs ~{need / 1e9:.2f} GB in fp32, {available / 1e9:.1f} GB available"
+    return need * 4 <= available, reason
+
+
+def independent_forward(
+    config: dict, stored_rows: list[StoredRow], aux_layer_ids: list[int]
+) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """The rows through a plain fp32 transformers forward on CPU, at the configured layers."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        cfg.model_dir(config),
+        dtype=torch.float32,
+        trust_remote_code=config["model"]["trust_remote_code"],
+    )
+    model.eval()
+    fresh = {}
+    with torch.inference_mode():
+        for row in stored_rows:
+            out = model(torch.tensor([row.input_ids]), output_hidden_states=True)
+            states = out.hidden_states
+            aux = torch.cat([states[hf_hidden_state_index(k)][0] for k in aux_layer_ids], dim=-1)
+            fresh[row.row_id] = (aux.float(), states[-1][0].float())
+    return fresh
+
+
+def check_spot(config: dict, shard: str, shard_dir: Path, manifest: dict, log) -> dict:
+    """Seeded random rows re-extracted alone through the server (and recomputed independently)."""
+    settings = config["validate"]
+    all_rows = [row for entry in manifest["chunks"] for row in entry["row_ids"]]
+    rows = pick_spot_rows(all_rows, settings["spot_check_rows"], settings["seed"], shard)
+    if not rows:
+        return {"ok": True, "rows": [], "note": "validate.spot_check_rows is 0: nothing checked"}
+    hidden, aux_ids = manifest["hidden_size"], manifest["aux_layer_ids"]
+    bounds = settings["rel_l2_p99_max"], settings["cosine_p1_min"]
+    stored_rows = read_stored_rows(shard_dir, manifest, rows)
+    log(f"spot check: re-extracting rows {rows} one at a time through the server")
+    fresh, server = reextract_rows(config, shard, stored_rows, hidden)
+    result = {
+        "ok": True,
+        "rows": rows,
+        "tokens": sum(len(r.input_ids) for r in stored_rows),
+        "server": server,
+        "reextract": compare_rows(
+            shard,
+            "re-extraction of the row alone through the server",
+            stored_rows,
+            fresh,
+            hidden,
+            aux_ids,
+            *bounds,
+        ),
+    }
+    model_dir = cfg.model_dir(config)
+    if not settings["independent_forward"]:
+        result["independent_forward"] = {"ran": False, "reason": "validate.independent_forward"}
+        return result
+    fits, reason = independent_forward_fits(model_dir)
+    if not fits:
+        result["independent_forward"] = {"ran": False, "reason": reason}
+        return result
+    log(f"spot check: independent fp32 transformers forward on CPU ({reason})")
+    independent = independent_forward(config, stored_rows, aux_ids)
+    result["independent_forward"] = {
+        "ran": True,
+        "layers": compare_rows(
+            shard,
+            "an independent fp32 transformers forward on CPU",
+            stored_rows,
+            independent,
+            hidden,
+            aux_ids,
+            *bounds,
+        ),
+    }
+    return result
+
+
+# --- the gate -----------------------------------------------------------------------------
+
+
+@dataclass
+class ShardPaths:
+    hidden_states_dir: Path = cfg.HIDDEN_STATES_DIR
+    validated_dir: Path = cfg.VALIDATED_DIR
+    prepared_table: Path = cfg.PREPARED_TABLE
+    prepared_skipped: Path = cfg.PREPARED_SKIPPED
+    prepared_summary: Path = cfg.PREPARED_SUMMARY
+
+
+def _printer(progress: bool) -> Callable[[str], None]:
+    def log(message: str) -> None:
+        if progress:
+            print(message, file=sys.stderr, flush=True)
+
+    return log
+
+
+def validate_shard(
+    config: dict, shard: str, paths: ShardPaths | None = None, progress: bool = True
+) -> dict:
+    """Run every check on `shard`; write its report atomically only if all pass, and return it."""
+    paths = paths or ShardPaths()
+    parse_shard_name(shard)
+    shard_dir = Path(paths.hidden_states_dir) / shard
+    report_path = Path(paths.validated_dir) / f"{shard}.json"
+    # A stale pass must not outlive a validation that is now running (and may fail).
+    report_path.unlink(missing_ok=True)
+    log = _printer(progress)
+    began = time.monotonic()
+
+    manifest = read_manifest(shard_dir, shard)
+    checks: dict[str, dict] = {}
+    checks["provenance"] = check_provenance(
+        shard, manifest, expected_provenance(config, paths.prepared_summary)
+    )
+    check_manifest_schema(shard, manifest)
+    prepared = load_prepared_rows(
+        paths.prepared_table, paths.prepared_skipped, manifest["row_start"], manifest["row_end"]
+    )
+    checks["coverage"] = check_coverage_rows(shard, manifest, prepared)
+    for entry in manifest["chunks"]:
+        check_chunk_file(shard_dir, shard, entry)
+    check_no_stray_chunks(shard_dir, shard, manifest)
+
+    stats = ValueStats(manifest["hidden_size"], manifest["num_aux_layers"])
+    hashed_seconds = 0.0
+    total = manifest["num_bytes"]
+    with tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        desc=f"validate {shard}",
+        disable=not progress,
+        file=sys.stderr,
+        mininterval=1.0,
+    ) as bar:
+        for entry in manifest["chunks"]:
+            t0 = time.monotonic()
+            check_chunk_checksum(shard_dir, shard, entry)
+            hashed_seconds += time.monotonic() - t0
+            with open_chunk(shard_dir, shard, entry) as reader:
+                layout = check_chunk_schema(reader, shard, entry, manifest)
+                check_chunk_tokens(reader, shard, layout, prepared)
+                check_chunk_values(reader, shard, layout, stats, manifest["aux_layer_ids"])
+            bar.update(entry["bytes"])
+    checks["integrity"] = {
+        "ok": True,
+        "chunks": len(manifest["chunks"]),
+        "bytes": total,
+        "hash_gb_per_s": total / 1e9 / max(hashed_seconds, 1e-9),
+    }
+    checks["schema"] = {
+        "ok": True,
+        "hidden_size": manifest["hidden_size"],
+        "num_aux_layers": manifest["num_aux_layers"],
+        "num_tokens": manifest["num_tokens"],
+    }
+    provenance = manifest["provenance"]
+    reference = find_norm_reference(paths.validated_dir, shard, provenance)
+    checks["values"] = check_norm_drift(
+        shard, stats, reference, config["validate"]["norm_drift_factor"], manifest["aux_layer_ids"]
+    )
+    checks["spot_check"] = check_spot(config, shard, shard_dir, manifest, log)
+
+    seconds = time.monotonic() - began
+    report = {
+        "shard": shard,
+        "manifest_xxh3_128": hash_file(shard_dir / "manifest.json"),
+        "provenance": provenance,
+        "checks": {name: checks[name] for name in CHECKS},
+        "layer_norms": stats.layer_means(),
+        "layer_norm_reference": reference["shard"] if reference else shard,
+        "num_rows": manifest["num_rows"],
+        "num_tokens": manifest["num_tokens"],
+        "num_bytes": total,
+        "seconds": seconds,
+        "gb_per_s": total / 1e9 / max(seconds, 1e-9),
+        "validated_at": datetime.now(UTC).isoformat(timespec="microseconds"),
+    }
+    atomic_write_json(report_path, report)
+    log(
+        f"validated {shard}: {manifest['num_rows']} rows, {manifest['num_tokens']} tokens, "
+        f"{total / 1e9:.3f} GB in {seconds:.1f} s ({report['gb_per_s']:.2f} GB/s); "
+        f"all checks passed -> {report_path}"
+    )
+    return report
+
+
+# --- verify -------------------------------------------------------------------------------
+
+
+def _shard_dirs(hidden_states_dir: Path) -> list[Path]:
+    dirs = []
+    for path in Path(hidden_states_dir).glob("rows_*"):
+        if path.is_dir():
+            try:
+                dirs.append((parse_shard_name(path.name), path))
+            except PipelineError:
+                continue
+    return [path for _, path in sorted(dirs)]
+
+
+def verify_all(
+    hidden_states_dir: str | os.PathLike = cfg.HIDDEN_STATES_DIR, progress: bool = True
+) -> list[str]:
+    """Integrity and schema of every shard under `hidden_states_dir`; returns the problems found.
+
+    Keeps going past a bad chunk or shard, so one run lists every problem. A shard directory
+    without a manifest is reported as unfinished.
+    """
+    problems: list[str] = []
+    # Each shard: its manifest, or the problem that stops it from being checked further.
+    shards: list[tuple[Path, dict | None, str | None]] = []
+    for shard_dir in _shard_dirs(Path(hidden_states_dir)):
+        if not (shard_dir / "manifest.json").exists():
+            problem = f"shard {shard_dir.name}: no manifest.json (extraction not finished)"
+            shards.append((shard_dir, None, problem))
+            continue
+        try:
+            manifest = read_manifest(shard_dir, shard_dir.name)
+            check_manifest_schema(shard_dir.name, manifest)
+        except ValidationFailure as exc:
+            shards.append((shard_dir, None, str(exc)))
+            continue
+        shards.append((shard_dir, manifest, None))
+    total = sum(manifest["num_bytes"] for _, manifest, _ in shards if manifest)
+    began = time.monotonic()
+    with tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        desc="verify",
+        disable=not progress,
+        file=sys.stderr,
+        mininterval=1.0,
+    ) as bar:
+        for shard_dir, manifest, problem in shards:
+            if manifest is None:
+                problems.append(problem)
+                continue
+            shard = shard_dir.name
+            try:
+                check_no_stray_chunks(shard_dir, shard, manifest)
+            except ValidationFailure as exc:
+                problems.append(str(exc))
+            for entry in manifest["chunks"]:
+                try:
+                    check_chunk_file(shard_dir, shard, entry)
+                    check_chunk_checksum(shard_dir, shard, entry)
+                    with open_chunk(shard_dir, shard, entry) as reader:
+                        check_chunk_schema(reader, shard, entry, manifest)
+                except ValidationFailure as exc:
+                    problems.append(str(exc))
+                bar.update(entry["bytes"])
+    if progress:
+        seconds = time.monotonic() - began
+        print(
+            f"verified {len(shards)} shard(s), {total / 1e9:.3f} GB in {seconds:.1f} s "
+            f"({total / 1e9 / max(seconds, 1e-9):.2f} GB/s): {len(problems)} problem(s)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return problems

@@ -1,0 +1,36 @@
+#!/usr/bin/env python3
+"""Validate one extracted shard; write validated/<shard>.json only if every check passes."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from eaglepipe.config import VALIDATED_DIR, config_from_arg
+from eaglepipe.errors import PipelineError
+from eaglepipe.validate import ShardPaths, validate_shard
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--config", required=True, help="resolved config JSON or a YAML config")
+    parser.add_argument("--shard", required=True, help="shard name, e.g. rows_0-2000")
+    parser.add_argument(
+        "--validated-dir",
+        type=Path,
+        default=VALIDATED_DIR,
+        help=f"where the report goes (default {VALIDATED_DIR})",
+    )
+    args = parser.parse_args()
+    try:
+        config = config_from_arg(args.config)
+        validate_shard(config, args.shard, ShardPaths(validated_dir=args.validated_dir))
+    except PipelineError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
