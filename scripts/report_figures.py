@@ -1,0 +1,77 @@
+#!/usr/bin/env python3
+"""Draw one group of report figures (and its table): dataset, extraction, validation, training,
+acceptance. Called by rules/report.smk; the figures are marked for `snakemake --report`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from eaglepipe import report
+from eaglepipe.errors import PipelineError
+
+
+def _inputs(files: list[str], directory: str | None, pattern: str) -> list[Path]:
+    """Explicit files, or every match under a directory (5,000 shards overflow a command line)."""
+    paths = [Path(f) for f in files]
+    if directory:
+        paths += sorted(Path(directory).glob(pattern))
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    sub = parser.add_subparsers(dest="figure", required=True)
+
+    p = sub.add_parser("dataset", help="length histogram and skipped-row reasons")
+    p.add_argument("--table", required=True, help="prepared/tokenized.parquet")
+    p.add_argument("--summary", required=True, help="prepared/summary.json")
+    p.add_argument("--skipped", required=True, help="prepared/skipped.json")
+    p.add_argument("--out", required=True, help="PNG to write")
+
+    p = sub.add_parser("extraction", help="throughput per shard and the shards' timeline")
+    p.add_argument("manifests", nargs="*", help="hidden_states/<shard>/manifest.json files")
+    p.add_argument("--dir", help="read every <dir>/*/manifest.json instead")
+    p.add_argument("--out", required=True, help="PNG to write")
+    p.add_argument("--table", help="CSV of per-shard figures to write")
+
+    p = sub.add_parser("validation", help="per-layer norm statistics and spot-check errors")
+    p.add_argument("reports", nargs="*", help="validated/<shard>.json files")
+    p.add_argument("--dir", help="read every <dir>/*.json instead")
+    p.add_argument("--out", required=True, help="PNG to write")
+    p.add_argument("--table", help="CSV of per-shard figures to write")
+
+    p = sub.add_parser("training", help="loss and per-position accuracy curves")
+    p.add_argument("--log", required=True, help="drafter/train_log.jsonl")
+    p.add_argument("--out", required=True, help="PNG to write")
+
+    p = sub.add_parser("acceptance", help="per-position acceptance bars")
+    p.add_argument("--eval", required=True, help="drafter/eval.json")
+    p.add_argument("--live", help="drafter/live.json (live speculative decoding)")
+    p.add_argument("--out", required=True, help="PNG to write")
+    p.add_argument("--table", help="CSV of per-position figures to write")
+
+    args = parser.parse_args(argv)
+    try:
+        if args.figure == "dataset":
+            report.dataset_figure(args.table, args.summary, args.skipped, args.out)
+        elif args.figure == "extraction":
+            manifests = _inputs(args.manifests, args.dir, "*/manifest.json")
+            report.extraction_figure(manifests, args.out, args.table)
+        elif args.figure == "validation":
+            reports = _inputs(args.reports, args.dir, "*.json")
+            report.validation_figure(reports, args.out, args.table)
+        elif args.figure == "training":
+            report.training_figure(args.log, args.out)
+        else:
+            report.acceptance_figure(args.eval, args.out, args.live, args.table)
+    except PipelineError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.out}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
