@@ -1,0 +1,160 @@
+"""The `eaglepipe` command line: tools for people next to the Snakemake workflow.
+
+    eaglepipe server start|status|stop [--config PATH]
+
+Each subcommand is registered by one `add_*_command(subparsers)` function listed in
+`SUBCOMMANDS`; it sets `run=<function(args) -> exit code>` on its parser. A new subcommand is
+one more such function and one more entry in the list.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from .config import RESOLVED_CONFIG, config_from_arg
+from .errors import PipelineError
+
+EXIT_NOT_RUNNING = 3
+
+
+def default_config_path() -> Path:
+    """The run's resolved config if a run wrote one here, else the embedded default."""
+    return RESOLVED_CONFIG if RESOLVED_CONFIG.exists() else Path("config.yaml")
+
+
+def add_config_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="config.yaml or a resolved .json (default: .eaglepipe/config.json, else config.yaml)",
+    )
+
+
+def load_config_arg(args: argparse.Namespace) -> dict:
+    return config_from_arg(args.config or default_config_path())
+
+
+# ---------------------------------------------------------------- eaglepipe server ...
+
+
+def server_start(args: argparse.Namespace) -> int:
+    from .server.lifecycle import start_server
+
+    handle = start_server(load_config_arg(args))
+    state = handle.state
+    print(f"server running: {state['url']}")
+    print(f"  engine      {state['engine']} {handle.info.get('engine_version', '')}".rstrip())
+    print(f"  pid         {state['pid']} (process group {state['pgid']})")
+    print(f"  log         {state['log']}")
+    print(f"  dump dir    {state['dump_dir']}")
+    print("it stays up until `eaglepipe server stop` (pipeline runs reuse it)")
+    return 0
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h {minutes:02d}m {secs:02d}s" if hours else f"{minutes}m {secs:02d}s"
+
+
+def server_status(args: argparse.Namespace) -> int:
+    from .server.lifecycle import server_status as read_status
+
+    status = read_status()
+    state = status["state"]
+    print(f"state dir     {status['state_dir']} ({status['starts']} start(s) recorded)")
+    if state is None:
+        print("no server running on this node")
+        return EXIT_NOT_RUNNING
+    if not status["running"]:
+        print(
+            f"not running: supervisor PID {state['pid']} is gone (stale state; log {state['log']})"
+        )
+        return EXIT_NOT_RUNNING
+    health = "healthy" if status["healthy"] else f"NOT ANSWERING ({status['health']})"
+    print(f"server        {state['url']}: {health}")
+    print(f"  engine      {state['engine']}")
+    print(
+        f"  pid         {state['pid']} (process group {state['pgid']}), engine pid "
+        f"{state.get('engine_pid')}"
+    )
+    print(f"  port        {state['port']}")
+    print(f"  fingerprint {state['fingerprint']}")
+    print(f"  instance    {state['instance_id']}")
+    print(f"  uptime      {_duration(status['uptime_s'])} (started {state['started_at']})")
+    pinned = "yes (started by hand; only `eaglepipe server stop` ends it)"
+    if state.get("pinned"):
+        print(f"  pinned      {pinned}")
+    else:
+        print(f"  started by  {state['started_by']}; stopped when {state['owner_run']} ends")
+    print(f"  log         {state['log']}")
+    print(f"  dump dir    {state['dump_dir']}")
+    leases = status["leases"]
+    print(f"  leases      {len(leases)} live")
+    for lease in leases:
+        print(
+            f"    PID {lease['pid']} {lease['kind']}, run {lease['run_token']}, "
+            f"since {lease['since']}"
+        )
+    if not leases and not state.get("pinned"):
+        print(f"  idle stop   after {state['idle_timeout_s']:g}s without a live lease")
+    return 0 if status["healthy"] else 1
+
+
+def server_stop(args: argparse.Namespace) -> int:
+    from .server.lifecycle import stop_server
+
+    started = time.monotonic()
+    state = stop_server()
+    if state is None:
+        print("no server running on this node")
+        return 0
+    print(
+        f"stopped {state['engine']} server (PID {state['pid']}, port {state['port']}) "
+        f"in {time.monotonic() - started:.1f}s; port {state['port']} is free"
+    )
+    return 0
+
+
+def add_server_command(subparsers) -> None:
+    server = subparsers.add_parser(
+        "server", help="start, inspect or stop this node's hidden-state server by hand"
+    )
+    actions = server.add_subparsers(dest="action", required=True, metavar="ACTION")
+    for name, run, help_text in (
+        ("start", server_start, "start the server (or reuse a fitting one) and leave it running"),
+        ("status", server_status, "show pid, port, fingerprint, uptime, leases and health"),
+        ("stop", server_stop, "stop the server's whole process group and free its port"),
+    ):
+        parser = actions.add_parser(name, help=help_text)
+        add_config_argument(parser)
+        parser.set_defaults(run=run)
+
+
+SUBCOMMANDS: list[Callable] = [add_server_command]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="eaglepipe", description=__doc__.split("\n")[0])
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add_command in SUBCOMMANDS:
+        add_command(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except PipelineError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
