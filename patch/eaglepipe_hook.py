@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from eaglepipe.dump import DumpWriter
+from eaglepipe.dump import DumpWriter, concat_aux, prepare_dump_dir
 
 logger = logging.getLogger("eaglepipe_hook")
 
@@ -31,9 +31,11 @@ _AUX_ARG = 4
 
 
 def _tensor_parallel_rank() -> int:
-    from sglang.srt.distributed import get_tensor_model_parallel_rank
+    # The 0.5.23 way; sglang.srt.distributed's get_tensor_model_parallel_rank is deprecated
+    # there and left out of that package's star re-export.
+    from sglang.srt.runtime_context import get_parallel
 
-    return int(get_tensor_model_parallel_rank())
+    return int(get_parallel().tp_rank)
 
 
 def make_dump_hook(config: dict):
@@ -65,10 +67,10 @@ class LogitsDumpHook:
     """Forward hook on the logits processor; hands prefill batches to the dump writer."""
 
     def __init__(self, *, dump_dir: Path, request_prefix: str, aux_layer_ids: list[int]):
-        self.dump_dir = dump_dir
+        self.dump_dir = prepare_dump_dir(dump_dir)
         self.request_prefix = request_prefix
         self.aux_layer_ids = aux_layer_ids
-        self.writer = DumpWriter(dump_dir, request_prefix)
+        self.writer = DumpWriter(self.dump_dir, request_prefix, aux_layer_ids=aux_layer_ids)
         self._module_id: int | None = None
 
     def is_dumped(self, rid) -> bool:
@@ -151,7 +153,7 @@ class LogitsDumpHook:
                     f"eaglepipe dump hook: {len(aux)} aux hidden states captured, "
                     f"{count} expected (layers {self.aux_layer_ids})"
                 )
-            packed = torch.cat(list(aux), dim=-1)
+            packed = concat_aux(aux)
         if packed.shape[-1] != count * hidden_size or packed.shape[0] != hidden_states.shape[0]:
             raise RuntimeError(
                 f"eaglepipe dump hook: aux hidden states are {tuple(packed.shape)}, expected "

@@ -1,0 +1,853 @@
+"""Contract test: every SGLang assumption of patch/ and eaglepipe/server/sglang.py, checked
+against the source of the pinned wheel (parsed with ast, never imported).
+
+Where a piece of SGLang logic decides the outcome (the capture-only validation, the layer-id
+arithmetic of set_eagle3_layers_to_capture, the hook manager's pattern matching, the aux
+packer's layout) the function is extracted from the wheel's source and executed on stand-in
+objects, so the test follows the pinned code rather than a reading of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import functools
+import itertools
+import json
+import re
+import sys
+import tomllib
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from sglang_source import REPO_ROOT, pinned_version, sglang_source_root
+from torch import nn
+
+from eaglepipe.errors import PipelineError
+from eaglepipe.server import sglang as recipe
+
+pytestmark = pytest.mark.network
+
+# Where each supported architecture's class is defined in the wheel.
+ARCHITECTURE_FILES = {
+    "LlamaForCausalLM": "srt/models/llama.py",
+    "MistralForCausalLM": "srt/models/mistral.py",
+    "DeepseekV2ForCausalLM": "srt/models/deepseek_v2.py",
+    "DeepseekV3ForCausalLM": "srt/models/deepseek_v2.py",
+    "KimiK25ForConditionalGeneration": "srt/models/kimi_k25.py",
+}
+
+
+@pytest.fixture(scope="module")
+def src() -> Path:
+    return sglang_source_root()
+
+
+@functools.cache
+def parse(src: Path, rel: str) -> ast.Module:
+    return ast.parse((src / rel).read_text(), filename=str(src / rel))
+
+
+def find_class(tree: ast.Module, name: str) -> ast.ClassDef:
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            return node
+    raise AssertionError(f"class {name} not found")
+
+
+def find_function(body, name: str) -> ast.FunctionDef:
+    for node in body:
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            return node
+    raise AssertionError(f"function {name} not found")
+
+
+def compile_function(node: ast.FunctionDef, namespace: dict) -> Any:
+    """Execute one extracted function definition in `namespace` and return the function."""
+    module = ast.Module(body=[node], type_ignores=[])
+    exec(compile(ast.fix_missing_locations(module), "<sglang-extract>", "exec"), namespace)
+    return namespace[node.name]
+
+
+# ---------------------------------------------------------------------------------------------
+# The CLI: flags derived from the namespace field declarations, as arg_utils does
+# ---------------------------------------------------------------------------------------------
+
+
+class Flag:
+    def __init__(self, field: str, kind: str, elem: str | None = None, choices=None):
+        self.field, self.kind, self.elem, self.choices = field, kind, elem, choices
+        self.default: Any = None
+
+
+def _unwrap(node: ast.expr, wrapper: str) -> ast.expr | None:
+    if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name):
+        if node.value.id == wrapper:
+            return node.slice
+    return None
+
+
+def _field_flag(name: str, annotation: ast.expr) -> tuple[list[str], Flag] | None:
+    """Mirror of arg_utils.add_cli_args_from_dataclass for one `A[T, meta]` field."""
+    if not (isinstance(annotation, ast.Subscript) and getattr(annotation.value, "id", "") == "A"):
+        return None
+    parts = annotation.slice.elts
+    raw_type, meta = parts[0], parts[1]
+    kwargs: dict[str, ast.expr] = {}
+    if isinstance(meta, ast.Call) and getattr(meta.func, "id", "") == "Arg":
+        kwargs = {k.arg: k.value for k in meta.keywords}
+    elif not (isinstance(meta, ast.Constant) and isinstance(meta.value, str)):
+        return None
+    if "no_cli" in kwargs and ast.literal_eval(kwargs["no_cli"]):
+        return None
+    cli = ast.literal_eval(kwargs["cli_name"]) if "cli_name" in kwargs else None
+    names = [cli or "--" + name.replace("_", "-")]
+    if "aliases" in kwargs:
+        names += ast.literal_eval(kwargs["aliases"])
+    if "action" in kwargs:
+        return names, Flag(name, "action")
+    inner = _unwrap(raw_type, "Optional") or raw_type
+    type_parser = kwargs.get("type_parser")
+    if _unwrap(inner, "Literal") is not None:
+        return names, Flag(name, "choice", choices=ast.literal_eval(_unwrap(inner, "Literal")))
+    elem = _unwrap(inner, "List")
+    if elem is not None and type_parser is None:
+        return names, Flag(name, "list", elem=ast.unparse(elem))
+    if type_parser is not None:
+        return names, Flag(name, "parser:" + ast.unparse(type_parser))
+    type_name = ast.unparse(inner)
+    if type_name == "bool":
+        return names, Flag(name, "store_true")
+    choices = kwargs.get("choices")
+    try:
+        choice_values = ast.literal_eval(choices) if choices is not None else None
+    except ValueError:
+        choice_values = None
+    return names, Flag(name, type_name, choices=choice_values)
+
+
+@pytest.fixture(scope="module")
+def cli_flags(src) -> dict[str, Flag]:
+    """Every `--flag` of `sglang.launch_server`: field-derived plus add_cli_args' manual ones."""
+    flags: dict[str, Flag] = {}
+    for path in sorted((src / "srt/arg_groups/fields").glob("*.py")):
+        for cls in ast.parse(path.read_text()).body:
+            if not isinstance(cls, ast.ClassDef):
+                continue
+            has_ns = any(
+                isinstance(n, ast.Assign) and n.targets[0].id == "_NS_PATH"
+                for n in cls.body
+                if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name)
+            )
+            if not has_ns:
+                continue
+            for node in cls.body:
+                if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                    derived = _field_flag(node.target.id, node.annotation)
+                    if derived and node.value is not None:
+                        try:
+                            derived[1].default = ast.literal_eval(node.value)
+                        except ValueError:
+                            derived[1].default = None
+                    if derived:
+                        for flag_name in derived[0]:
+                            flags[flag_name] = derived[1]
+    server_args = parse(src, "srt/server_args.py")
+    add_cli_args = find_function(find_class(server_args, "ServerArgs").body, "add_cli_args")
+    for call in ast.walk(add_cli_args):
+        if isinstance(call, ast.Call) and getattr(call.func, "attr", "") == "add_argument":
+            kw = {k.arg: k.value for k in call.keywords}
+            action = ast.unparse(kw["action"]) if "action" in kw else None
+            kind = {"'store_true'": "store_true"}.get(action, action or "manual")
+            for arg in call.args:
+                flags[ast.literal_eval(arg)] = Flag("manual", kind)
+    # The field collection must be what ServerArgs is built from.
+    assert "collect_input_fields" in (src / "srt/server_args.py").read_text()
+    return flags
+
+
+def _argparse_from(flags: dict[str, Flag]) -> argparse.ArgumentParser:
+    types_by_name = {"int": int, "float": float, "str": str}
+    parser = argparse.ArgumentParser(add_help=False)
+    by_field: dict[int, list[str]] = {}
+    for name, flag in flags.items():
+        by_field.setdefault(id(flag), []).append(name)
+    for names in by_field.values():
+        flag = flags[names[0]]
+        kwargs: dict[str, Any] = {}
+        if flag.field != "manual":
+            kwargs.update(dest=flag.field, default=flag.default)
+        if flag.kind in ("store_true", "DeprecatedStoreTrueAction"):
+            kwargs["action"] = "store_true"
+        elif flag.kind == "list":
+            kwargs.update(nargs="+", type=types_by_name.get(flag.elem, str))
+        elif flag.kind == "parser:json_list_type":
+            kwargs["type"] = json.loads
+        else:
+            kwargs["type"] = types_by_name.get(flag.kind, str)
+        parser.add_argument(*names, **kwargs)
+    return parser
+
+
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory):
+    """launch_command for a 61-layer DeepSeek-V3 config with tp 8 (the motivating shape)."""
+    model = tmp_path_factory.mktemp("dsv3")
+    (model / "config.json").write_text(
+        json.dumps({"architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 61})
+    )
+    config = _config(model, tp_size=8)
+    argv, env = recipe.launch_command(
+        config, host="127.0.0.1", port=31555, dump_dir="/dev/shm/x/inst1", instance_id="inst1"
+    )
+    return argv, env, config
+
+
+def _config(model_dir: Path, *, tp_size: int = 1, extra_args=None, trust_remote_code=True):
+    from eaglepipe.config import load_config
+
+    config = load_config(REPO_ROOT / "config.yaml")
+    config["model"]["path"] = str(model_dir)
+    config["model"]["trust_remote_code"] = trust_remote_code
+    config["server"]["engine"] = "sglang"
+    config["server"]["dtype"] = "bfloat16"
+    config["server"]["sglang"] = {
+        "tp_size": tp_size,
+        "mem_fraction_static": 0.85,
+        "extra_args": list(extra_args or []),
+    }
+    return config
+
+
+EXPECTED_FLAG_KINDS = {
+    "--model-path": "str",
+    "--tp-size": "int",
+    "--host": "str",
+    "--port": "int",
+    "--mem-fraction-static": "float",
+    "--trust-remote-code": "store_true",
+    "--dtype": "str",
+    "--speculative-algorithm": "str",
+    "--enable-return-aux-hidden-states": "store_true",
+    "--return-aux-hidden-state-layer-ids": "list",
+    "--forward-hooks": "parser:json_list_type",
+    "--disable-radix-cache": "store_true",
+    "--chunked-prefill-size": "int",
+    "--disable-prefill-cuda-graph": "store_true",
+    "--disable-decode-cuda-graph": "store_true",
+}
+
+
+def test_every_flag_the_launcher_passes_exists_with_the_expected_kind(cli_flags, launch):
+    argv, _, _ = launch
+    assert argv[1:3] == ["-m", "sglang.launch_server"]
+    used = {token.split("=", 1)[0] for token in argv[3:] if token.startswith("--")}
+    assert used == set(EXPECTED_FLAG_KINDS)
+    for flag in used:
+        assert flag in cli_flags, f"{flag} is not a flag of sglang {pinned_version()}"
+        assert cli_flags[flag].kind == EXPECTED_FLAG_KINDS[flag], flag
+    assert cli_flags["--return-aux-hidden-state-layer-ids"].elem == "int"
+    assert {"bfloat16", "float16", "float32"} <= set(cli_flags["--dtype"].choices)
+
+
+def test_launch_argv_parses_to_the_intended_values(cli_flags, launch):
+    argv, env, config = launch
+    ns = _argparse_from(cli_flags).parse_args(argv[3:])
+    assert ns.tp_size == 8 and ns.port == 31555 and ns.host == "127.0.0.1"
+    assert ns.mem_fraction_static == 0.85 and ns.trust_remote_code and ns.dtype == "bfloat16"
+    assert ns.speculative_algorithm == "EAGLE3" and ns.enable_return_aux_hidden_states
+    # Ours are [1, 29, 57] for 61 layers; DeepSeek takes layer-input ids when the first is not 1.
+    assert ns.return_aux_hidden_state_layer_ids == [2, 30, 58]
+    assert ns.disable_radix_cache and ns.chunked_prefill_size == -1
+    assert ns.disable_prefill_cuda_graph and ns.disable_decode_cuda_graph
+    [spec] = ns.forward_hooks
+    assert spec["hook_factory"] == "eaglepipe_hook:make_dump_hook"
+    assert spec["config"]["dump_dir"] == "/dev/shm/x/inst1"
+    assert spec["config"]["aux_layer_ids"] == [1, 29, 57]
+    assert spec["config"]["request_prefix"] == config["extract"]["request_prefix"]
+    assert env["PYTHONPATH"].split(":")[0] == str(REPO_ROOT / "patch")
+    assert (REPO_ROOT / "patch" / "eaglepipe_hook.py").is_file()
+
+
+def test_refused_and_launcher_owned_flags_are_real_flags(cli_flags):
+    """A refusal list naming a flag SGLang does not have would refuse nothing."""
+    named = (
+        set(recipe._REFUSED_FLAGS)
+        | set(recipe._LAUNCHER_FLAGS)
+        | set(recipe._MUST_BE_ONE)
+        | {"--chunked-prefill-size", "--cuda-graph-backend-prefill"}
+    )
+    missing = sorted(f for f in named if f not in cli_flags)
+    assert not missing, f"not flags of sglang {pinned_version()}: {missing}"
+    for flag in ("--dp-size", "--attn-dp-size", "--pp-size"):
+        assert cli_flags[flag].kind == "int"
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--enable-dp-attention"],
+        ["--dp-size", "2"],
+        ["--attn-dp-size=4"],
+        ["--pp-size", "2"],
+        ["--pipeline-parallel-size", "2"],
+        ["--chunked-prefill-size", "8192"],
+        ["--cuda-graph-backend-prefill", "full"],
+        ["--enable-hierarchical-cache"],
+        ["--speculative-draft-model-path", "/x"],
+        ["--tp-size", "4"],
+    ],
+)
+def test_launcher_refuses_extra_args_that_break_capture(tmp_path, extra):
+    (tmp_path / "config.json").write_text(
+        json.dumps({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 8})
+    )
+    with pytest.raises(PipelineError, match=re.escape(extra[0].split("=")[0])):
+        recipe.launch_command(
+            _config(tmp_path, extra_args=extra),
+            host="127.0.0.1",
+            port=1,
+            dump_dir=tmp_path,
+            instance_id="i",
+        )
+
+
+def test_launcher_keeps_harmless_extra_args(tmp_path):
+    (tmp_path / "config.json").write_text(
+        json.dumps({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 8})
+    )
+    extra = ["--dp-size", "1", "--log-level", "info", "--chunked-prefill-size=-1"]
+    argv, _ = recipe.launch_command(
+        _config(tmp_path, extra_args=extra), host="h", port=2, dump_dir=tmp_path, instance_id="i"
+    )
+    assert argv[-len(extra) :] == extra
+
+
+# ---------------------------------------------------------------------------------------------
+# Capture-only validation (EAGLE3 + aux capture, no draft model)
+# ---------------------------------------------------------------------------------------------
+
+
+def _capture_validation(src: Path):
+    tree = parse(src, "srt/arg_groups/validation_hook.py")
+    namespace: dict[str, Any] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "_AUX_HIDDEN_STATE_CAPTURE_METHODS"
+            for t in node.targets
+        ):
+            exec(compile(ast.Module([node], []), "<c>", "exec"), namespace)
+    declared: dict[str, Any] = {}
+    namespace["resolving_view"] = lambda server_args: server_args
+    namespace["declare_resolution"] = lambda _args, _name, **kw: declared.update(kw)
+    namespace["Any"] = Any
+    fn = compile_function(find_function(tree.body, "handle_aux_hidden_state_capture"), namespace)
+    return fn, declared
+
+
+def test_capture_only_mode_is_accepted_without_a_draft_model(src, cli_flags, launch):
+    argv, _, _ = launch
+    ns = _argparse_from(cli_flags).parse_args(argv[3:])
+    handle, declared = _capture_validation(src)
+    handle(ns)
+    # The algorithm only names the capture convention and is reset: no draft is loaded.
+    assert declared == {"speculative_algorithm": None, "aux_hidden_state_capture": "eagle3"}
+    ns.speculative_draft_model_path = "/some/draft"
+    with pytest.raises(ValueError, match="without a draft"):
+        _capture_validation(src)[0](ns)
+
+
+def test_capture_validation_runs_before_speculative_setup(src):
+    text = (src / "srt/arg_groups/pipeline.py").read_text()
+    assert "run_hook(handle_aux_hidden_state_capture, server_args)" in text
+    runner = src / "srt/model_executor/model_runner_components/spec_aux_hidden_state.py"
+    tree = ast.parse(runner.read_text())
+    fn = find_function(tree.body, "_resolve_capture_only_aux_hidden_state")
+    body = ast.unparse(fn)
+    assert "config.eagle_use_aux_hidden_state = True" in body
+    assert "features.return_aux_hidden_state_layer_ids" in body
+    setup = parse(src, "srt/model_executor/model_runner_components/attention_backend_setup.py")
+    configure = ast.unparse(find_function(setup.body, "configure_aux_hidden_state_capture"))
+    assert "model.set_eagle3_layers_to_capture(eagle_aux_hidden_state_layer_ids)" in configure
+
+
+# ---------------------------------------------------------------------------------------------
+# --forward-hooks: registration, pattern matching, factory signature, eager-only
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hook_manager(src):
+    """SGLang's hook_manager module, executed from the wheel's source (stdlib + torch only)."""
+    path = src / "srt/model_executor/hook_manager.py"
+    tree = ast.parse(path.read_text())
+    imported = {
+        alias.name.split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for alias in (node.names if isinstance(node, ast.Import) else [ast.alias(node.module)])
+    }
+    assert imported <= {"fnmatch", "importlib", "logging", "typing", "torch"}
+    module = types.ModuleType("sglang_hook_manager_under_test")
+    exec(compile(tree, str(path), "exec"), module.__dict__)
+    return module
+
+
+class _LogitsProcessorStandIn(nn.Module):
+    def forward(self, input_ids, hidden_states, lm_head, logits_metadata, aux_hidden_states=None):
+        return hidden_states
+
+
+class _CausalLMStandIn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.model = nn.Linear(2, 2)
+        self.logits_processor = _LogitsProcessorStandIn()
+
+
+class _KimiStandIn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.vision_tower = nn.Linear(2, 2)
+        self.language_model = _CausalLMStandIn()
+
+
+@pytest.mark.parametrize(
+    "model_cls,expected",
+    [(_CausalLMStandIn, "logits_processor"), (_KimiStandIn, "language_model.logits_processor")],
+)
+def test_hook_spec_attaches_once_to_the_logits_processor(
+    hook_manager, tmp_path, monkeypatch, model_cls, expected
+):
+    factory_module = tmp_path / "probe_factory.py"
+    factory_module.write_text(
+        "calls = []\nseen = []\n"
+        "def make(config):\n"
+        "    calls.append(config)\n"
+        "    def hook(module, args, output):\n"
+        "        seen.append((module, args))\n"
+        "    return hook\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = recipe.hook_spec(
+        dump_dir="/d", request_prefix="p", aux_layer_ids=[1, 2, 3], instance_id="i"
+    )
+    spec["hook_factory"] = "probe_factory:make"
+    model = model_cls()
+    hook_manager.register_forward_hooks(model, [spec])
+    import probe_factory
+
+    assert probe_factory.calls == [spec["config"]]
+    processor = dict(model.named_modules())[expected]
+    fb, aux = object(), [torch.zeros(3, 2)]
+    processor(None, torch.ones(3, 2), "lm_head", fb, aux)
+    [(module, args)] = probe_factory.seen
+    assert module is processor
+    assert args[3] is fb and args[4] is aux and len(args) == 5
+    sys.modules.pop("probe_factory", None)
+
+
+def test_hook_factory_path_resolves_as_module_colon_function(hook_manager, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "patch"))
+    factory = hook_manager.resolve_callable(recipe.HOOK_FACTORY)
+    assert factory.__name__ == "make_dump_hook"
+    assert factory.__module__ == recipe.HOOK_MODULE
+
+
+def test_forward_hooks_are_registered_after_cuda_graph_capture(src, cli_flags):
+    """Hooks fire on the eager path only: they are attached after every graph capture."""
+    tree = parse(src, "srt/model_executor/model_runner_components/cuda_graph_setup.py")
+    finalize = find_function(tree.body, "finalize_cuda_graph_capture")
+    assert "register_forward_hooks(model_runner.model, get_observability().forward_hooks)" in (
+        ast.unparse(finalize)
+    )
+    callers = [
+        fn
+        for fn in tree.body
+        if isinstance(fn, ast.FunctionDef)
+        and any(
+            isinstance(c, ast.Call) and getattr(c.func, "id", "") == "finalize_cuda_graph_capture"
+            for c in ast.walk(fn)
+        )
+    ]
+    assert callers
+    for fn in callers:
+        lines = {}
+        for call in ast.walk(fn):
+            if isinstance(call, ast.Call) and isinstance(call.func, ast.Name):
+                lines.setdefault(call.func.id, call.lineno)
+        for capture in ("capture_prefill_graph", "capture_decode_graph"):
+            if capture in lines:
+                assert lines[capture] < lines["finalize_cuda_graph_capture"], fn.name
+    observability = (src / "srt/arg_groups/fields/observability.py").read_text()
+    assert "forward_hooks: A[" in observability
+    assert cli_flags["--forward-hooks"].field == "forward_hooks"
+
+
+# ---------------------------------------------------------------------------------------------
+# What the hook receives
+# ---------------------------------------------------------------------------------------------
+
+
+def test_logits_processor_forward_parameter_order(src):
+    tree = parse(src, "srt/layers/logits_processor.py")
+    cls = find_class(tree, "LogitsProcessor")
+    assert any(ast.unparse(b) == "nn.Module" for b in cls.bases)
+    params = [a.arg for a in find_function(cls.body, "forward").args.args]
+    assert params[:6] == [
+        "self",
+        "input_ids",
+        "hidden_states",
+        "lm_head",
+        "logits_metadata",
+        "aux_hidden_states",
+    ]
+
+
+@pytest.mark.parametrize(
+    "rel,cls_name",
+    [
+        ("srt/models/llama.py", "LlamaForCausalLM"),
+        ("srt/models/deepseek_v2.py", "DeepseekV2ForCausalLM"),
+    ],
+)
+def test_models_call_the_logits_processor_positionally_with_aux(src, rel, cls_name):
+    forward = find_function(find_class(parse(src, rel), cls_name).body, "forward")
+    calls = [
+        c
+        for c in ast.walk(forward)
+        if isinstance(c, ast.Call) and ast.unparse(c.func) == "self.logits_processor"
+    ]
+    assert calls
+    for call in calls:
+        assert not call.keywords
+        assert [ast.unparse(a) for a in call.args] == [
+            "input_ids",
+            "hidden_states",
+            "self.lm_head",
+            "forward_batch",
+            "aux_hidden_states",
+        ]
+
+
+@pytest.mark.parametrize(
+    "rel,model_cls,collector,returned",
+    [
+        (
+            "srt/models/llama.py",
+            "LlamaModel",
+            "AuxHiddenStateList",
+            "(hidden_states, aux_hidden_states)",
+        ),
+        (
+            "srt/models/deepseek_v2.py",
+            "DeepseekV2Model",
+            "AuxHiddenStatePacker",
+            "(hidden_states, aux_hidden_states.finalize())",
+        ),
+    ],
+)
+def test_final_is_post_norm_and_capture_precedes_each_layer(
+    src, rel, model_cls, collector, returned
+):
+    forward = find_function(find_class(parse(src, rel), model_cls).body, "forward")
+    text = ast.unparse(forward)
+    assert f"aux_hidden_states = {collector}(" in text
+    # The final norm is applied before the (hidden, aux) pair is returned.
+    norm = text.index("residual_batch.final_norm(hidden_states, forward_batch, self.norm)")
+    assert text.rindex(f"return {returned}") > norm
+    # Capture id i is the residual entering layer i, inside the loop over this rank's layers.
+    loops = [n for n in ast.walk(forward) if isinstance(n, ast.For)]
+    loop = next(n for n in loops if "self.layers_to_capture" in ast.unparse(n))
+    assert ast.unparse(loop.iter).startswith("range(")
+    assert "i in self.layers_to_capture" in ast.unparse(loop)
+
+
+def test_aux_packer_layout_is_concatenation_in_capture_order(src):
+    path = src / "srt/layers/aux_hidden_states.py"
+    module = types.ModuleType("sglang_aux_under_test")
+    exec(compile(path.read_text(), str(path), "exec"), module.__dict__)
+    captures = [torch.randn(5, 4) for _ in range(3)]
+    packer = module.AuxHiddenStatePacker(3)
+    for c in captures:
+        packer.capture(c)
+    assert torch.equal(packer.finalize(), torch.cat(captures, dim=-1))
+    listed = module.AuxHiddenStateList()
+    for c in captures:
+        listed.capture(c)
+    assert isinstance(listed, list) and len(listed) == 3
+    assert torch.equal(module.pack_aux_hidden_states(listed), torch.cat(captures, dim=-1))
+
+
+def test_forward_batch_fields_the_hook_reads(src):
+    tree = parse(src, "srt/model_executor/forward_batch_info.py")
+    fields = {
+        n.target.id
+        for n in find_class(tree, "ForwardBatch").body
+        if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+    }
+    wanted = {
+        "forward_mode",
+        "rids",
+        "extend_seq_lens",
+        "extend_prefix_lens",
+        "extend_seq_lens_cpu",
+        "extend_prefix_lens_cpu",
+        "contains_last_prefill_chunk",
+    }
+    assert wanted <= fields
+    text = (src / "srt/model_executor/forward_batch_info.py").read_text()
+    assert "rids=[req.rid for req in batch.reqs]" in text
+    mode = find_class(tree, "ForwardMode")
+    members = {t.id for n in mode.body if isinstance(n, ast.Assign) for t in n.targets}
+    assert {"EXTEND", "DECODE", "IDLE", "MIXED"} <= members
+    is_decode_or_idle = ast.unparse(find_function(mode.body, "is_decode_or_idle"))
+    assert "self == ForwardMode.DECODE or self == ForwardMode.IDLE" in is_decode_or_idle
+
+
+def test_tensor_parallel_rank_function(src):
+    """The hook reads `get_parallel().tp_rank` from sglang.srt.runtime_context."""
+    tree = parse(src, "srt/runtime_context.py")
+    get_parallel = ast.unparse(find_function(tree.body, "get_parallel"))
+    assert "return _PARALLEL" in get_parallel
+    assert any(
+        isinstance(n, ast.Assign)
+        and ast.unparse(n.targets[0]) == "_PARALLEL"
+        and ast.unparse(n.value) == "ParallelContext()"
+        for n in tree.body
+    )
+    spawn = find_function(tree.body, "derive_spawn_ranks")
+    returned = next(n.value for n in ast.walk(spawn) if isinstance(n, ast.Return))
+    keys = {k.value for k in returned.keys}
+    assert "tp_rank" in keys and "pp_rank" in keys
+    # SGLang itself reads the TP rank this way.
+    loader = (src / "srt/model_loader/loader.py").read_text()
+    assert "get_parallel().tp_rank" in loader
+    # The older getter is deprecated and excluded from `from sglang.srt.distributed import *`.
+    state = (src / "srt/distributed/parallel_state.py").read_text()
+    assert '"get_tensor_model_parallel_rank": "tp_rank"' in state
+    assert "_public not in _CONTEXT_NAME_OF" in state
+    hook_text = (REPO_ROOT / "patch" / "eaglepipe_hook.py").read_text()
+    assert "from sglang.srt.runtime_context import get_parallel" in hook_text
+    assert "get_parallel().tp_rank" in hook_text
+
+
+def test_health_check_and_warmup_rids_are_never_dumped(src):
+    sys.path.insert(0, str(REPO_ROOT / "patch"))
+    try:
+        import eaglepipe_hook
+    finally:
+        sys.path.remove(str(REPO_ROOT / "patch"))
+    constants = parse(src, "srt/constants.py")
+    value = next(
+        ast.literal_eval(n.value)
+        for n in constants.body
+        if isinstance(n, ast.Assign)
+        and getattr(n.targets[0], "id", "") == "HEALTH_CHECK_RID_PREFIX"
+    )
+    assert value == eaglepipe_hook.HEALTH_CHECK_RID_PREFIX
+    http = (src / "srt/entrypoints/http_server.py").read_text()
+    assert 'rid = f"{HEALTH_CHECK_RID_PREFIX}_{uuid.uuid4().hex}"' in http
+    # Warm-up requests carry no rid, so SGLang gives them uuid4().hex: no "-" in it.
+    warmup = find_function(
+        parse(src, "srt/entrypoints/http_server.py").body, "_execute_server_warmup"
+    )
+    strings = {n.value for n in ast.walk(warmup) if isinstance(n, ast.Constant)}
+    assert "input_ids" in strings and "rid" not in strings
+    io_struct = (src / "srt/managers/io_struct.py").read_text()
+    assert "self.rid = uuid.uuid4().hex" in io_struct
+    # Any prefix the config schema accepts: health-check rids never start with "<prefix>-".
+    schema_pattern = re.compile(r"^[A-Za-z][A-Za-z0-9]*$")
+    for prefix in ("HEALTH", "HEALTHCHECK", "eaglepipe", "H"):
+        assert schema_pattern.match(prefix)
+        assert not f"{value}_0123abcd".startswith(f"{prefix}-")
+
+
+# ---------------------------------------------------------------------------------------------
+# Layer ids: our convention through SGLang's set_eagle3_layers_to_capture
+# ---------------------------------------------------------------------------------------------
+
+
+def _model_imports(tree: ast.Module) -> dict[str, str]:
+    """Names imported from sglang.srt.models.* -> the wheel-relative file defining them."""
+    return {
+        alias.asname or alias.name: node.module[len("sglang.") :].replace(".", "/") + ".py"
+        for node in tree.body
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sglang.srt.models")
+        for alias in node.names
+    }
+
+
+def _method_of(src: Path, rel: str, cls_name: str, method: str):
+    """Follow the class's bases (same file or imported model file) to where `method` is defined."""
+    tree = parse(src, rel)
+    if cls_name in _model_imports(tree):
+        return _method_of(src, _model_imports(tree)[cls_name], cls_name, method)
+    cls = find_class(tree, cls_name)
+    for node in cls.body:
+        if isinstance(node, ast.FunctionDef) and node.name == method:
+            return cls, node, rel
+    for base in cls.bases:
+        name = ast.unparse(base)
+        if name in _model_imports(tree) or any(
+            isinstance(n, ast.ClassDef) and n.name == name for n in tree.body
+        ):
+            return _method_of(src, rel, name, method)
+    raise AssertionError(f"{cls_name} has no {method}")
+
+
+@functools.cache
+def _capture_setter(src: Path, rel: str, cls_name: str):
+    """SGLang's set_eagle3_layers_to_capture for `cls_name`, run on a stand-in model.
+
+    Returns f(passed_ids, num_layers) -> the resulting `model.layers_to_capture`.
+    """
+    cls, method, _ = _method_of(src, rel, cls_name, "set_eagle3_layers_to_capture")
+    fn = compile_function(method, dict(vars(typing)))
+    if "self.language_model.set_eagle3_layers_to_capture" in ast.unparse(method):
+        # A wrapper: run the setter of the class its __init__ builds as language_model.
+        init = find_function(cls.body, "__init__")
+        built = next(
+            ast.unparse(n.value.func)
+            for n in ast.walk(init)
+            if isinstance(n, ast.Assign)
+            and ast.unparse(n.targets[0]) == "self.language_model"
+            and isinstance(n.value, ast.Call)
+        )
+        inner = _capture_setter(src, rel, built)
+
+        def run_wrapper(passed_ids, num_layers):
+            result = {}
+            language_model = types.SimpleNamespace(
+                set_eagle3_layers_to_capture=lambda ids: result.update(v=inner(ids, num_layers))
+            )
+            fn(types.SimpleNamespace(language_model=language_model), passed_ids)
+            return result["v"]
+
+        return run_wrapper
+
+    def run(passed_ids, num_layers):
+        target = types.SimpleNamespace(
+            pp_group=types.SimpleNamespace(is_last_rank=True),
+            config=types.SimpleNamespace(num_hidden_layers=num_layers),
+            model=types.SimpleNamespace(layers_to_capture=[]),
+            capture_aux_hidden_states=False,
+        )
+        fn(target, passed_ids)
+        assert target.capture_aux_hidden_states
+        return list(target.model.layers_to_capture)
+
+    return run
+
+
+def _capture_of(src: Path, architecture: str, passed_ids, num_layers: int) -> list[int]:
+    """What `--return-aux-hidden-state-layer-ids passed_ids` makes `architecture` capture."""
+    setter = _capture_setter(src, ARCHITECTURE_FILES[architecture], architecture)
+    return setter(passed_ids, num_layers)
+
+
+def _range_check(src: Path):
+    tree = parse(src, "srt/model_executor/model_runner_components/spec_aux_hidden_state.py")
+    fn = compile_function(find_function(tree.body, "_check_capture_layer_ids_in_range"), {})
+
+    def accepts(ids, num_layers):
+        config = types.SimpleNamespace(
+            hf_text_config=types.SimpleNamespace(num_hidden_layers=num_layers)
+        )
+        try:
+            fn(ids, config)
+        except ValueError:
+            return False
+        return True
+
+    return accepts
+
+
+@pytest.mark.parametrize("architecture", sorted(recipe.LAYER_ID_RULES))
+def test_layer_id_translation_captures_our_layers(src, architecture):
+    """Every id triple of an 8-layer model: translated ids capture exactly our layers, and a
+    refused triple is one that no id list SGLang accepts can capture."""
+    accepts = _range_check(src)
+    num_layers = 8
+    for ours in itertools.combinations(range(num_layers), 3):
+        # SGLang captures layer inputs (the loop over range(L)): output of k enters k + 1.
+        wanted = [k + 1 for k in ours]
+        try:
+            passed = recipe.sglang_layer_ids(architecture, list(ours), num_layers=num_layers)
+        except PipelineError:
+            reachable = [
+                list(p)
+                for p in itertools.permutations(range(num_layers), 3)
+                if accepts(list(p), num_layers)
+                and max(wanted) < num_layers
+                and _capture_of(src, architecture, list(p), num_layers) == wanted
+            ]
+            assert not reachable, (architecture, ours, reachable)
+            continue
+        assert accepts(passed, num_layers), (architecture, ours, passed)
+        assert _capture_of(src, architecture, passed, num_layers) == wanted, (architecture, ours)
+
+
+@pytest.mark.parametrize("architecture", sorted(recipe.LAYER_ID_RULES))
+def test_layer_id_translation_for_the_kimi_depth(src, architecture):
+    accepts = _range_check(src)
+    for ours in ([1, 29, 57], [3, 30, 59], [2, 5, 9]):
+        passed = recipe.sglang_layer_ids(architecture, ours, num_layers=61)
+        assert accepts(passed, 61)
+        assert _capture_of(src, architecture, passed, 61) == [k + 1 for k in ours]
+    with pytest.raises(PipelineError, match="last decoder layer"):
+        recipe.sglang_layer_ids(architecture, [1, 2, 60], num_layers=61)
+
+
+def test_default_capture_matches_our_default_layers(src):
+    """SGLang's default ([2, L//2, L-3] as inputs) is our default [1, L//2-1, L-4]."""
+    from eaglepipe.layers import default_aux_layer_ids
+
+    for architecture in recipe.LAYER_ID_RULES:
+        captured = _capture_of(src, architecture, None, 61)
+        assert captured == [k + 1 for k in default_aux_layer_ids(61)]
+
+
+def test_unverified_architecture_is_refused():
+    with pytest.raises(PipelineError, match="Qwen3ForCausalLM"):
+        recipe.sglang_layer_ids("Qwen3ForCausalLM", [1, 2, 3])
+
+
+def test_supported_architectures_are_registered_model_classes(src):
+    for architecture, rel in ARCHITECTURE_FILES.items():
+        tree = parse(src, rel)
+        find_class(tree, architecture)
+        entry = next(
+            ast.unparse(n.value)
+            for n in tree.body
+            if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "EntryClass"
+        )
+        assert architecture in entry
+    assert set(ARCHITECTURE_FILES) == set(recipe.LAYER_ID_RULES)
+
+
+# ---------------------------------------------------------------------------------------------
+# The pin
+# ---------------------------------------------------------------------------------------------
+
+
+def test_version_pin_agrees_everywhere():
+    from sglang_source import wheel_metadata_version
+
+    pinned = (REPO_ROOT / "patch" / "SGLANG_VERSION").read_text().strip()
+    assert wheel_metadata_version() == pinned
+    pyproject = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
+    assert pyproject["project"]["optional-dependencies"]["sglang"] == [f"sglang=={pinned}"]
+    assert recipe.engine_info() == {"engine": "sglang", "engine_version": pinned}
+    for env_file in sorted((REPO_ROOT / "envs").glob("*.y*ml")):
+        for pin in re.findall(r"sglang[^\w\s]*=+\s*([0-9][\w.]*)", env_file.read_text()):
+            assert pin == pinned, f"{env_file} pins sglang {pin}, patch/ pins {pinned}"
+
+
+def test_launch_server_module_exists(src):
+    text = (src / "launch_server.py").read_text()
+    assert "prepare_server_args" in text
