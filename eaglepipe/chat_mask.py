@@ -119,7 +119,10 @@ def assistant_char_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tup
             without_header = render(tokenizer, messages[:i]) if i else ""
             if len(with_header) == len(without_header):
                 # The template ignores add_generation_prompt: skip the header by finding the reply.
-                found = through.find(message["content"].strip(), start)
+                content = message["content"]
+                found = through.find(content, start) if content else -1
+                if found < 0 and content.strip():
+                    found = through.find(content.strip(), start)
                 start = found if found >= 0 else start
         else:
             start, end = _locate_reply(full, message["content"], cursor, end_of_turn, i)
@@ -133,8 +136,12 @@ def assistant_char_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tup
 def _locate_reply(
     full: str, content: str, cursor: int, end_of_turn: _EndOfTurn, index: int
 ) -> tuple[int, int]:
-    needle = content.strip()
-    found = full.find(needle, cursor) if needle else -1
+    # The reply as given, or trimmed (many templates trim it).
+    found, needle = -1, ""
+    for needle in (content, content.strip()):
+        found = full.find(needle, cursor) if needle else -1
+        if found >= 0:
+            break
     if found < 0:
         raise RowProblem(
             TEMPLATE_ERROR,

@@ -1,0 +1,162 @@
+"""Shard plan: ranges, names, parse-time row counts and per-shard digests (cached)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pandas as pd
+import pytest
+
+from eaglepipe.errors import PipelineError
+from eaglepipe.shard_plan import (
+    Shard,
+    count_source_rows,
+    parse_shard_name,
+    plan_for_source,
+    plan_shards,
+    shard_source_digests,
+)
+
+
+def _write_jsonl(path, rows, blank_every: int = 0):
+    with open(path, "w") as f:
+        for i, row in enumerate(rows):
+            f.write(json.dumps(row) + "\n")
+            if blank_every and i % blank_every == 0:
+                f.write("\n  \n")
+    return path
+
+
+def _rows(n):
+    return [{"messages": [{"role": "user", "content": f"q{i}"}]} for i in range(n)]
+
+
+def test_plan_zero_rows_is_empty():
+    assert plan_shards(0, 64) == []
+
+
+def test_plan_one_row():
+    assert plan_shards(1, 64) == [Shard(0, 1)]
+    assert plan_shards(1, 64)[0].name == "rows_0-1"
+
+
+def test_plan_exactly_divisible():
+    plan = plan_shards(128, 64)
+    assert [s.name for s in plan] == ["rows_0-64", "rows_64-128"]
+    assert all(s.num_rows == 64 for s in plan)
+
+
+def test_plan_ragged_last_shard_is_short():
+    plan = plan_shards(150, 64)
+    assert [s.name for s in plan] == ["rows_0-64", "rows_64-128", "rows_128-150"]
+    assert plan[-1].num_rows == 22
+    # Ranges tile the rows exactly, without gaps or overlaps.
+    assert [r for s in plan for r in range(s.start, s.end)] == list(range(150))
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5])
+def test_plan_rejects_bad_rows_per_shard(bad):
+    with pytest.raises(PipelineError, match="rows_per_shard"):
+        plan_shards(10, bad)
+
+
+def test_parse_shard_name_round_trips():
+    for shard in plan_shards(150, 64):
+        assert parse_shard_name(shard.name) == shard
+
+
+@pytest.mark.parametrize("name", ["rows_5-5", "rows_9-3", "rows_a-3", "shard_0-64", "rows_0-64x"])
+def test_parse_shard_name_rejects_bad_names(name):
+    with pytest.raises(PipelineError, match=name):
+        parse_shard_name(name)
+
+
+def test_count_jsonl_ignores_blank_lines(tmp_path):
+    path = _write_jsonl(tmp_path / "d.jsonl", _rows(10), blank_every=3)
+    assert count_source_rows(path, tmp_path / "cache") == 10
+    assert [s.name for s in plan_for_source(path, 4, tmp_path / "cache")] == [
+        "rows_0-4",
+        "rows_4-8",
+        "rows_8-10",
+    ]
+
+
+def test_count_parquet_from_metadata(tmp_path):
+    path = tmp_path / "d.parquet"
+    pd.DataFrame({"messages": [r["messages"] for r in _rows(7)]}).to_parquet(path)
+    assert count_source_rows(path, tmp_path / "cache") == 7
+
+
+def test_count_is_cached_by_size_and_mtime(tmp_path):
+    cache = tmp_path / "cache"
+    path = _write_jsonl(tmp_path / "d.jsonl", _rows(5))
+    assert count_source_rows(path, cache) == 5
+    (cache_file,) = cache.glob("source-*.json")
+    entry = json.loads(cache_file.read_text())
+    assert entry["path"] == str(path.resolve()) and entry["num_rows"] == 5
+    # A cached answer for the same identity is trusted (proves the cache is read, not recounted).
+    entry["num_rows"] = 999
+    cache_file.write_text(json.dumps(entry))
+    assert count_source_rows(path, cache) == 999
+    # Changing the file changes size and mtime, so the stale entry is ignored.
+    _write_jsonl(path, _rows(6))
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+    assert count_source_rows(path, cache) == 6
+
+
+def test_missing_source_is_named(tmp_path):
+    with pytest.raises(PipelineError, match="nope.jsonl does not exist"):
+        count_source_rows(tmp_path / "nope.jsonl", tmp_path / "cache")
+
+
+def test_unsupported_source_type(tmp_path):
+    path = tmp_path / "d.csv"
+    path.write_text("a,b\n")
+    with pytest.raises(PipelineError, match="unsupported file type"):
+        count_source_rows(path, tmp_path / "cache")
+
+
+def test_digests_change_only_for_the_edited_shard_jsonl(tmp_path):
+    rows = _rows(10)
+    path = _write_jsonl(tmp_path / "d.jsonl", rows)
+    before = shard_source_digests(path, 4, tmp_path / "cache")
+    assert list(before) == ["rows_0-4", "rows_4-8", "rows_8-10"]
+    assert len(set(before.values())) == 3
+    rows[5]["messages"][0]["content"] = "edited"
+    _write_jsonl(path, rows)
+    after = shard_source_digests(path, 4, tmp_path / "cache")
+    assert after["rows_4-8"] != before["rows_4-8"]
+    assert after["rows_0-4"] == before["rows_0-4"]
+    assert after["rows_8-10"] == before["rows_8-10"]
+
+
+def test_digests_ignore_blank_lines_and_are_cached(tmp_path):
+    rows = _rows(6)
+    plain = shard_source_digests(_write_jsonl(tmp_path / "a.jsonl", rows), 4, tmp_path / "c")
+    spaced = shard_source_digests(
+        _write_jsonl(tmp_path / "b.jsonl", rows, blank_every=2), 4, tmp_path / "c"
+    )
+    assert plain == spaced
+    # The second call with the same plan reads the cache entry written by the first.
+    assert shard_source_digests(tmp_path / "a.jsonl", 4, tmp_path / "c") == plain
+    assert count_source_rows(tmp_path / "a.jsonl", tmp_path / "c") == 6
+
+
+def test_digests_change_only_for_the_edited_shard_parquet(tmp_path):
+    path = tmp_path / "d.parquet"
+    messages = [r["messages"] for r in _rows(9)]
+    pd.DataFrame({"messages": messages}).to_parquet(path)
+    before = shard_source_digests(path, 3, tmp_path / "cache")
+    messages[1] = [{"role": "user", "content": "edited"}]
+    pd.DataFrame({"messages": messages}).to_parquet(path)
+    after = shard_source_digests(path, 3, tmp_path / "cache")
+    assert [k for k in before if before[k] != after[k]] == ["rows_0-3"]
+
+
+def test_digests_of_empty_source(tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("\n")
+    assert shard_source_digests(path, 4, tmp_path / "cache") == {}
+    assert plan_for_source(path, 4, tmp_path / "cache") == []
