@@ -91,8 +91,8 @@ def load_shard_rows(table_path: Path, start: int, end: int) -> ShardRows:
     rows = rows.sort_values("row_id")
     return ShardRows(
         row_ids=[int(r) for r in rows["row_id"]],
-        input_ids=[np.asarray(ids, dtype=np.int32) for ids in rows["input_ids"]],
-        loss_masks=[np.asarray(mask, dtype=np.uint8) for mask in rows["loss_mask"]],
+        input_ids=[np.array(ids, dtype=np.int32) for ids in rows["input_ids"]],
+        loss_masks=[np.array(mask, dtype=np.uint8) for mask in rows["loss_mask"]],
     )
 
 

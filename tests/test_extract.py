@@ -1,0 +1,384 @@
+"""Per-shard extraction through the real reference server (started by the real lifecycle):
+tensors equal a direct transformers forward, kill -9 + resume, truncated chunks, faulty dumps,
+a second writer, too little free space, stale dumps of another nonce."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections import namedtuple
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from eaglepipe.config import load_config
+from eaglepipe.dump import DumpWriter, make_rid
+from eaglepipe.errors import PipelineError
+from eaglepipe.extract import extract_shard
+from eaglepipe.server.lifecycle import server_status, stop_server
+from eaglepipe.shard_store import iter_rows, open_chunk, read_manifest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SHARD = "rows_0-24"
+SKIPPED_ROW = 7  # a row prepare dropped: the shard has a gap there
+AUX_IDS = [1, 3, 4]  # the default for the 8-layer tiny Llama
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prepared_rows() -> list[dict]:
+    rng = np.random.default_rng(0)
+    rows = []
+    for row_id in range(24):
+        if row_id == SKIPPED_ROW:
+            continue
+        n = int(rng.integers(3, 40))
+        rows.append(
+            {
+                "row_id": row_id,
+                "split": "train",
+                "num_tokens": n,
+                "input_ids": rng.integers(0, 300, n).astype(np.int32).tolist(),
+                "loss_mask": rng.integers(0, 2, n).astype(np.uint8).tolist(),
+                "truncated": False,
+            }
+        )
+    return rows
+
+
+def make_workdir(root: Path, model_dir: Path) -> Path:
+    """A run directory: config.json, prepared/ (table per CONTRACTS), its own server state."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from eaglepipe.prepare import table_schema
+
+    root.mkdir(parents=True, exist_ok=True)
+    config = load_config(REPO_ROOT / "config.yaml")
+    config["model"]["path"] = str(model_dir)
+    config["dataset"]["path"] = str(root / "conversations.jsonl")
+    config["shards"]["rows_per_shard"] = 24
+    config["shards"]["chunk_max_bytes"] = 12000  # ~2 rows per chunk at H=32
+    config["server"].update(
+        port=free_port(),
+        dump_root=str(root / "dumps"),
+        device="cpu",
+        dtype="float32",
+        idle_timeout_s=120,
+        health_timeout_s=300,
+        max_batch_tokens=512,
+    )
+    config["extract"]["max_inflight_requests"] = 4
+    (root / "config.json").write_text(json.dumps(config))
+    rows = prepared_rows()
+    prepared = root / "prepared"
+    prepared.mkdir(exist_ok=True)
+    table = pa.Table.from_pylist(rows, schema=table_schema())
+    pq.write_table(table, prepared / "tokenized.parquet")
+    (prepared / "summary.json").write_text(
+        json.dumps(
+            {
+                "rows": len(rows),
+                "provenance": {
+                    "dataset_hash": "d" * 32,
+                    "tokenizer_fingerprint": "t" * 32,
+                    "model_config_hash": "m" * 32,
+                },
+            }
+        )
+    )
+    return root
+
+
+def run_config(workdir: Path) -> dict:
+    from eaglepipe.config import config_from_arg
+
+    return config_from_arg(workdir / "config.json")
+
+
+@pytest.fixture
+def in_dir(monkeypatch):
+    def enter(path: Path) -> Path:
+        monkeypatch.chdir(path)
+        return path
+
+    return enter
+
+
+def stop_workdir_server(workdir: Path) -> None:
+    cwd = os.getcwd()
+    os.chdir(workdir)
+    try:
+        stop_server()
+    finally:
+        os.chdir(cwd)
+
+
+@pytest.fixture(scope="module")
+def main_run(tiny_llama_dir, tmp_path_factory):
+    """One uninterrupted extraction of the shard; its server stays up for the module."""
+    workdir = make_workdir(tmp_path_factory.mktemp("main-run"), tiny_llama_dir)
+    cwd = os.getcwd()
+    os.chdir(workdir)
+    try:
+        lines: list[str] = []
+        manifest = extract_shard(run_config(workdir), SHARD, log=lines.append)
+    finally:
+        os.chdir(cwd)
+    yield workdir, manifest, lines
+    stop_workdir_server(workdir)
+
+
+def direct_forward(model_dir: Path, input_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    model = _models.get(model_dir)
+    if model is None:
+        model = _models[model_dir] = AutoModelForCausalLM.from_pretrained(
+            str(model_dir), dtype=torch.float32
+        ).eval()
+    with torch.inference_mode():
+        out = model(torch.tensor([input_ids]), output_hidden_states=True)
+    hidden = out.hidden_states
+    aux = torch.cat([hidden[k + 1][0] for k in AUX_IDS], dim=-1)
+    return aux, hidden[-1][0]
+
+
+_models: dict = {}
+
+
+def chunk_tensors(path: Path) -> dict[str, torch.Tensor]:
+    with open_chunk(path) as reader:
+        return {
+            name: reader.tensor(name)
+            for name in (
+                "row_ids",
+                "offsets",
+                "input_ids",
+                "loss_mask",
+                "aux_hidden_states",
+                "final_hidden_states",
+            )
+        }
+
+
+def test_every_row_equals_a_direct_forward(main_run, tiny_llama_dir):
+    workdir, manifest, lines = main_run
+    shard_dir = workdir / "hidden_states" / SHARD
+    prepared = {r["row_id"]: r for r in prepared_rows()}
+    assert manifest == read_manifest(shard_dir / "manifest.json")
+    assert manifest["num_rows"] == len(prepared) and len(manifest["chunks"]) > 3
+    assert [r for c in manifest["chunks"] for r in c["row_ids"]] == sorted(prepared)
+    assert manifest["hidden_size"] == 32 and manifest["aux_layer_ids"] == AUX_IDS
+    assert manifest["provenance"]["engine"] == "reference"
+    assert manifest["provenance"]["dataset_hash"] == "d" * 32
+    assert manifest["timing"]["requests_sent"] == len(prepared)
+    seen = []
+    for row_id, tensors in iter_rows(shard_dir):
+        seen.append(row_id)
+        row = prepared[row_id]
+        assert tensors["input_ids"].tolist() == row["input_ids"]
+        assert tensors["loss_mask"].tolist() == row["loss_mask"]
+        aux, final = direct_forward(tiny_llama_dir, row["input_ids"])
+        assert tensors["aux_hidden_states"].dtype == torch.bfloat16
+        torch.testing.assert_close(tensors["aux_hidden_states"].float(), aux, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(
+            tensors["final_hidden_states"].float(), final, rtol=2e-2, atol=2e-2
+        )
+    assert seen == sorted(prepared)
+    assert any("rows, " in line and "tokens/s" in line and "ETA" in line for line in lines)
+
+
+def test_kill_minus_9_mid_shard_then_resume(main_run, tiny_llama_dir, tmp_path):
+    reference_dir, reference, _ = main_run
+    workdir = make_workdir(tmp_path / "run", tiny_llama_dir)
+    shard_dir = workdir / "hidden_states" / SHARD
+    journal = shard_dir / "journal.jsonl"
+    # The server this first job starts answers 6 requests and then hangs: the job has written
+    # a few chunks and waits for the rest when it is killed.
+    env = {**os.environ, "EAGLEPIPE_FAULT": "hang_after:6"}
+    cmd = [
+        sys.executable,
+        "-u",
+        str(REPO_ROOT / "scripts" / "extract.py"),
+        "--config",
+        "config.json",
+        "--shard",
+        SHARD,
+    ]
+    job = subprocess.Popen(
+        cmd,
+        cwd=workdir,
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (journal.exists() and len(journal.read_text().splitlines()) >= 2):
+            assert job.poll() is None, "the extraction ended before it could be killed"
+            assert time.monotonic() < deadline, "no chunk was journalled in time"
+            time.sleep(0.2)
+        time.sleep(1.0)  # let it settle against the hung server
+    finally:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
+    stop_workdir_server(workdir)  # the hung server; the rerun starts a healthy one
+
+    finished = {
+        json.loads(line)["file"] for line in journal.read_text().splitlines() if line.strip()
+    }
+    assert 1 <= len(finished) < len(reference["chunks"])
+    assert not (shard_dir / "manifest.json").exists()
+    before = {
+        name: ((shard_dir / name).read_bytes(), (shard_dir / name).stat().st_mtime_ns)
+        for name in finished
+    }
+
+    try:
+        rerun = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=300)
+        assert rerun.returncode == 0, rerun.stderr
+        manifest = read_manifest(shard_dir / "manifest.json")
+    finally:
+        stop_workdir_server(workdir)
+
+    for name, (data, mtime) in before.items():
+        assert (shard_dir / name).read_bytes() == data
+        assert (shard_dir / name).stat().st_mtime_ns == mtime
+    resumed_rows = sum(len(c["row_ids"]) for c in manifest["chunks"] if c["file"] in finished)
+    assert manifest["timing"]["requests_sent"] == manifest["num_rows"] - resumed_rows
+    assert manifest["timing"]["requests_sent"] < reference["timing"]["requests_sent"]
+    layout = ("file", "row_ids", "num_tokens", "bytes")
+    assert [{k: c[k] for k in layout} for c in manifest["chunks"]] == [
+        {k: c[k] for k in layout} for c in reference["chunks"]
+    ]
+    for chunk in manifest["chunks"]:
+        got = chunk_tensors(shard_dir / chunk["file"])
+        want = chunk_tensors(reference_dir / "hidden_states" / SHARD / chunk["file"])
+        for name in ("row_ids", "offsets", "input_ids", "loss_mask"):
+            assert torch.equal(got[name], want[name])
+        for name in ("aux_hidden_states", "final_hidden_states"):
+            torch.testing.assert_close(got[name].float(), want[name].float(), rtol=2e-2, atol=2e-2)
+    assert "verified from an earlier run" in rerun.stderr
+
+
+def test_truncated_chunk_is_redone(main_run, in_dir):
+    source_dir, reference, _ = main_run
+    workdir = in_dir(source_dir)
+    shard_dir = workdir / "hidden_states" / SHARD
+    chunk = reference["chunks"][1]
+    victim = shard_dir / chunk["file"]
+    data = victim.read_bytes()
+    victim.write_bytes(data[: len(data) // 2])
+    others = {
+        c["file"]: (shard_dir / c["file"]).stat().st_mtime_ns
+        for c in reference["chunks"]
+        if c["file"] != chunk["file"]
+    }
+    manifest = extract_shard(run_config(workdir), SHARD, log=lambda line: None)
+    assert manifest["timing"]["requests_sent"] == len(chunk["row_ids"])
+    redone = manifest["chunks"][1]
+    assert redone["bytes"] == len(data) and redone["row_ids"] == chunk["row_ids"]
+    assert victim.stat().st_size == len(data)
+    for name, mtime in others.items():
+        assert (shard_dir / name).stat().st_mtime_ns == mtime
+
+
+def test_stale_dump_of_another_nonce_is_swept_never_ingested(main_run, in_dir, tiny_llama_dir):
+    workdir = in_dir(main_run[0])
+    dump_dir = Path(server_status()["state"]["dump_dir"])
+    row_in_shard, row_elsewhere = 3, 900
+    stale_nonce = "0" * 12
+    with DumpWriter(dump_dir, "eaglepipe", aux_layer_ids=AUX_IDS) as writer:
+        for row_id in (row_in_shard, row_elsewhere):
+            n = next(r["num_tokens"] for r in prepared_rows() if r["row_id"] == 3)
+            writer.submit(
+                [make_rid("eaglepipe", stale_nonce, row_id, 0)],
+                [n],
+                torch.full((n, 96), 1000.0),
+                torch.full((n, 32), 1000.0),
+            )
+    shard_dir = workdir / "hidden_states" / SHARD
+    shutil.rmtree(shard_dir)
+    lines: list[str] = []
+    extract_shard(run_config(workdir), SHARD, log=lines.append)
+    assert not (
+        dump_dir / f"{make_rid('eaglepipe', stale_nonce, row_in_shard, 0)}.safetensors"
+    ).exists()
+    elsewhere = dump_dir / f"{make_rid('eaglepipe', stale_nonce, row_elsewhere, 0)}.safetensors"
+    assert elsewhere.exists()  # another shard's business
+    elsewhere.unlink()
+    assert any("swept 1 stale dump" in line for line in lines)
+    row = dict(iter_rows(shard_dir))[row_in_shard]
+    aux, _ = direct_forward(
+        tiny_llama_dir, next(r for r in prepared_rows() if r["row_id"] == 3)["input_ids"]
+    )
+    torch.testing.assert_close(row["aux_hidden_states"].float(), aux, rtol=2e-2, atol=2e-2)
+
+
+def test_wrong_token_count_fails_naming_the_row(tiny_llama_dir, tmp_path, in_dir, monkeypatch):
+    workdir = in_dir(make_workdir(tmp_path / "run", tiny_llama_dir))
+    monkeypatch.setenv("EAGLEPIPE_FAULT", "wrong_token_count")
+    try:
+        with pytest.raises(
+            PipelineError, match=r"row \d+ .*dump holds \d+ tokens, the request had"
+        ):
+            extract_shard(run_config(workdir), SHARD, log=lambda line: None)
+    finally:
+        stop_server()
+    assert not (workdir / "hidden_states" / SHARD / "manifest.json").exists()
+
+
+def test_second_writer_is_refused_naming_the_pid(main_run, tmp_path, tiny_llama_dir, in_dir):
+    workdir = in_dir(make_workdir(tmp_path / "run", tiny_llama_dir))
+    shard_dir = workdir / "hidden_states" / SHARD
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(
+                f"""
+                import time
+                from eaglepipe.shard_store import ShardLock
+                ShardLock({str(shard_dir)!r}).acquire()
+                print("locked", flush=True)
+                time.sleep(120)
+                """
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(PipelineError, match=rf"PID {holder.pid} on host"):
+            extract_shard(run_config(workdir), SHARD, log=lambda line: None)
+    finally:
+        os.killpg(holder.pid, signal.SIGKILL)
+        holder.wait()
+    assert not list(shard_dir.glob("chunk-*"))
+
+
+def test_too_little_free_space_writes_nothing(tmp_path, tiny_llama_dir, in_dir, monkeypatch):
+    workdir = in_dir(make_workdir(tmp_path / "run", tiny_llama_dir))
+    Usage = namedtuple("Usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(10**9, 10**9 - 50_000, 50_000))
+    with pytest.raises(PipelineError, match=rf"shard {SHARD} needs .* but only 50\.0 KB is free"):
+        extract_shard(run_config(workdir), SHARD, log=lambda line: None)
+    assert not (workdir / "hidden_states").exists()
+    assert not (workdir / ".eaglepipe" / "server").exists()  # no server was started
