@@ -1,0 +1,291 @@
+"""The SGLang dump hook's tensor logic, on plain CPU tensors shaped and packed as SGLang 0.5.23
+passes them to LogitsProcessor.forward (names verified by tests/test_sglang_contract.py):
+a list of per-layer [T, H] captures (Llama family) or one packed [T, 3H] tensor (DeepSeek family,
+AuxHiddenStatePacker), several requests per prefill batch, split by `forward_batch.rids` and
+`extend_seq_lens_cpu`."""
+
+from __future__ import annotations
+
+import enum
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from eaglepipe.dump import make_rid, read_dump
+from eaglepipe.server import sglang as recipe
+
+PATCH_DIR = Path(__file__).resolve().parent.parent / "patch"
+HIDDEN = 16
+AUX_IDS = [1, 3, 4]
+NONCE = "0123456789ab"
+
+
+class ForwardMode(enum.IntEnum):
+    """Stand-in with the members and method of sglang's ForwardMode that the hook uses."""
+
+    EXTEND = enum.auto()
+    DECODE = enum.auto()
+    MIXED = enum.auto()
+    IDLE = enum.auto()
+
+    def is_decode_or_idle(self):
+        return self == ForwardMode.DECODE or self == ForwardMode.IDLE
+
+
+class LogitsProcessorStandIn(nn.Module):
+    def forward(self, input_ids, hidden_states, lm_head, logits_metadata, aux_hidden_states=None):
+        return hidden_states.sum()
+
+
+@pytest.fixture
+def hook_module(monkeypatch):
+    """patch/eaglepipe_hook.py imported as SGLang imports it, with a stand-in TP rank."""
+    rank = types.SimpleNamespace(tp_rank=0)
+    runtime_context = types.ModuleType("sglang.srt.runtime_context")
+    runtime_context.get_parallel = lambda: rank
+    for name in ("sglang", "sglang.srt"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "sglang.srt.runtime_context", runtime_context)
+    monkeypatch.syspath_prepend(str(PATCH_DIR))
+    monkeypatch.delitem(sys.modules, "eaglepipe_hook", raising=False)
+    import eaglepipe_hook
+
+    eaglepipe_hook.test_rank = rank
+    yield eaglepipe_hook
+    sys.modules.pop("eaglepipe_hook", None)
+
+
+def make_hook(hook_module, dump_dir: Path):
+    spec = recipe.hook_spec(
+        dump_dir=dump_dir, request_prefix="eaglepipe", aux_layer_ids=AUX_IDS, instance_id="t"
+    )
+    return hook_module.make_dump_hook(spec["config"])
+
+
+def rid(row: int) -> str:
+    return make_rid("eaglepipe", NONCE, row, 0)
+
+
+class Batch:
+    """Captured tensors for a batch of (rid, tokens) requests, packed in request order."""
+
+    def __init__(self, requests: list[tuple[str, int]], *, seed: int = 0):
+        gen = torch.Generator().manual_seed(seed)
+        self.rids = [r for r, _ in requests]
+        self.lens = [n for _, n in requests]
+        total = sum(self.lens)
+        self.captures = [
+            torch.randn(total, HIDDEN, generator=gen).to(torch.bfloat16) for _ in AUX_IDS
+        ]
+        self.final = torch.randn(total, HIDDEN, generator=gen).to(torch.bfloat16)
+        self.offsets = [sum(self.lens[:i]) for i in range(len(self.lens) + 1)]
+
+    def aux(self, layout: str):
+        if layout == "list":
+            return list(self.captures)
+        return torch.cat(self.captures, dim=-1)  # AuxHiddenStatePacker's [T, K*H]
+
+    def forward_batch(self, mode=ForwardMode.EXTEND, prefix_lens=None, host_lists=True):
+        prefix_lens = prefix_lens or [0] * len(self.rids)
+        return types.SimpleNamespace(
+            forward_mode=mode,
+            rids=list(self.rids),
+            extend_seq_lens=torch.tensor(self.lens, dtype=torch.int32),
+            extend_prefix_lens=torch.tensor(prefix_lens, dtype=torch.int32),
+            extend_seq_lens_cpu=list(self.lens) if host_lists else None,
+            extend_prefix_lens_cpu=list(prefix_lens) if host_lists else None,
+            contains_last_prefill_chunk=True,
+        )
+
+    def expected(self, index: int):
+        lo, hi = self.offsets[index], self.offsets[index + 1]
+        return torch.cat([c[lo:hi] for c in self.captures], dim=-1), self.final[lo:hi]
+
+
+def attach(hook) -> nn.Module:
+    """A logits-processor stand-in with the hook registered as SGLang's hook manager does."""
+    processor = LogitsProcessorStandIn()
+    processor.register_forward_hook(hook)
+    return processor
+
+
+def run_forward(processor: nn.Module, batch: Batch, forward_batch, aux):
+    input_ids = torch.zeros(batch.final.shape[0], dtype=torch.int64)
+    processor(input_ids, batch.final, "lm_head", forward_batch, aux)
+
+
+@pytest.mark.parametrize("layout", ["list", "packed"])
+def test_each_prefixed_request_gets_its_own_slice(hook_module, tmp_path, layout):
+    dump_dir = tmp_path / "dumps"
+    hook = make_hook(hook_module, dump_dir)
+    processor = attach(hook)
+    requests = [
+        (rid(10), 5),
+        ("HEALTH_CHECK_1f2e3d", 1),
+        (rid(11), 7),
+        ("9c0ffee0deadbeef9c0ffee0deadbeef", 3),  # a warm-up request's uuid4().hex rid
+        (rid(12), 2),
+        ("otherprefix-0123456789ab-1-0", 4),
+    ]
+    batch = Batch(requests)
+    run_forward(processor, batch, batch.forward_batch(), batch.aux(layout))
+    hook.close()
+    assert sorted(p.name for p in dump_dir.iterdir()) == sorted(
+        f"{rid(r)}.safetensors" for r in (10, 11, 12)
+    )
+    for index in (0, 2, 4):
+        aux, final, meta = read_dump(dump_dir / f"{batch.rids[index]}.safetensors")
+        want_aux, want_final = batch.expected(index)
+        assert meta["rid"] == batch.rids[index]
+        assert meta["num_tokens"] == batch.lens[index]
+        assert meta["hidden_size"] == HIDDEN and meta["aux_layer_ids"] == AUX_IDS
+        assert torch.equal(aux, want_aux)
+        assert torch.equal(final, want_final)
+        # Layer order inside the row: the first H columns are the lowest aux layer.
+        assert torch.equal(aux[:, :HIDDEN], batch.captures[0][batch.offsets[index] :][: len(aux)])
+
+
+def test_device_extend_lengths_are_used_when_host_lists_are_absent(hook_module, tmp_path):
+    hook = make_hook(hook_module, tmp_path)
+    processor = attach(hook)
+    batch = Batch([(rid(1), 3), (rid(2), 6)], seed=1)
+    run_forward(processor, batch, batch.forward_batch(host_lists=False), batch.aux("packed"))
+    hook.close()
+    aux, final, _ = read_dump(tmp_path / f"{rid(2)}.safetensors")
+    assert torch.equal(aux, batch.expected(1)[0]) and torch.equal(final, batch.expected(1)[1])
+
+
+def test_several_batches_accumulate_dumps(hook_module, tmp_path):
+    hook = make_hook(hook_module, tmp_path)
+    processor = attach(hook)
+    for seed, rows in enumerate(([1, 2], [3], [4, 5, 6])):
+        batch = Batch([(rid(r), 2 + r) for r in rows], seed=seed)
+        run_forward(processor, batch, batch.forward_batch(), batch.aux("list"))
+    hook.close()
+    assert len(list(tmp_path.glob("*.safetensors"))) == 6
+
+
+def test_prefix_cache_hit_fails_loudly_and_writes_nothing(hook_module, tmp_path):
+    hook = make_hook(hook_module, tmp_path)
+    processor = attach(hook)
+    batch = Batch([(rid(1), 4), (rid(2), 4)])
+    with pytest.raises(RuntimeError, match=f"request {rid(2)} starts at token 3"):
+        run_forward(processor, batch, batch.forward_batch(prefix_lens=[0, 3]), batch.aux("packed"))
+    hook.close()
+    assert list(tmp_path.glob("*.safetensors")) == []
+
+
+def test_prefix_on_a_request_that_is_not_ours_is_ignored(hook_module, tmp_path):
+    hook = make_hook(hook_module, tmp_path)
+    processor = attach(hook)
+    batch = Batch([("HEALTH_CHECK_ab", 2), (rid(7), 3)])
+    run_forward(processor, batch, batch.forward_batch(prefix_lens=[5, 0]), batch.aux("list"))
+    hook.close()
+    assert [p.name for p in tmp_path.glob("*.safetensors")] == [f"{rid(7)}.safetensors"]
+
+
+def test_unfinished_prefill_chunk_fails_loudly(hook_module, tmp_path):
+    hook = make_hook(hook_module, tmp_path)
+    processor = attach(hook)
+    batch = Batch([(rid(1), 4)])
+    forward_batch = batch.forward_batch()
+    forward_batch.contains_last_prefill_chunk = False
+    with pytest.raises(RuntimeError, match="unfinished prefill chunks"):
+        run_forward(processor, batch, forward_batch, batch.aux("list"))
+    hook.close()
+
+
+def test_decode_and_idle_batches_do_nothing(hook_module, tmp_path):
+    hook = make_hook(hook_module, tmp_path)
+    processor = attach(hook)
+    batch = Batch([(rid(1), 1), (rid(2), 1)])
+    for mode in (ForwardMode.DECODE, ForwardMode.IDLE):
+        # Decode batches carry one token per request and earlier tokens as prefix.
+        fb = batch.forward_batch(mode=mode, prefix_lens=[9, 12])
+        run_forward(processor, batch, fb, batch.aux("packed"))
+    hook.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_mixed_batch_with_our_requests_is_refused(hook_module, tmp_path):
+    hook = make_hook(hook_module, tmp_path)
+    processor = attach(hook)
+    batch = Batch([(rid(1), 3)])
+    with pytest.raises(RuntimeError, match="MIXED batch"):
+        mixed = batch.forward_batch(mode=ForwardMode.MIXED)
+        run_forward(processor, batch, mixed, batch.aux("list"))
+    hook.close()
+
+
+def test_batches_without_our_requests_pass_through_untouched(hook_module, tmp_path):
+    hook = make_hook(hook_module, tmp_path)
+    processor = attach(hook)
+    batch = Batch([("HEALTH_CHECK_1", 1), ("abcdef0123", 2)])
+    # Even with no aux at all (as a model without capture would call it).
+    run_forward(processor, batch, batch.forward_batch(mode=ForwardMode.MIXED), None)
+    hook.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "aux,match",
+    [
+        (None, "no aux hidden states"),
+        ("two-layers", "2 aux hidden states captured, 3 expected"),
+        ("wrong-width", r"aux hidden states are \(6, 32\)"),
+    ],
+)
+def test_missing_or_misshapen_aux_fails_loudly(hook_module, tmp_path, aux, match):
+    hook = make_hook(hook_module, tmp_path)
+    processor = attach(hook)
+    batch = Batch([(rid(1), 6)])
+    value = {
+        None: None,
+        "two-layers": batch.captures[:2],
+        "wrong-width": torch.cat(batch.captures[:2], dim=-1),
+    }[aux]
+    with pytest.raises(RuntimeError, match=match):
+        run_forward(processor, batch, batch.forward_batch(), value)
+    hook.close()
+
+
+def test_extend_lengths_longer_than_the_hidden_states_fail(hook_module, tmp_path):
+    hook = make_hook(hook_module, tmp_path)
+    processor = attach(hook)
+    batch = Batch([(rid(1), 6)])
+    forward_batch = batch.forward_batch()
+    forward_batch.extend_seq_lens_cpu = [9]
+    with pytest.raises(RuntimeError, match="hold 6 tokens, the batch's extend lengths sum to 9"):
+        run_forward(processor, batch, forward_batch, batch.aux("list"))
+    hook.close()
+
+
+def test_only_tensor_parallel_rank_zero_writes(hook_module, tmp_path):
+    hook_module.test_rank.tp_rank = 3
+    assert make_hook(hook_module, tmp_path / "rank3") is None
+    assert not (tmp_path / "rank3").exists()
+    hook_module.test_rank.tp_rank = 0
+    hook = make_hook(hook_module, tmp_path / "rank0")
+    assert (tmp_path / "rank0").stat().st_mode & 0o777 == 0o700
+    hook.close()
+
+
+def test_hook_attached_to_two_modules_fails(hook_module, tmp_path):
+    hook = make_hook(hook_module, tmp_path)
+    batch = Batch([(rid(1), 2)])
+    first, second = LogitsProcessorStandIn(), LogitsProcessorStandIn()
+    first.register_forward_hook(hook)
+    second.register_forward_hook(hook)
+    first(None, batch.final, None, batch.forward_batch(), batch.aux("list"))
+    with pytest.raises(RuntimeError, match="attached to two modules"):
+        second(None, batch.final, None, batch.forward_batch(), batch.aux("list"))
+    hook.close()
+
+
+def test_factory_rejects_a_config_without_its_keys(hook_module):
+    with pytest.raises(ValueError, match="config lacks dump_dir, aux_layer_ids"):
+        hook_module.make_dump_hook({"request_prefix": "eaglepipe"})
