@@ -415,11 +415,10 @@ def validation_figure(
 
 
 def _smooth(values: np.ndarray, window: int) -> np.ndarray:
-    if window <= 1 or len(values) < window:
-        return values
-    kernel = np.ones(window) / window
-    padded = np.concatenate([np.full(window - 1, values[0]), values])
-    return np.convolve(padded, kernel, mode="valid")
+    """Trailing mean that skips missing values (a position with no tokens in a step is NaN)."""
+    import pandas as pd
+
+    return pd.Series(values).rolling(window, min_periods=1).mean().to_numpy()
 
 
 def training_figure(train_log: str | os.PathLike, out_png: str | os.PathLike) -> Path:
@@ -472,51 +471,69 @@ def training_figure(train_log: str | os.PathLike, out_png: str | os.PathLike) ->
 # --- acceptance ------------------------------------------------------------------------------
 
 
+def _fractions(values: list, where: str, key: str) -> list[float]:
+    """Per-position fractions; a position never reached (None in the JSON) reads as 0."""
+    if not isinstance(values, list):
+        raise PipelineError(f"{where}: {key!r} must be a list of per-position fractions")
+    return [0.0 if v is None else float(v) for v in values]
+
+
 def acceptance_figure(
     eval_json: str | os.PathLike,
     out_png: str | os.PathLike,
     live_json: str | os.PathLike | None = None,
     out_csv: str | os.PathLike | None = None,
 ) -> Path:
-    """Per-position accuracy on held-out data (the chance the drafter's k-th token is accepted
-    given the earlier ones were), the acceptance length it implies, and the live one."""
+    """Per draft position on the held-out rows (drafter/eval.json): agreement with the target
+    with the true prefix (teacher-forced), agreement given every earlier draft was accepted,
+    and the chance the whole chain up to it is accepted; plus the simulated and live
+    (drafter/live.json) acceptance lengths."""
     evaluation = read_json(eval_json)
     where = str(eval_json)
-    accuracy = [float(a) for a in require(evaluation, "per_position_accuracy", where)]
+    accuracy = _fractions(require(evaluation, "accuracy", where), where, "accuracy")
+    conditional = _fractions(
+        require(evaluation, "conditional_accuracy", where), where, "conditional_accuracy"
+    )
+    if len(conditional) != len(accuracy):
+        raise PipelineError(f"{where}: 'accuracy' and 'conditional_accuracy' differ in length")
     simulated = evaluation.get("acceptance_length")
-    live = read_json(live_json) if live_json else None
-    live_length = (live or {}).get("acceptance_length")
-
-    # Cumulative product: the chance that positions 0..k are all accepted.
-    reach = np.cumprod(accuracy) if accuracy else np.asarray([])
+    live_length = read_json(live_json).get("acceptance_length") if live_json else None
+    # The chance that drafts 1..k are all accepted: the product of the conditional rates.
+    reach = np.cumprod(conditional) if conditional else np.asarray([])
     if out_csv is not None:
         write_csv(
             [
-                {"position": p, "accuracy": a, "all_accepted_through": float(r)}
-                for p, (a, r) in enumerate(zip(accuracy, reach, strict=True))
+                {"position": p + 1, "accuracy": a, "conditional_accuracy": c, "accepted_through": r}
+                for p, (a, c, r) in enumerate(zip(accuracy, conditional, reach, strict=True))
             ],
             out_csv,
-            ("position", "accuracy", "all_accepted_through"),
+            ("position", "accuracy", "conditional_accuracy", "accepted_through"),
         )
-    fig, ax = plt.subplots(figsize=(8, 4.2))
+    fig, ax = plt.subplots(figsize=(9, 4.4))
     if not accuracy:
         _empty_note(ax, "no positions evaluated")
         return save_figure(fig, out_png)
     x = np.arange(len(accuracy))
-    ax.bar(x - 0.2, accuracy, 0.4, color="tab:blue", label="accuracy at position (conditional)")
-    ax.bar(x + 0.2, reach, 0.4, color="tab:green", label="accepted through position")
-    for xi, a in zip(x, accuracy, strict=True):
-        ax.text(xi - 0.2, a + 0.01, f"{a:.2f}", ha="center", fontsize=7)
+    width = 0.27
+    ax.bar(x - width, accuracy, width, color="tab:blue", label="accuracy (true prefix)")
+    ax.bar(x, conditional, width, color="tab:orange", label="given earlier drafts accepted")
+    ax.bar(x + width, reach, width, color="tab:green", label="whole chain accepted")
+    for xi, c in zip(x, conditional, strict=True):
+        ax.text(xi, c + 0.01, f"{c:.2f}", ha="center", fontsize=7)
     ax.set_xticks(x, [str(p + 1) for p in x])
     ax.set_xlabel("draft position")
-    ax.set_ylim(0, 1.08)
-    ax.set_ylabel("fraction of held-out tokens")
+    ax.set_ylim(0, 1.1)
+    ax.set_ylabel("fraction of held-out positions")
     title = []
     if isinstance(simulated, int | float) and math.isfinite(simulated):
         title.append(f"simulated acceptance length {simulated:.2f}")
     if isinstance(live_length, int | float) and math.isfinite(live_length):
         title.append(f"live {live_length:.2f}")
-    ax.set_title(", ".join(title) or "per-position acceptance")
+    rows = evaluation.get("rows")
+    ax.set_title(
+        (", ".join(title) or "acceptance per draft position")
+        + (f" ({rows} held-out rows)" if rows else "")
+    )
     ax.legend(frameon=False, fontsize=8, loc="upper right")
     fig.tight_layout()
     return save_figure(fig, out_png)

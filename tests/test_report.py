@@ -136,6 +136,8 @@ def write_train_log(workdir: Path, steps: int = 120, positions: int = 7) -> Path
     lines = []
     for step in range(1, steps + 1):
         acc = [min(1.0, 0.1 + step / steps * 0.7 * 0.9**p) for p in range(positions)]
+        if step % 7 == 0:
+            acc[-1] = None  # no token reached the last position in this batch
         lines.append(
             json.dumps({"step": step, "epoch": step // 40, "loss": 8.0 / step, "acc": acc})
         )
@@ -144,17 +146,21 @@ def write_train_log(workdir: Path, steps: int = 120, positions: int = 7) -> Path
 
 
 def write_eval(workdir: Path) -> tuple[Path, Path]:
+    """drafter/eval.json and drafter/live.json as eaglepipe.drafter.evaluate / live write them."""
     drafter = workdir / "drafter"
     drafter.mkdir(exist_ok=True)
-    (drafter / "eval.json").write_text(
-        json.dumps(
-            {
-                "per_position_accuracy": [0.8, 0.7, 0.6, 0.5, 0.45, 0.4, 0.35],
-                "acceptance_length": 3.1,
-            }
-        )
-    )
-    (drafter / "live.json").write_text(json.dumps({"acceptance_length": 2.8}))
+    evaluation = {
+        "rows": 6,
+        "positions": 900,
+        "ttt_length": 7,
+        "accuracy": [0.8, 0.7, 0.6, 0.5, 0.45, 0.4, None],
+        "conditional_accuracy": [0.8, 0.75, 0.7, 0.6, 0.5, 0.5, None],
+        "counted": [900, 880, 860, 840, 820, 800, 0],
+        "acceptance_length": 3.1,
+    }
+    (drafter / "eval.json").write_text(json.dumps(evaluation))
+    live = {"prompts": 8, "acceptance_length": 2.8, "offline_acceptance_length": 3.1}
+    (drafter / "live.json").write_text(json.dumps(live))
     return drafter / "eval.json", drafter / "live.json"
 
 
@@ -223,7 +229,18 @@ def test_acceptance_figure_and_table(tmp_path):
     with open(tmp_path / "acceptance.csv") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 7
-    assert float(rows[1]["all_accepted_through"]) == pytest.approx(0.8 * 0.7)
+    assert float(rows[1]["accepted_through"]) == pytest.approx(0.8 * 0.75)
+    # A position no chain reached is written as 0, not dropped.
+    assert rows[6]["conditional_accuracy"] == "0"
+
+
+def test_acceptance_figure_rejects_mismatched_positions(tmp_path):
+    eval_json, _ = write_eval(tmp_path)
+    evaluation = json.loads(eval_json.read_text())
+    evaluation["conditional_accuracy"] = evaluation["conditional_accuracy"][:3]
+    eval_json.write_text(json.dumps(evaluation))
+    with pytest.raises(PipelineError, match="differ in length"):
+        report.acceptance_figure(eval_json, tmp_path / "acceptance.png")
 
 
 def test_figures_are_deterministic(tmp_path):
