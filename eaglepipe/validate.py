@@ -560,8 +560,17 @@ def check_chunk_values(
     stats.tokens += layout.num_tokens
 
 
+def provenance_key(provenance: dict) -> dict:
+    """What makes two shards comparable: everything in provenance but the shard's own inputs."""
+    return {key: value for key, value in provenance.items() if key != "shard_inputs_hash"}
+
+
 def find_norm_reference(validated_dir: Path, shard: str, provenance: dict) -> dict | None:
-    """The earliest existing report (by validation time) of another shard of equal provenance."""
+    """The earliest existing report (by validation time) of another shard of equal provenance.
+
+    Shards without tokens (every row skipped by prepare) have no norms to compare against.
+    """
+    key = provenance_key(provenance)
     candidates = []
     for path in sorted(Path(validated_dir).glob("rows_*.json")):
         if path.stem == shard:
@@ -570,7 +579,8 @@ def find_norm_reference(validated_dir: Path, shard: str, provenance: dict) -> di
             report = json.loads(path.read_text())
         except (json.JSONDecodeError, OSError):
             continue
-        if report.get("provenance") == provenance and "layer_norms" in report:
+        comparable = provenance_key(report.get("provenance") or {}) == key
+        if comparable and report.get("num_tokens") and "layer_norms" in report:
             candidates.append((report.get("validated_at", ""), path.stem, report))
     return min(candidates, key=lambda c: (c[0], c[1]))[2] if candidates else None
 
@@ -596,8 +606,8 @@ def check_norm_drift(
         "norm_max": {name: float(stats.norm_max[i]) for i, name in enumerate(LAYER_NAMES)},
         "norm_drift_factor": factor,
     }
-    if reference is None:
-        result["norm_ratio_to_reference"] = {name: 1.0 for name in LAYER_NAMES}
+    if reference is None or stats.tokens == 0:
+        result["norm_ratio_to_reference"] = None
         return result
     ratios = {}
     for index, name in enumerate(LAYER_NAMES):
@@ -777,16 +787,20 @@ def new_nonce() -> str:
     return os.urandom(6).hex()
 
 
+# Requests go straight to the local server, never through an http_proxy from the environment.
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 def _post_json(url: str, payload: dict, timeout: float) -> dict:
     request = urllib.request.Request(
         url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"}
     )
-    with urllib.request.urlopen(request, timeout=timeout) as response:
+    with _DIRECT.open(request, timeout=timeout) as response:
         return json.loads(response.read())
 
 
 def reextract_rows(
-    config: dict, shard: str, stored_rows: list[StoredRow], hidden: int
+    config: dict, shard: str, stored_rows: list[StoredRow], hidden: int, aux_layer_ids: list[int]
 ) -> tuple[dict[int, tuple[torch.Tensor, torch.Tensor]], dict]:
     """Each row sent alone through the server under an exclusive lease; its dump read back."""
     from .dump import make_rid, read_dump
@@ -795,7 +809,16 @@ def reextract_rows(
     prefix = config["extract"]["request_prefix"]
     timeout = config["extract"]["request_timeout_s"]
     fresh = {}
+    batch_sizes: list[int | None] = []
     with server_lease(config, exclusive=True) as handle:
+        served = (handle.info.get("aux_layer_ids"), handle.info.get("hidden_size"))
+        if served != (aux_layer_ids, hidden):
+            raise ValidationFailure(
+                shard,
+                "spot_check",
+                f"the server at {handle.url} captures layers {served[0]} at hidden size "
+                f"{served[1]}, the shard holds layers {aux_layer_ids} at {hidden}",
+            )
         nonce = new_nonce()
         for row in stored_rows:
             rid = make_rid(prefix, nonce, row.row_id, 0)
@@ -805,8 +828,8 @@ def reextract_rows(
                 "sampling_params": {"max_new_tokens": 0},
             }
             try:
-                _post_json(f"{handle.url}/generate", payload, timeout)
-            except (urllib.error.URLError, OSError, TimeoutError) as exc:
+                answer = _post_json(f"{handle.url}/generate", payload, timeout)
+            except (urllib.error.URLError, OSError, TimeoutError, ValueError) as exc:
                 raise ValidationFailure(
                     shard,
                     "spot_check",
@@ -814,6 +837,8 @@ def reextract_rows(
                     chunk=row.chunk,
                     row=row.row_id,
                 ) from None
+            batch_size = answer.get("meta_info", {}).get("batch_size")
+            batch_sizes.append(batch_size)
             dump_path = Path(handle.dump_dir) / f"{rid}.safetensors"
             try:
                 aux, final, _ = read_dump(dump_path)
@@ -838,8 +863,24 @@ def reextract_rows(
                     chunk=row.chunk,
                     row=row.row_id,
                 )
+            if batch_size not in (None, 1):
+                # The comparison is only meaningful for a request computed alone.
+                raise ValidationFailure(
+                    shard,
+                    "spot_check",
+                    f"re-extraction {rid} was batched with {batch_size - 1} other request(s) "
+                    "despite the exclusive lease: the server has traffic from outside the pipeline",
+                    chunk=row.chunk,
+                    row=row.row_id,
+                )
             fresh[row.row_id] = (aux, final)
-        info = {"url": handle.url, "engine": handle.info.get("engine"), "nonce": nonce}
+        info = {
+            "url": handle.url,
+            "engine": handle.info.get("engine"),
+            "engine_version": handle.info.get("engine_version"),
+            "nonce": nonce,
+            "batch_sizes": batch_sizes,
+        }
     return fresh, info
 
 
@@ -897,7 +938,7 @@ def check_spot(config: dict, shard: str, shard_dir: Path, manifest: dict, log) -
     bounds = settings["rel_l2_p99_max"], settings["cosine_p1_min"]
     stored_rows = read_stored_rows(shard_dir, manifest, rows)
     log(f"spot check: re-extracting rows {rows} one at a time through the server")
-    fresh, server = reextract_rows(config, shard, stored_rows, hidden)
+    fresh, server = reextract_rows(config, shard, stored_rows, hidden, aux_ids)
     result = {
         "ok": True,
         "rows": rows,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,10 +22,15 @@ from conftest import PYTHON, REPO_ROOT
 
 from eaglepipe import shard_store
 from eaglepipe.config import load_config
+from eaglepipe.extract import extract_shard
+from eaglepipe.server.lifecycle import stop_server
 from eaglepipe.validate import (
     ShardPaths,
+    StoredRow,
     ValidationFailure,
+    compare_rows,
     expected_provenance,
+    independent_forward,
     validate_shard,
     verify_all,
 )
@@ -146,7 +152,7 @@ def write_shard(
         records.append(shard_store.write_chunk(shard_dir, index, tensors, hidden_size=HIDDEN))
     provenance = provenance or {
         **expected_provenance(ws.config),
-        "shard_inputs_hash": "s" * 32,
+        "shard_inputs_hash": shard.ljust(32, "0"),
         "engine": "reference",
         "engine_version": "test",
         "project_version": "0.1.0",
@@ -453,3 +459,86 @@ def test_script_prints_one_error_line_and_exits_1_on_failure(workspace):
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("error: validation check integrity failed (shard rows_0-16, chunk")
     assert not workspace.report().exists()
+
+
+# --- spot check against the real reference server -----------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def served(workspace):
+    """The workspace set up for the real lifecycle and reference server; server stopped after."""
+    config = workspace.config
+    config["server"].update(
+        port=free_port(),
+        dump_root=str(workspace.root / "dumps"),
+        device="cpu",
+        dtype="float32",
+        idle_timeout_s=60,
+        max_batch_tokens=512,
+    )
+    config["shards"]["chunk_max_bytes"] = 12000  # several chunks at H=32
+    config["extract"]["max_inflight_requests"] = 8
+    config["validate"]["spot_check_rows"] = 4
+    try:
+        yield workspace
+    finally:
+        stop_server()
+
+
+def test_spot_check_passes_for_a_shard_extracted_through_the_reference_server(served):
+    manifest = extract_shard(served.config, SHARD, log=lambda line: None)
+    assert len(manifest["chunks"]) > 1
+    report = validate_shard(served.config, SHARD, progress=False)
+    spot = report["checks"]["spot_check"]
+    assert len(spot["rows"]) == 4 and set(spot["rows"]) <= set(range(16)) - {SKIPPED_ROW}
+    # each re-extraction ran alone on the server: the exclusive lease kept everything else out
+    assert spot["server"]["batch_sizes"] == [1, 1, 1, 1]
+    for layers in (spot["reextract"], spot["independent_forward"]["layers"]):
+        assert set(layers) == {"aux_0", "aux_1", "aux_2", "final"}
+        # bf16 storage rounding only
+        assert all(v["rel_l2_p99"] < 0.01 and v["cosine_p1"] > 0.9999 for v in layers.values())
+    assert spot["independent_forward"]["ran"] is True
+    assert served.report().exists()
+    # the same seed and shard pick the same rows
+    again = validate_shard(served.config, SHARD, progress=False)
+    assert again["checks"]["spot_check"]["rows"] == spot["rows"]
+
+
+def test_layer_shift_in_batched_requests_is_caught_by_the_spot_check(served, monkeypatch):
+    monkeypatch.setenv("EAGLEPIPE_FAULT", "shift_layer_batched")
+    # The server comparison alone must catch it (the independent forward would too).
+    served.config["validate"]["independent_forward"] = False
+    extract_shard(served.config, SHARD, log=lambda line: None)
+    failure = expect_failure(served, "spot_check")
+    message = str(failure)
+    assert "re-extraction of the row alone through the server" in message
+    assert failure.chunk and failure.chunk.startswith("chunk-") and failure.row in range(16)
+    assert f"chunk {failure.chunk}, row {failure.row}" in message
+    assert "aux_0 (decoder layer 1 output)" in message
+
+
+def test_independent_forward_tells_a_layer_offset_from_bf16_rounding(workspace):
+    """Stored tensors one layer off (a layer-offset bug applied to every request, which a
+    re-extraction through the same server would reproduce) disagree with the independent
+    forward; the same tensors rounded to bf16 agree."""
+    rows = [
+        StoredRow(row, "chunk-00000.safetensors", workspace.input_ids[row].tolist(), None, None)
+        for row in (0, 1, 2)
+    ]
+    right = independent_forward(workspace.config, rows, [1, 3, 4])
+    off_by_one = independent_forward(workspace.config, rows, [2, 4, 5])
+    for row in rows:
+        row.aux, row.final = (t.to(torch.bfloat16).float() for t in right[row.row_id])
+    args = ("an independent forward", rows)
+    layers = compare_rows(SHARD, *args, right, HIDDEN, [1, 3, 4], 0.05, 0.995)
+    assert all(v["rel_l2_p99"] < 0.01 for v in layers.values())
+    with pytest.raises(ValidationFailure) as info:
+        compare_rows(SHARD, *args, off_by_one, HIDDEN, [1, 3, 4], 0.05, 0.995)
+    assert info.value.check == "spot_check" and info.value.row in (0, 1, 2)
+    assert "aux_0 (decoder layer 1 output) disagrees with an independent forward" in str(info.value)
