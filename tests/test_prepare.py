@@ -1,0 +1,272 @@
+"""The prepare stage: tokenized table, skipped rows, summary, split, determinism, bad rows."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+
+import numpy as np
+import pandas as pd
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from conftest import PYTHON, REPO_ROOT
+
+from eaglepipe import dataset
+from eaglepipe.chat_mask import tokenize_conversation
+from eaglepipe.config import load_config
+from eaglepipe.errors import PipelineError
+from eaglepipe.fingerprint import hash_file, model_config_hash, tokenizer_fingerprint
+from eaglepipe.prepare import is_eval_row, load_prepared, rows_in_range, run_prepare
+from eaglepipe.toy_target import build_toy_target
+
+SAMPLE = REPO_ROOT / "data" / "sample" / "conversations.jsonl"
+OUTPUTS = ("tokenized.parquet", "skipped.json", "summary.json")
+
+
+@pytest.fixture(scope="module")
+def toy_dir(tmp_path_factory):
+    toy = dict(load_config(REPO_ROOT / "config.yaml")["model"]["toy"])
+    toy["train_steps"] = 0  # prepare needs the tokenizer only
+    return build_toy_target(tmp_path_factory.mktemp("toy") / "toy-target", toy, SAMPLE, 1)
+
+
+@pytest.fixture(scope="module")
+def sample_rows():
+    return [json.loads(line) for line in SAMPLE.read_text().splitlines()[:40]]
+
+
+def _config(toy_dir, data_path, **dataset_overrides):
+    config = copy.deepcopy(load_config(REPO_ROOT / "config.yaml"))
+    config["model"]["path"] = str(toy_dir)
+    config["dataset"]["path"] = str(data_path)
+    config["dataset"].update(dataset_overrides)
+    config["shards"]["rows_per_shard"] = 16
+    return config
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    return path
+
+
+def _run(config, tmp_path):
+    return run_prepare(config, prepared_dir=tmp_path / "prepared", cache_dir=tmp_path / "cache")
+
+
+def test_table_matches_contract_and_masks(tmp_path, toy_dir, sample_rows):
+    from transformers import AutoTokenizer
+
+    data = _jsonl(tmp_path / "d.jsonl", sample_rows)
+    summary = _run(_config(toy_dir, data), tmp_path)
+    table_path = tmp_path / "prepared" / "tokenized.parquet"
+    schema = pq.read_schema(table_path)
+    assert [(f.name, str(f.type)) for f in schema] == [
+        ("row_id", "int64"),
+        ("split", "string"),
+        ("num_tokens", "int32"),
+        ("input_ids", "list<element: int32>"),
+        ("loss_mask", "list<element: uint8>"),
+        ("truncated", "bool"),
+    ]
+    assert schema.metadata is None or b"pandas" not in schema.metadata
+    table = load_prepared(table_path)
+    assert table["row_id"].tolist() == list(range(40))
+    tokenizer = AutoTokenizer.from_pretrained(toy_dir)
+    for row in table.itertuples():
+        expected = tokenize_conversation(
+            tokenizer, dataset.normalize_record(sample_rows[row.row_id]), 1024
+        )
+        assert list(row.input_ids) == expected.input_ids
+        assert list(row.loss_mask) == expected.loss_mask
+        assert row.num_tokens == len(expected.input_ids)
+    assert summary["rows"] == summary["source_rows"] == 40
+    assert summary["tokens"] == int(table["num_tokens"].sum())
+    assert summary["assistant_tokens"] == int(sum(np.sum(m) for m in table["loss_mask"]))
+    assert sum(summary["length_histogram"]["counts"]) == 40
+    assert [s["shard"] for s in summary["shards"]] == ["rows_0-16", "rows_16-32", "rows_32-40"]
+    assert summary["provenance"] == {
+        "dataset_path": str(data),
+        "dataset_format": "auto",
+        "dataset_hash": hash_file(data),
+        "tokenizer_fingerprint": tokenizer_fingerprint(toy_dir),
+        "model_config_hash": model_config_hash(toy_dir),
+        "max_length": 1024,
+    }
+    written = json.loads((tmp_path / "prepared" / "summary.json").read_text())
+    assert written == summary
+    assert json.loads((tmp_path / "prepared" / "skipped.json").read_text()) == {
+        "count": 0,
+        "reasons": {},
+        "rows": [],
+    }
+
+
+def test_rerun_leaves_outputs_byte_identical_and_mtimes_unchanged(tmp_path, toy_dir, sample_rows):
+    config = _config(toy_dir, _jsonl(tmp_path / "d.jsonl", sample_rows))
+    _run(config, tmp_path)
+    paths = [tmp_path / "prepared" / name for name in OUTPUTS]
+    before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in paths}
+    _run(config, tmp_path)
+    assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in paths} == before
+    # A fresh output directory gets the very same bytes (nothing depends on time or place).
+    run_prepare(config, prepared_dir=tmp_path / "other", cache_dir=tmp_path / "cache2")
+    for path in paths:
+        assert (tmp_path / "other" / path.name).read_bytes() == before[path][0]
+
+
+def test_changed_input_rewrites_only_what_changed(tmp_path, toy_dir, sample_rows):
+    data = _jsonl(tmp_path / "d.jsonl", sample_rows)
+    _run(_config(toy_dir, data), tmp_path)
+    skipped = tmp_path / "prepared" / "skipped.json"
+    table = tmp_path / "prepared" / "tokenized.parquet"
+    skipped_mtime, table_bytes = skipped.stat().st_mtime_ns, table.read_bytes()
+    _run(_config(toy_dir, data, max_length=256), tmp_path)
+    assert skipped.stat().st_mtime_ns == skipped_mtime  # still no skipped rows
+    assert table.read_bytes() != table_bytes
+
+
+def test_row_ids_are_stable_and_a_skipped_row_leaves_a_gap(tmp_path, toy_dir, sample_rows):
+    rows = list(sample_rows[:20])
+    first = _run(_config(toy_dir, _jsonl(tmp_path / "a.jsonl", rows), bad_rows="skip"), tmp_path)
+    table_a = load_prepared(tmp_path / "prepared" / "tokenized.parquet")
+    rows[5] = {"messages": []}
+    _run(_config(toy_dir, _jsonl(tmp_path / "b.jsonl", rows), bad_rows="skip"), tmp_path)
+    table_b = load_prepared(tmp_path / "prepared" / "tokenized.parquet")
+    assert first["rows"] == 20
+    assert table_b["row_id"].tolist() == [i for i in range(20) if i != 5]
+    kept_a = table_a[table_a["row_id"] != 5].reset_index(drop=True)
+    for column in ("row_id", "split", "num_tokens"):
+        assert table_b[column].tolist() == kept_a[column].tolist()
+
+
+def test_fraction_holdout_is_seeded_by_row_id(tmp_path, toy_dir, sample_rows):
+    holdout = {"mode": "fraction", "fraction": 0.3, "seed": 7, "shards": []}
+    data = _jsonl(tmp_path / "d.jsonl", sample_rows)
+    summary = _run(_config(toy_dir, data, holdout=holdout), tmp_path)
+    table = load_prepared(tmp_path / "prepared" / "tokenized.parquet")
+    expected = ["eval" if is_eval_row(r, 0.3, 7) else "train" for r in table["row_id"]]
+    assert table["split"].tolist() == expected
+    assert 0 < summary["split"]["eval"]["rows"] < 40
+    assert summary["split"]["eval"]["rows"] == expected.count("eval")
+    other_seed = [is_eval_row(r, 0.3, 8) for r in range(40)]
+    assert other_seed != [s == "eval" for s in expected]
+
+
+def test_shard_holdout_takes_whole_shards(tmp_path, toy_dir, sample_rows):
+    holdout = {"mode": "shards", "fraction": 0.0, "seed": 0, "shards": ["rows_16-32"]}
+    data = _jsonl(tmp_path / "d.jsonl", sample_rows)
+    summary = _run(_config(toy_dir, data, holdout=holdout), tmp_path)
+    table = load_prepared(tmp_path / "prepared" / "tokenized.parquet")
+    eval_ids = table.loc[table["split"] == "eval", "row_id"].tolist()
+    assert eval_ids == list(range(16, 32))
+    assert [s["eval_rows"] for s in summary["shards"]] == [0, 16, 0]
+    assert rows_in_range(table, 16, 32)["row_id"].tolist() == eval_ids
+
+
+def test_unknown_holdout_shard_is_named(tmp_path, toy_dir, sample_rows):
+    holdout = {"mode": "shards", "fraction": 0.0, "seed": 0, "shards": ["rows_0-10"]}
+    config = _config(toy_dir, _jsonl(tmp_path / "d.jsonl", sample_rows), holdout=holdout)
+    with pytest.raises(PipelineError, match="dataset.holdout.shards: rows_0-10 is not a shard"):
+        _run(config, tmp_path)
+
+
+def test_truncation_to_max_length(tmp_path, toy_dir, sample_rows):
+    data = _jsonl(tmp_path / "d.jsonl", sample_rows)
+    summary = _run(_config(toy_dir, data, max_length=48, bad_rows="skip"), tmp_path)
+    table = load_prepared(tmp_path / "prepared" / "tokenized.parquet")
+    assert table["num_tokens"].max() <= 48
+    assert table["truncated"].sum() == summary["truncated_rows"] > 0
+    assert all(table.loc[table["truncated"], "num_tokens"] == 48)
+    assert all(np.sum(m) > 0 for m in table["loss_mask"])
+
+
+BAD_CASES = [
+    ({"text": "hi"}, dataset.NO_KNOWN_KEY),
+    ({"messages": [{"role": "robot", "content": "x"}]}, dataset.UNKNOWN_ROLE),
+    ({"messages": []}, dataset.EMPTY_CONVERSATION),
+    ({"messages": [{"role": "user", "content": 3}]}, dataset.NON_STRING_CONTENT),
+    ({"messages": [{"role": "user", "content": "only a question"}]}, dataset.NO_ASSISTANT_TOKENS),
+    ({"messages": [{"role": "user", "content": "word " * 200}, {"role": "assistant",
+                                                                "content": "ok"}]},
+     dataset.ASSISTANT_TRUNCATED),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("bad", "reason"), BAD_CASES)
+def test_error_policy_names_the_row_and_problem(tmp_path, toy_dir, sample_rows, bad, reason):
+    rows = [sample_rows[0], sample_rows[1], bad, sample_rows[2]]
+    config = _config(toy_dir, _jsonl(tmp_path / "d.jsonl", rows), max_length=128)
+    with pytest.raises(PipelineError) as info:
+        _run(config, tmp_path)
+    assert f"d.jsonl row 2 (line 3): {reason}" in str(info.value)
+    assert not (tmp_path / "prepared").exists()  # nothing half-written
+
+
+def test_skip_policy_counts_and_prints_every_reason(tmp_path, toy_dir, sample_rows, capsys):
+    rows = [sample_rows[0]] + [bad for bad, _ in BAD_CASES] + [sample_rows[1]]
+    config = _config(toy_dir, _jsonl(tmp_path / "d.jsonl", rows), max_length=128, bad_rows="skip")
+    summary = _run(config, tmp_path)
+    skipped = json.loads((tmp_path / "prepared" / "skipped.json").read_text())
+    assert skipped["count"] == summary["skipped_rows"] == len(BAD_CASES)
+    assert skipped["reasons"] == {reason: 1 for _, reason in BAD_CASES}
+    assert [r["row_id"] for r in skipped["rows"]] == list(range(1, len(BAD_CASES) + 1))
+    assert [r["reason"] for r in skipped["rows"]] == [reason for _, reason in BAD_CASES]
+    table = load_prepared(tmp_path / "prepared" / "tokenized.parquet")
+    assert table["row_id"].tolist() == [0, len(BAD_CASES) + 1]
+    out = capsys.readouterr().out
+    assert f"skipped {len(BAD_CASES)} bad rows" in out
+    for _, reason in BAD_CASES:
+        assert reason in out
+
+
+def test_sharegpt_parquet_source(tmp_path, toy_dir, sample_rows):
+    roles = {"user": "human", "assistant": "gpt", "system": "system"}
+    conversations = [
+        [{"from": roles[m["role"]], "value": m["content"]} for m in row["messages"]]
+        for row in sample_rows[:10]
+    ]
+    path = tmp_path / "d.parquet"
+    pd.DataFrame({"conversations": conversations}).to_parquet(path)
+    summary = _run(_config(toy_dir, path), tmp_path)
+    parquet_table = load_prepared(tmp_path / "prepared" / "tokenized.parquet")
+    _run(_config(toy_dir, _jsonl(tmp_path / "d.jsonl", sample_rows[:10])), tmp_path)
+    jsonl_table = load_prepared(tmp_path / "prepared" / "tokenized.parquet")
+    assert summary["rows"] == 10
+    for column in ("row_id", "split", "num_tokens", "truncated"):
+        assert parquet_table[column].tolist() == jsonl_table[column].tolist()
+    assert [list(x) for x in parquet_table["input_ids"]] == [
+        list(x) for x in jsonl_table["input_ids"]
+    ]
+
+
+def test_missing_model_and_missing_table_are_named(tmp_path, sample_rows):
+    config = _config(tmp_path / "no-model", _jsonl(tmp_path / "d.jsonl", sample_rows))
+    with pytest.raises(PipelineError, match="no-model does not exist"):
+        _run(config, tmp_path)
+    with pytest.raises(PipelineError, match="run the prepare rule first"):
+        load_prepared(tmp_path / "prepared" / "tokenized.parquet")
+
+
+def test_script_runs_and_reports_errors_in_one_line(tmp_path, toy_dir, sample_rows):
+    config = _config(toy_dir, _jsonl(tmp_path / "d.jsonl", sample_rows[:8]))
+    config_path = tmp_path / "config.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    script = str(REPO_ROOT / "scripts" / "prepare.py")
+    result = subprocess.run(
+        [PYTHON, "-u", script, "--config", str(config_path)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "prepare: 8/8 rows" in result.stdout
+    assert (tmp_path / "prepared" / "tokenized.parquet").is_file()
+
+    _jsonl(tmp_path / "d.jsonl", [{"messages": [{"role": "user", "content": "no reply"}]}])
+    result = subprocess.run(
+        [PYTHON, "-u", script, "--config", str(config_path)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "row 0 (line 1): no assistant tokens" in last
