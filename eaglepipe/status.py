@@ -141,8 +141,8 @@ def lock_is_live(lock: dict, *, hostname: str | None = None) -> bool:
 
 
 def last_error_line(log_path: Path) -> str | None:
-    """The line a person needs from a failed job's log: the last `error:` line, else the
-    exception line of the last Python traceback."""
+    """The line a person needs from a failed job's log: the last `error:` line a script
+    printed, else the exception line of the last Python traceback."""
     try:
         with open(log_path, "rb") as f:
             size = f.seek(0, os.SEEK_END)
@@ -151,8 +151,10 @@ def last_error_line(log_path: Path) -> str | None:
     except FileNotFoundError:
         return None
     lines = [line.rstrip() for line in tail.splitlines() if line.strip()]
+    # Scripts print `error: <message>` at column 0; a message may go on with a server's log
+    # tail, whose own lines (often "ERROR ...") must not be taken for it.
     for line in reversed(lines):
-        if line.lstrip().lower().startswith("error:"):
+        if line.startswith("error:"):
             return line.strip()
     for index in range(len(lines) - 1, -1, -1):
         if lines[index].startswith("Traceback (most recent call last)"):

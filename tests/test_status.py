@@ -200,6 +200,12 @@ def test_traceback_last_line_is_the_error(tmp_path):
         "OSError: [Errno 28] No space left on device\n"
     )
     assert status.last_error_line(log) == "OSError: [Errno 28] No space left on device"
+    # The script's error line, not the server log tail printed after it.
+    log.write_text(
+        "error: server pid 41 on port 40001 was not healthy within 900s; last lines of log:\n"
+        "  loading weights 40%\nERROR: CUDA out of memory\n"
+    )
+    assert status.last_error_line(log).startswith("error: server pid 41 on port 40001")
     log.write_text("all fine\nwrote 3 chunks\n")
     assert status.last_error_line(log) is None
     assert status.last_error_line(tmp_path / "missing.log") is None
