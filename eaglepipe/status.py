@@ -44,6 +44,8 @@ from .shard_store import (
 EXTRACT_LOG_DIR = LOG_DIR / "extract"
 # Throughput is measured over this trailing window, so an ETA reflects the current pace.
 RECENT_WINDOW_S = 3600.0
+# A running shard with no finished chunk for this long is flagged in the listing.
+QUIET_WARNING_S = 3600.0
 # Only the end of a log is read: the last error is what a person needs.
 LOG_TAIL_BYTES = 16384
 
@@ -437,6 +439,10 @@ def format_status(summary: StatusSummary, *, list_all: bool = False, max_listed:
     for shard in shown(RUNNING):
         planned = f"/{shard.chunks_planned}" if shard.chunks_planned else ""
         where = f"pid {shard.lock_pid}" + (f" on {shard.lock_host}" if shard.lock_host else "")
+        quiet = summary.generated_at - (shard.last_activity or shard.started_at or 0)
+        if shard.started_at is not None and quiet > QUIET_WARNING_S:
+            # A job killed on another node (SLURM time limit) leaves a lock this host cannot test.
+            where += f"; no chunk finished for {human_duration(quiet)}"
         lines.append(f"  running  {shard.name}: {shard.chunks_done}{planned} chunks ({where})")
     for shard in shown(FAILED):
         lines.append(f"  FAILED   {shard.name}: {shard.error}")

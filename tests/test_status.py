@@ -221,6 +221,19 @@ def test_lock_liveness(sleeper):
     assert status.lock_is_live({"pid": 1, "host": "gpu-node-17"})
 
 
+def test_remote_writer_without_progress_is_flagged(tmp_path):
+    shard_dir = write_journal(tmp_path, "rows_0-10", [([0, 1], 20, 100)])
+    write_lock(shard_dir, 4242, host="gpu-node-17", started=NOW - 3 * 3600)
+    os.utime(shard_dir / "journal.jsonl", (NOW - 2 * 3600, NOW - 2 * 3600))
+    summary = status.shard_status(tmp_path, ["rows_0-10"], now=NOW)
+    assert summary.shards[0].state == "running"
+    text = status.format_status(summary)
+    assert (
+        "running  rows_0-10: 1 chunks (pid 4242 on gpu-node-17; no chunk finished for 2h 00m)"
+        in text
+    )
+
+
 def test_released_lock_and_error_in_log_means_failed(tmp_path):
     names = ["rows_0-10"]
     shard_dir = write_journal(tmp_path, names[0], [([0, 1], 20, 100)])
