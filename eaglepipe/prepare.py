@@ -120,7 +120,9 @@ class _Progress:
         )
 
 
-def _parquet_bytes(row_ids, splits, token_arrays, mask_arrays, truncated) -> bytes:
+def _parquet_bytes(
+    row_ids, splits, token_arrays, mask_arrays, truncated, rows_per_shard: int
+) -> bytes:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -142,8 +144,15 @@ def _parquet_bytes(row_ids, splits, token_arrays, mask_arrays, truncated) -> byt
         ],
         schema=table_schema(),
     )
+    # One row group per shard, so a shard job reads only its own rows (load_prepared's range).
+    shard_ids = np.asarray(row_ids, dtype=np.int64) // rows_per_shard
+    group_starts = np.flatnonzero(np.diff(shard_ids, prepend=-1)).tolist() + [len(shard_ids)]
     buffer = io.BytesIO()
-    pq.write_table(table, buffer, compression="zstd")
+    with pq.ParquetWriter(buffer, table.schema, compression="zstd") as writer:
+        if len(shard_ids) == 0:
+            writer.write_table(table)
+        for lo, hi in zip(group_starts, group_starts[1:], strict=False):
+            writer.write_table(table.slice(lo, hi - lo), row_group_size=hi - lo)
     return buffer.getvalue()
 
 
@@ -233,7 +242,7 @@ def run_prepare(
     written = {
         config_mod.PREPARED_TABLE.name: write_if_changed(
             prepared_dir / config_mod.PREPARED_TABLE.name,
-            _parquet_bytes(row_ids, splits, token_arrays, mask_arrays, truncated),
+            _parquet_bytes(row_ids, splits, token_arrays, mask_arrays, truncated, rows_per_shard),
         ),
         config_mod.PREPARED_SKIPPED.name: write_if_changed(
             prepared_dir / config_mod.PREPARED_SKIPPED.name, dumps_json(skipped_doc)
@@ -325,14 +334,32 @@ def _print_outcome(summary: dict, skipped: dict, prepared_dir: Path, written: di
     )
 
 
-def load_prepared(path: str | os.PathLike = config_mod.PREPARED_TABLE):
-    """The prepared table as a pandas DataFrame (ordered by row_id)."""
-    import pandas as pd
+def load_prepared(
+    path: str | os.PathLike = config_mod.PREPARED_TABLE,
+    start: int | None = None,
+    end: int | None = None,
+    columns: list[str] | None = None,
+):
+    """The prepared table as a pandas DataFrame ordered by row_id.
+
+    With `start`/`end`, only rows `start <= row_id < end` are read; the table holds one row
+    group per shard, so reading a shard's rows skips every other shard's bytes.
+    """
+    import pyarrow.parquet as pq
 
     path = Path(path)
     if not path.is_file():
         raise PipelineError(f"prepared table {path} does not exist: run the prepare rule first")
-    return pd.read_parquet(path)
+    filters = []
+    if start is not None:
+        filters.append(("row_id", ">=", start))
+    if end is not None:
+        filters.append(("row_id", "<", end))
+    try:
+        table = pq.read_table(path, columns=columns, filters=filters or None)
+    except (OSError, ValueError) as exc:
+        raise PipelineError(f"prepared table {path} cannot be read: {exc}") from None
+    return table.to_pandas()
 
 
 def rows_in_range(table, start: int, end: int):

@@ -54,6 +54,8 @@ TOY_KEYS = (
 )
 BUILD_INFO = "eaglepipe_toy.json"
 
+# A user dataset may be large; the toy target only needs a sample of it.
+MAX_CORPUS_ROWS = 5000
 LEARNING_RATE = 3e-3
 WARMUP_FRACTION = 0.1
 
@@ -73,7 +75,7 @@ def corpus_texts(conversations: list[Conversation]) -> list[str]:
     return [m["content"] for c in conversations for m in c.messages]
 
 
-def train_tokenizer(texts: list[str], vocab_size: int):
+def train_tokenizer(texts: list[str], vocab_size: int, model_max_length: int | None = None):
     """A byte-level BPE tokenizer with the chat special tokens, as a transformers tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
@@ -96,7 +98,7 @@ def train_tokenizer(texts: list[str], vocab_size: int):
         eos_token=EOS,
         pad_token=PAD,
         additional_special_tokens=list(ROLE_TOKENS.values()),
-        model_max_length=None,
+        model_max_length=model_max_length,
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
@@ -185,6 +187,13 @@ def build_model(toy_cfg: dict, tokenizer):
     return LlamaForCausalLM(config)
 
 
+def _portable_tokenizer_class(path: Path) -> None:
+    """Name the class every transformers version and engine knows for a tokenizer.json."""
+    settings = json.loads(path.read_text())
+    settings["tokenizer_class"] = "PreTrainedTokenizerFast"
+    atomic_write_json(path, settings)
+
+
 def _replace_dir(tmp_dir: Path, out_dir: Path) -> None:
     """Swap the finished `tmp_dir` in as `out_dir` (a directory cannot be os.replace'd over)."""
     old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
@@ -207,6 +216,7 @@ def build_toy_target(
     _check_toy_config(toy_cfg)
     out_dir = Path(out_dir)
     conversations, _ = read_conversations(corpus_path, bad_rows="skip")
+    conversations = conversations[:MAX_CORPUS_ROWS]
     if not conversations:
         raise PipelineError(f"toy target corpus {corpus_path} holds no usable conversations")
     previous_threads = torch.get_num_threads()
@@ -214,7 +224,11 @@ def build_toy_target(
     torch.set_num_threads(num_threads or min(4, os.cpu_count() or 1))
     try:
         started = time.monotonic()
-        tokenizer = train_tokenizer(corpus_texts(conversations), toy_cfg["vocab_size"])
+        tokenizer = train_tokenizer(
+            corpus_texts(conversations),
+            toy_cfg["vocab_size"],
+            model_max_length=toy_cfg["max_position_embeddings"],
+        )
         print(
             f"toy target: tokenizer with {len(tokenizer)} tokens trained on "
             f"{len(conversations)} conversations",
@@ -231,6 +245,7 @@ def build_toy_target(
         shutil.rmtree(tmp_dir, ignore_errors=True)
         model.save_pretrained(tmp_dir)
         tokenizer.save_pretrained(tmp_dir)
+        _portable_tokenizer_class(tmp_dir / "tokenizer_config.json")
         atomic_write_json(
             tmp_dir / BUILD_INFO,
             {

@@ -270,3 +270,24 @@ def test_script_runs_and_reports_errors_in_one_line(tmp_path, toy_dir, sample_ro
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and "row 0 (line 1): no assistant tokens" in last
+
+
+def test_table_has_one_row_group_per_shard_and_reads_a_range(tmp_path, toy_dir, sample_rows):
+    rows = list(sample_rows)
+    rows[20] = {"messages": []}  # a gap inside the second shard
+    config = _config(toy_dir, _jsonl(tmp_path / "d.jsonl", rows), bad_rows="skip")
+    _run(config, tmp_path)
+    path = tmp_path / "prepared" / "tokenized.parquet"
+    metadata = pq.ParquetFile(path).metadata
+    assert [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)] == [16, 15, 8]
+    table = load_prepared(path)
+    shard = load_prepared(path, start=16, end=32)
+    expected = rows_in_range(table, 16, 32)
+    assert (
+        shard["row_id"].tolist()
+        == expected["row_id"].tolist()
+        == [i for i in range(16, 32) if i != 20]
+    )
+    assert [list(x) for x in shard["input_ids"]] == [list(x) for x in expected["input_ids"]]
+    only_ids = load_prepared(path, start=32, end=40, columns=["row_id", "num_tokens"])
+    assert list(only_ids.columns) == ["row_id", "num_tokens"] and len(only_ids) == 8
