@@ -6,7 +6,8 @@ the `<|end|>` end-of-turn token, initialises a `LlamaForCausalLM` of the configu
 the seed, pre-trains it briefly on the same conversations (so its next-token predictions are
 learnable and a drafter trained on its hidden states gets a meaningful acceptance rate), and
 saves model and tokenizer as a Hugging Face model directory. Deterministic given the seed and
-thread count; the directory is built next to its destination and renamed into place.
+thread count; the directory is built next to its destination and renamed into place. The
+corpus is the configured dataset (the bundled sample by default), its first 5000 usable rows.
 """
 
 from __future__ import annotations
