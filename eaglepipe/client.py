@@ -32,7 +32,7 @@ from .errors import PipelineError
 # How often the watchdog asks whether the server is alive, and how many consecutive failed
 # health probes (on top of the lifecycle's process check) count as "stopped answering".
 LIVENESS_INTERVAL_S = 1.0
-HEALTH_PROBE_TIMEOUT_S = 5.0
+HEALTH_PROBE_TIMEOUT_S = 3.0
 HEALTH_FAILURES_FATAL = 3
 BACKOFF_BASE_S = 0.25
 BACKOFF_MAX_S = 8.0
@@ -181,8 +181,14 @@ class ExtractionClient:
         is_alive: Callable[[], bool] | None = None,
         nonce: str | None = None,
         log: Callable[[str], None] | None = None,
+        gate=None,
     ):
+        """`is_alive()` returns False or raises when the server process is gone; `gate` (the
+        lifecycle's ServerHandle) lets a validation spot check in between requests."""
         self.url = url.rstrip("/")
+        self.gate = gate
+        self._in_flight = 0
+        self._drained: asyncio.Condition | None = None
         self.dump_dir = Path(dump_dir)
         self.settings = settings
         self.is_alive = is_alive
@@ -210,9 +216,11 @@ class ExtractionClient:
                 async with asyncio.TaskGroup() as group:
                     watchdog = group.create_task(self._watchdog(session))
                     row_tasks = []
+                    self._drained = asyncio.Condition()
                     for row in rows:
                         if may_send is not None:
                             await may_send(row.row_id)
+                        await self._yield_to_exclusive_user()
                         size = expected_dump_bytes(len(row.input_ids), s.hidden_size)
                         await budget.acquire(size)
                         await slots.acquire()
@@ -229,12 +237,25 @@ class ExtractionClient:
             self._remove_own_dumps()
         return self.stats
 
+    async def _yield_to_exclusive_user(self) -> None:
+        """A spot check waits for exclusive use of the server: drain, let it run, go on."""
+        if self.gate is None or not self.gate.exclusive_waiting():
+            return
+        async with self._drained:
+            await self._drained.wait_for(lambda: self._in_flight == 0)
+        self.log("pausing requests: a validation spot check has the server")
+        await asyncio.to_thread(self.gate.yield_to_exclusive)
+
     async def _one_row(self, session, row, size, budget, slots, on_row) -> None:
+        self._in_flight += 1
         try:
             extracted = await self._request_with_retries(session, row)
         finally:
             slots.release()
             await budget.release(size)
+            async with self._drained:
+                self._in_flight -= 1
+                self._drained.notify_all()
         await on_row(extracted)
 
     async def _request_with_retries(self, session, row: RowRequest) -> ExtractedRow:
@@ -247,6 +268,11 @@ class ExtractionClient:
             except TransientError as exc:
                 last_error = str(exc)
                 self._remove_dump(rid)
+                # A dead server is not worth retrying; is_alive raises its detailed error.
+                if self.is_alive is not None and not await asyncio.to_thread(self.is_alive):
+                    raise PipelineError(
+                        f"the server at {self.url} died during extraction"
+                    ) from None
                 if attempt == s.retries:
                     break
                 self.stats.retries += 1
@@ -307,6 +333,8 @@ class ExtractionClient:
             await asyncio.sleep(LIVENESS_INTERVAL_S)
             if self.is_alive is not None and not await asyncio.to_thread(self.is_alive):
                 raise PipelineError(f"the server at {self.url} died during extraction")
+            if self.gate is not None and hasattr(self.gate, "check"):
+                self.gate.check()  # the lifecycle's own watchdog verdict, if it has one
             try:
                 async with session.get(f"{self.url}/health", timeout=probe_timeout) as resp:
                     ok = resp.status == 200
@@ -331,6 +359,19 @@ class ExtractionClient:
                     path.unlink(missing_ok=True)
 
 
+def liveness_check(handle) -> Callable[[], bool] | None:
+    """The lifecycle's process check for a server handle (raises naming the PID and log)."""
+    if not getattr(handle, "state", None):
+        return None
+    from .server.lifecycle import server_alive
+
+    return lambda: server_alive(handle)
+
+
+def _gate_of(handle):
+    return handle if hasattr(handle, "exclusive_waiting") else None
+
+
 def extract_rows(
     handle,
     rows: Sequence[RowRequest],
@@ -347,7 +388,11 @@ def extract_rows(
     Raises PipelineError naming the row when a row keeps failing or a dump is wrong, and when
     the server dies or stops answering.
     """
-    client = ExtractionClient(handle.url, Path(handle.dump_dir), settings, is_alive, log=log)
+    if is_alive is None:
+        is_alive = liveness_check(handle)
+    client = ExtractionClient(
+        handle.url, Path(handle.dump_dir), settings, is_alive, log=log, gate=_gate_of(handle)
+    )
     return asyncio.run(client.run(rows, on_row, may_send))
 
 

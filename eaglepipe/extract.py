@@ -30,7 +30,13 @@ import torch
 import xxhash
 
 from . import __version__
-from .client import ClientSettings, ExtractedRow, ExtractionClient, RowRequest
+from .client import (
+    ClientSettings,
+    ExtractedRow,
+    ExtractionClient,
+    RowRequest,
+    liveness_check,
+)
 from .config import (
     HIDDEN_STATES_DIR,
     PREPARED_SUMMARY,
@@ -283,22 +289,18 @@ def _extract_chunks(
             shard_dir, chunks, todo, rows, digest, hidden_size, engine, progress, log
         )
         client = ExtractionClient(
-            handle.url, Path(handle.dump_dir), settings, _liveness(handle), log=log
+            handle.url,
+            Path(handle.dump_dir),
+            settings,
+            liveness_check(handle),
+            log=log,
+            gate=handle,
         )
         try:
             asyncio.run(client.run(requests, assembler.on_row, assembler.may_send))
         finally:
             log(f"{progress.shard}: {client.stats.requests_sent} request(s) sent")
     return assembler.records, client.stats.requests_sent, engine
-
-
-def _liveness(handle) -> Callable[[], bool] | None:
-    from .server import lifecycle
-
-    check = getattr(lifecycle, "server_alive", None)
-    if check is None:
-        return None
-    return lambda: bool(check(handle))
 
 
 def extract_shard(

@@ -4,6 +4,7 @@ a second writer, too little free space, stale dumps of another nonce."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -127,6 +128,20 @@ def stop_workdir_server(workdir: Path) -> None:
         os.chdir(cwd)
 
 
+def kill_workdir_server(workdir: Path) -> None:
+    """SIGKILL a (hung) server's process group, then let the lifecycle clean up its state."""
+    cwd = os.getcwd()
+    os.chdir(workdir)
+    try:
+        state = server_status()["state"]
+        if state:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(state["pgid"], signal.SIGKILL)
+        stop_server()
+    finally:
+        os.chdir(cwd)
+
+
 @pytest.fixture(scope="module")
 def main_run(tiny_llama_dir, tmp_path_factory):
     """One uninterrupted extraction of the shard; its server stays up for the module."""
@@ -202,6 +217,7 @@ def test_every_row_equals_a_direct_forward(main_run, tiny_llama_dir):
     assert any("rows, " in line and "tokens/s" in line and "ETA" in line for line in lines)
 
 
+@pytest.mark.slow
 def test_kill_minus_9_mid_shard_then_resume(main_run, tiny_llama_dir, tmp_path):
     reference_dir, reference, _ = main_run
     workdir = make_workdir(tmp_path / "run", tiny_llama_dir)
@@ -237,7 +253,7 @@ def test_kill_minus_9_mid_shard_then_resume(main_run, tiny_llama_dir, tmp_path):
     finally:
         os.killpg(job.pid, signal.SIGKILL)
         job.wait()
-    stop_workdir_server(workdir)  # the hung server; the rerun starts a healthy one
+    kill_workdir_server(workdir)  # the hung server; the rerun starts a healthy one
 
     finished = {
         json.loads(line)["file"] for line in journal.read_text().splitlines() if line.strip()
