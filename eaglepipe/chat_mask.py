@@ -108,29 +108,43 @@ def assistant_char_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tup
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        with_header = render(tokenizer, messages[:i], add_generation_prompt=True)
-        through = render(tokenizer, messages[: i + 1])
-        if (
-            full.startswith(through)
-            and through.startswith(with_header)
-            and len(with_header) >= cursor
-        ):
-            start, end = len(with_header), len(through)
-            without_header = render(tokenizer, messages[:i]) if i else ""
-            if len(with_header) == len(without_header):
-                # The template ignores add_generation_prompt: skip the header by finding the reply.
-                content = message["content"]
-                found = through.find(content, start) if content else -1
-                if found < 0 and content.strip():
-                    found = through.find(content.strip(), start)
-                start = found if found >= 0 else start
-        else:
-            start, end = _locate_reply(full, message["content"], cursor, end_of_turn, i)
+        span = _span_from_prefix_renders(tokenizer, messages, i, full, cursor)
+        if span is None:
+            span = _locate_reply(full, message["content"], cursor, end_of_turn, i)
+        start, end = span
         end = start + len(full[start:end].rstrip())
         if end > start:
             spans.append((start, end))
         cursor = max(cursor, end)
     return full, spans
+
+
+def _span_from_prefix_renders(
+    tokenizer, messages: list[dict], i: int, full: str, cursor: int
+) -> tuple[int, int] | None:
+    """`[header end, turn end)` of assistant message i, or None when renders are not prefixes."""
+    try:
+        with_header = render(tokenizer, messages[:i], add_generation_prompt=True)
+        without_header = render(tokenizer, messages[:i])
+        through = render(tokenizer, messages[: i + 1])
+    except RowProblem:
+        return None  # e.g. a template that cannot render an empty or partial conversation
+    if not (
+        full.startswith(through)
+        and through.startswith(with_header)
+        and with_header.startswith(without_header)
+        and len(with_header) >= cursor
+    ):
+        return None
+    start, end = len(with_header), len(through)
+    if len(with_header) == len(without_header):
+        # The template ignores add_generation_prompt: skip the header by finding the reply.
+        content = messages[i]["content"]
+        found = through.find(content, start) if content else -1
+        if found < 0 and content.strip():
+            found = through.find(content.strip(), start)
+        start = found if found >= 0 else start
+    return start, end
 
 
 def _locate_reply(

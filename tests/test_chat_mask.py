@@ -255,3 +255,18 @@ def test_template_exception_is_a_bad_row(embedded):
         tokenize_conversation(embedded, [{"role": "tool", "content": "x"}], 4096)
     assert info.value.reason == dataset.TEMPLATE_ERROR
     assert "unknown role tool" in info.value.detail
+
+
+def test_template_that_cannot_render_an_empty_prefix_falls_back():
+    template = "{% if not messages %}{{ raise_exception('no messages') }}{% endif %}" + (
+        NO_GENERATION_PROMPT_TEMPLATE
+    )
+    tokenizer = _chatml(template)
+    messages = [
+        {"role": "assistant", "content": "Hello! How can I help?"},
+        {"role": "user", "content": "Count to 3."},
+        {"role": "assistant", "content": "1, 2, 3."},
+    ]
+    result = tokenize_conversation(tokenizer, messages, 4096)
+    segments = _masked_segments(tokenizer, result.input_ids, result.loss_mask)
+    assert segments == ["Hello! How can I help?<|im_end|>", "1, 2, 3.<|im_end|>"]
