@@ -22,11 +22,12 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
-from .. import config as cfg
 from ..errors import PipelineError
 
-PATCH_DIR = cfg.PROJECT_ROOT / "patch"
+# The checkout's patch/ (the project runs from its repository, installed editable).
+PATCH_DIR = Path(__file__).resolve().parents[2] / "patch"
 HOOK_MODULE = "eaglepipe_hook"
 HOOK_FACTORY = f"{HOOK_MODULE}:make_dump_hook"
 HOOK_NAME = "eaglepipe-dump"
@@ -231,6 +232,8 @@ def launch_command(
     `dump_dir` (`<dump_root>/<instance_id>/`, made by the caller) and `instance_id` travel in
     the hook's config; the hook logs both when SGLang registers it.
     """
+    from .. import config as cfg
+
     if not (PATCH_DIR / f"{HOOK_MODULE}.py").is_file():
         raise PipelineError(f"{PATCH_DIR / (HOOK_MODULE + '.py')} is missing from the checkout")
     sglang_cfg = config["server"].get("sglang", {})
