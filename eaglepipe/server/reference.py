@@ -18,8 +18,10 @@ import argparse
 import asyncio
 import errno
 import inspect
+import json
 import os
 import signal
+import socket
 import sys
 import time
 import uuid
@@ -499,10 +501,42 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Fail before the (slow) model load if the port is taken; binding later still checks."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        raise PipelineError(f"--host {host}: cannot resolve ({exc})") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise PipelineError(f"port {port} on {host} is already in use") from None
+            raise PipelineError(f"cannot listen on {host}:{port}: {exc}") from None
+
+
+def check_aux_ids_against_config(model_dir: str, aux_layer_ids: list[int]) -> None:
+    """Validate the layer ids from config.json alone, before the weights are loaded."""
+    path = Path(model_dir) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise PipelineError(f"--model {model_dir}: no config.json (a local HF model dir)") from None
+    except ValueError as exc:
+        raise PipelineError(f"{path} is not valid JSON: {exc}") from None
+    depth = (config.get("text_config") or config).get("num_hidden_layers")
+    if isinstance(depth, int):
+        validate_aux_layer_ids(aux_layer_ids, depth)
+
+
 async def serve(args) -> None:
     if args.max_batch_tokens < 1:
         raise PipelineError(f"--max-batch-tokens {args.max_batch_tokens} must be at least 1")
     faults = faults_from_env()
+    check_aux_ids_against_config(args.model, args.aux_layer_ids)
+    check_port_free(args.host, args.port)
     dump_dir = prepare_dump_dir(args.dump_dir)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
@@ -537,7 +571,8 @@ async def serve(args) -> None:
         faults=faults,
         batch_window_s=args.batch_window_ms / 1000,
     )
-    runner = web.AppRunner(server.make_app(), access_log=None)
+    # Handlers still waiting at shutdown (a stalled worker) get 5 s, not aiohttp's 60.
+    runner = web.AppRunner(server.make_app(), access_log=None, shutdown_timeout=5.0)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
     try:
