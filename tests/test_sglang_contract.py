@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import fnmatch
 import functools
 import itertools
 import json
@@ -810,6 +811,51 @@ def test_default_capture_matches_our_default_layers(src):
     for architecture in recipe.LAYER_ID_RULES:
         captured = _capture_of(src, architecture, None, 61)
         assert captured == [k + 1 for k in default_aux_layer_ids(61)]
+
+
+def _module_names_of(src: Path, rel: str, cls_name: str, prefix: str = "") -> list[str]:
+    """Dotted names of the LogitsProcessor modules an instance of `cls_name` holds (from the
+    `self.<attr> = ...(...)` assignments of its resolved __init__), one level of wrapping deep."""
+    _, init, init_rel = _method_of(src, rel, cls_name, "__init__")
+    names = []
+    for node in ast.walk(init):
+        if not (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)):
+            continue
+        target = ast.unparse(node.targets[0])
+        if not target.startswith("self."):
+            continue
+        built = ast.unparse(node.value.func)
+        if built == "LogitsProcessor":
+            names.append(prefix + target[len("self.") :])
+        elif built in ARCHITECTURE_FILES and not prefix:
+            names += _module_names_of(src, init_rel, built, target[len("self.") :] + ".")
+    return names
+
+
+@pytest.mark.parametrize("architecture", sorted(ARCHITECTURE_FILES))
+def test_hook_patterns_match_exactly_one_logits_processor_per_architecture(src, architecture):
+    names = _module_names_of(src, ARCHITECTURE_FILES[architecture], architecture)
+    matched = [n for n in names if any(fnmatch.fnmatch(n, p) for p in recipe.HOOK_TARGET_MODULES)]
+    assert len(matched) == 1, (architecture, names)
+    expected = (
+        "language_model.logits_processor"
+        if architecture == "KimiK25ForConditionalGeneration"
+        else "logits_processor"
+    )
+    assert matched == [expected]
+
+
+@pytest.mark.parametrize(
+    "architecture,defined_by",
+    [
+        ("MistralForCausalLM", "LlamaForCausalLM"),
+        ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"),
+    ],
+)
+def test_subclasses_inherit_the_verified_forward_and_capture(src, architecture, defined_by):
+    for method in ("__init__", "forward", "set_eagle3_layers_to_capture"):
+        cls, _, _ = _method_of(src, ARCHITECTURE_FILES[architecture], architecture, method)
+        assert cls.name == defined_by, (architecture, method, cls.name)
 
 
 def test_unverified_architecture_is_refused():

@@ -227,7 +227,7 @@ def check_extra_args(extra_args: list[str]) -> None:
 def launch_command(
     config: dict, *, host: str, port: int, dump_dir: str | os.PathLike, instance_id: str
 ) -> tuple[list[str], dict[str, str]]:
-    """The SGLang server command for `config`, and the full environment to run it in.
+    """The SGLang server command for `config`, and the extra environment it needs.
 
     `dump_dir` (`<dump_root>/<instance_id>/`, made by the caller) and `instance_id` travel in
     the hook's config; the hook logs both when SGLang registers it.
@@ -290,7 +290,11 @@ def launch_command(
         *extra_args,
     ]
 
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PATCH_DIR), env.get("PYTHONPATH", "")) if p)
-    env["PYTHONUNBUFFERED"] = "1"
+    # Extra environment, merged over os.environ by the lifecycle code.
+    env = {
+        "PYTHONPATH": os.pathsep.join(
+            p for p in (str(PATCH_DIR), os.environ.get("PYTHONPATH", "")) if p
+        ),
+        "PYTHONUNBUFFERED": "1",
+    }
     return argv, env
