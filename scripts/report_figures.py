@@ -9,14 +9,20 @@ import sys
 from pathlib import Path
 
 from eaglepipe import report
+from eaglepipe.config import HIDDEN_STATES_DIR, VALIDATED_DIR, config_from_arg
 from eaglepipe.errors import PipelineError
+from eaglepipe.status import planned_shard_names
 
 
-def _inputs(files: list[str], directory: str | None, pattern: str) -> list[Path]:
-    """Explicit files, or every match under a directory (5,000 shards overflow a command line)."""
+def _inputs(files: list[str], config_path: str | None, template: str) -> list[Path]:
+    """Explicit files, or one per shard of the run's plan: a plan of 5,000 shards would not fit
+    on a shell command line."""
     paths = [Path(f) for f in files]
-    if directory:
-        paths += sorted(Path(directory).glob(pattern))
+    if config_path:
+        config = config_from_arg(config_path)
+        paths += [Path(template.format(shard=name)) for name in planned_shard_names(config)]
+    if not paths:
+        raise PipelineError("no input files: list them, or pass --config to read every shard's")
     return paths
 
 
@@ -32,13 +38,13 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("extraction", help="throughput per shard and the shards' timeline")
     p.add_argument("manifests", nargs="*", help="hidden_states/<shard>/manifest.json files")
-    p.add_argument("--dir", help="read every <dir>/*/manifest.json instead")
+    p.add_argument("--config", help="read every planned shard's manifest (resolved config)")
     p.add_argument("--out", required=True, help="PNG to write")
     p.add_argument("--table", help="CSV of per-shard figures to write")
 
     p = sub.add_parser("validation", help="per-layer norm statistics and spot-check errors")
     p.add_argument("reports", nargs="*", help="validated/<shard>.json files")
-    p.add_argument("--dir", help="read every <dir>/*.json instead")
+    p.add_argument("--config", help="read every planned shard's report (resolved config)")
     p.add_argument("--out", required=True, help="PNG to write")
     p.add_argument("--table", help="CSV of per-shard figures to write")
 
@@ -57,10 +63,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.figure == "dataset":
             report.dataset_figure(args.table, args.summary, args.skipped, args.out)
         elif args.figure == "extraction":
-            manifests = _inputs(args.manifests, args.dir, "*/manifest.json")
+            manifests = _inputs(
+                args.manifests, args.config, f"{HIDDEN_STATES_DIR}/{{shard}}/manifest.json"
+            )
             report.extraction_figure(manifests, args.out, args.table)
         elif args.figure == "validation":
-            reports = _inputs(args.reports, args.dir, "*.json")
+            reports = _inputs(args.reports, args.config, f"{VALIDATED_DIR}/{{shard}}.json")
             report.validation_figure(reports, args.out, args.table)
         elif args.figure == "training":
             report.training_figure(args.log, args.out)

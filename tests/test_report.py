@@ -13,6 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import yaml
 from conftest import PYTHON, REPO_ROOT
 
 from eaglepipe import report
@@ -255,12 +256,18 @@ def test_empty_inputs_still_draw(tmp_path):
     assert_png(report.validation_figure([], tmp_path / "v.png"))
 
 
-def test_script_reads_a_directory_and_fails_in_one_line(tmp_path):
+def test_script_reads_every_planned_shard_and_fails_in_one_line(tmp_path):
     write_manifests(tmp_path, 4)
+    dataset = tmp_path / "conversations.jsonl"
+    dataset.write_text("".join(json.dumps({"i": i}) + "\n" for i in range(4 * 64)))
+    config = yaml.safe_load((REPO_ROOT / "config.yaml").read_text())
+    config["dataset"]["path"] = "conversations.jsonl"
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
     script = REPO_ROOT / "scripts" / "report_figures.py"
     done = subprocess.run(
-        [PYTHON, "-u", script, "extraction", "--dir", tmp_path / "hidden_states"]
-        + ["--out", tmp_path / "x.png", "--table", tmp_path / "x.csv"],
+        [PYTHON, "-u", script, "extraction", "--config", "run.yaml"]
+        + ["--out", "x.png", "--table", "x.csv"],
+        cwd=tmp_path,
         capture_output=True,
         text=True,
     )
