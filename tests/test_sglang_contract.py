@@ -489,6 +489,14 @@ def test_forward_hooks_are_registered_after_cuda_graph_capture(src, cli_flags):
     assert cli_flags["--forward-hooks"].field == "forward_hooks"
 
 
+def test_forwards_run_on_the_current_cuda_stream(src):
+    """DumpWriter orders its copy after torch.cuda.current_stream(): the forward must run there."""
+    text = (src / "srt/managers/scheduler.py").read_text()
+    assert "with self.device_module.StreamContext(self.schedule_stream):" in text
+    assert "self.forward_stream_ctx: CudaStreamContext = self.device_module.stream(" in text
+    assert "with self.forward_stream_ctx:" in text
+
+
 # ---------------------------------------------------------------------------------------------
 # What the hook receives
 # ---------------------------------------------------------------------------------------------
