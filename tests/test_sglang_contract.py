@@ -898,7 +898,7 @@ def test_version_pin_agrees_everywhere():
     assert pyproject["project"]["optional-dependencies"]["sglang"] == [f"sglang=={pinned}"]
     assert recipe.engine_info() == {"engine": "sglang", "engine_version": pinned}
     for env_file in sorted((REPO_ROOT / "envs").glob("*.y*ml")):
-        for pin in re.findall(r"sglang[^\w\s]*=+\s*([0-9][\w.]*)", env_file.read_text()):
+        for pin in re.findall(r"sglang(?:\[[^\]]*\])?\s*=+\s*([0-9][\w.]*)", env_file.read_text()):
             assert pin == pinned, f"{env_file} pins sglang {pin}, patch/ pins {pinned}"
 
 
