@@ -42,7 +42,6 @@ import psutil
 
 from .. import config as cfg
 from ..atomic import atomic_write_json
-from ..dump import prepare_dump_dir
 from ..errors import PipelineError
 from ..fingerprint import hash_json, model_config_hash
 from .leases import (
@@ -70,6 +69,8 @@ SUPERVISOR_MODULE = "eaglepipe.server.supervise"
 STOP_GRACE_S = 20.0
 PORT_RELEASE_TIMEOUT_S = 15.0
 PROBE_TIMEOUT_S = 5.0
+# After a request fails, how long to watch for the server process to be gone before blaming it.
+DEATH_CONFIRM_S = 3.0
 PROGRESS_EVERY_S = 5.0
 LOG_TAIL_LINES = 20
 
@@ -321,11 +322,23 @@ class ServerHandle:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=poll_s)
                 if done:
-                    return task.result()
+                    break
                 self.check()
         finally:
             if not task.done():
                 task.cancel()
+        error = task.exception()
+        if error is not None and not isinstance(error, PipelineError):
+            # A dropped connection is usually the server dying: name the death, not the socket.
+            await asyncio.to_thread(self._raise_if_gone_soon, DEATH_CONFIRM_S)
+        return task.result()
+
+    def _raise_if_gone_soon(self, within_s: float) -> None:
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            if supervisor_process(self.state) is None:
+                raise self._dead_error()
+            time.sleep(0.1)
 
     def exclusive_waiting(self) -> bool:
         """True while a spot check waits for exclusive use: stop sending, drain, then yield."""
@@ -528,6 +541,8 @@ def _start(config: dict, paths: ServerPaths, run_token: str, fingerprint: str) -
             f"cannot start the server: {describe_port_holders(host, port)}, which this pipeline "
             "did not start and leaves running: stop it, or set server.port to a free port"
         )
+    from ..dump import prepare_dump_dir  # imports torch: only on the path that starts a server
+
     instance_id = _new_instance_id()
     dump_dir = prepare_dump_dir(dump_root / instance_id)
     engine_argv, engine_env = engine_command(
@@ -592,7 +607,14 @@ def _start(config: dict, paths: ServerPaths, run_token: str, fingerprint: str) -
         "argv": argv,
     }
     atomic_write_json(paths.state, state)
-    append_history(paths, "start", pid=proc.pid, instance_id=instance_id, run_token=run_token)
+    append_history(
+        paths,
+        "start",
+        pid=proc.pid,
+        create_time=supervisor.create_time,
+        instance_id=instance_id,
+        run_token=run_token,
+    )
     print(
         f"started {server['engine']} server: supervisor pid {proc.pid}, port {port}, "
         f"log {log_path}",

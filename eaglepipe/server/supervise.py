@@ -145,7 +145,10 @@ class Supervisor:
                     break
             time.sleep(poll_s)
         self.clean_up(reason, engine.returncode)
-        return 0 if engine.returncode in (0, -signal.SIGTERM, -signal.SIGKILL) else 1
+        if self.stop_signal is not None or reason.startswith("no live lease"):
+            return 0
+        code = engine.returncode
+        return code if code >= 0 else 128 - code
 
     def clean_up(self, reason: str, code: int | None) -> None:
         if self.dump_dir is not None:

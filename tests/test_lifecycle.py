@@ -1,0 +1,474 @@
+"""Server lifecycle with real processes: the reference server on a tiny Llama, on free ports.
+
+Every test runs in its own working directory (state under .eaglepipe/server/<host>/, logs under
+logs/server/) and kills every process group it started in teardown, whatever happened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import aiohttp
+import psutil
+import pytest
+import yaml
+from conftest import REPO_ROOT
+
+from eaglepipe.config import validate_config
+from eaglepipe.errors import PipelineError
+from eaglepipe.server import lifecycle
+from eaglepipe.server.leases import ServerPaths, read_history, read_json
+from eaglepipe.server.lifecycle import server_lease, stop_if_started_by
+from eaglepipe.server.ports import port_is_free
+
+PYTHON = sys.executable
+WAIT_S = 90  # generous bound on waiting for a condition; never an assertion on duration
+
+# A job as Snakemake would run it: its own process, holding a lease while it works.
+JOB = textwrap.dedent(
+    """
+    import json, sys, time, urllib.request, uuid
+    from pathlib import Path
+    from eaglepipe.config import config_from_arg
+    from eaglepipe.server.lifecycle import server_lease
+
+    config, mode, out = config_from_arg(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+    if len(sys.argv) > 4:  # the light stand-in engine, for tests of the lifecycle mechanics
+        from eaglepipe.server import lifecycle
+        fake = sys.argv[4]
+        lifecycle.engine_command = lambda config, *, host, port, dump_dir, instance_id: (
+            [sys.executable, "-u", fake, host, str(port), instance_id], {})
+    with server_lease(config) as handle:
+        payload = {"input_ids": [5, 6, 7], "rid": f"eaglepipe-{uuid.uuid4().hex[:12]}-0-0",
+                   "sampling_params": {"max_new_tokens": 0}}
+        request = urllib.request.Request(handle.url + "/generate", json.dumps(payload).encode(),
+                                         {"Content-Type": "application/json"})
+        answer = json.loads(urllib.request.urlopen(request, timeout=60).read())
+        (out / "holding").write_text(json.dumps({"pid": handle.pid, "answer": answer}))
+        if mode == "yield":
+            while not handle.exclusive_waiting():
+                time.sleep(0.05)
+            (out / "yielded").write_text("")
+            handle.yield_to_exclusive()
+            (out / "resumed").write_text("")
+        while not (out / "finish").exists():
+            handle.check()
+            time.sleep(0.05)
+        (out / "left").write_text("")  # still inside the lease: the gate is not yet released
+    """
+)
+
+# A stand-in engine that starts in a fraction of a second (aiohttp only, no torch): for the tests
+# of process handling, where the reference server's model load would only add minutes.
+FAKE_ENGINE = textwrap.dedent(
+    """
+    import sys
+    from aiohttp import web
+
+    host, port, instance_id = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+
+    async def health(request):
+        return web.Response()
+
+    async def server_info(request):
+        return web.json_response({"engine": "fake", "instance_id": instance_id})
+
+    async def generate(request):
+        body = await request.json()
+        return web.json_response({"meta_info": {"prompt_tokens": len(body["input_ids"])}})
+
+    app = web.Application()
+    app.add_routes([web.get("/health", health), web.get("/server_info", server_info),
+                    web.post("/generate", generate)])
+    print(f"fake engine on {host}:{port}", flush=True)
+    web.run_app(app, host=host, port=port, print=None)
+    """
+)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_for(condition, what: str, timeout_s: float = WAIT_S):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def starts(paths: ServerPaths) -> list[dict]:
+    return [e for e in read_history(paths) if e["event"] == "start"]
+
+
+def group_alive(pgid: int) -> bool:
+    return bool(lifecycle.group_members(pgid, 0))
+
+
+@pytest.fixture
+def run(tmp_path, monkeypatch, tiny_llama_dir):
+    """A working directory, a config for it, and teardown that leaves no process behind."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(lifecycle.RUN_TOKEN_ENV, raising=False)
+    monkeypatch.delenv("EAGLEPIPE_FAULT", raising=False)
+    raw = yaml.safe_load((REPO_ROOT / "config.yaml").read_text())
+    raw["model"]["path"] = str(tiny_llama_dir)
+    raw["server"].update(
+        port=free_port(),
+        device="cpu",
+        dump_root=str(tmp_path / "dumps"),
+        health_timeout_s=180,
+        idle_timeout_s=600,
+        lease_ttl_s=1,
+    )
+    ctx = Run(tmp_path, validate_config(raw))
+    yield ctx
+    for proc in ctx.processes:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    for event in starts(ctx.paths):
+        for member in lifecycle.group_members(event["pid"], event["create_time"]):
+            member.kill()
+
+
+class Run:
+    def __init__(self, workdir: Path, config: dict):
+        self.workdir = workdir
+        self.config = config
+        self.paths = ServerPaths.for_this_host()
+        self.processes: list[subprocess.Popen] = []
+
+    fake_engine: Path | None = None
+
+    def use_fake_engine(self, monkeypatch) -> None:
+        self.fake_engine = self.workdir / "fake_engine.py"
+        self.fake_engine.write_text(FAKE_ENGINE)
+        argv = [PYTHON, "-u", str(self.fake_engine)]
+        monkeypatch.setattr(
+            lifecycle,
+            "engine_command",
+            lambda config, *, host, port, dump_dir, instance_id: (
+                [*argv, host, str(port), instance_id],
+                {},
+            ),
+        )
+
+    def with_server(self, **changes) -> dict:
+        config = json.loads(json.dumps(self.config))
+        config["server"].update(changes)
+        return config
+
+    def write_config(self, config: dict | None = None, name: str = "config.json") -> Path:
+        path = self.workdir / name
+        path.write_text(json.dumps(config or self.config))
+        return path
+
+    def spawn(self, argv: list[str], env: dict | None = None) -> subprocess.Popen:
+        proc = subprocess.Popen(
+            argv, env={**os.environ, **(env or {})}, start_new_session=True, cwd=self.workdir
+        )
+        self.processes.append(proc)
+        return proc
+
+    def job(self, name: str, *, mode: str = "hold", token: str = "run-jobs", config=None):
+        script = self.workdir / "job.py"
+        script.write_text(JOB)
+        out = self.workdir / name
+        out.mkdir()
+        argv = [PYTHON, "-u", str(script), str(self.write_config(config)), mode, str(out)]
+        if self.fake_engine is not None:
+            argv.append(str(self.fake_engine))
+        proc = self.spawn(argv, env={lifecycle.RUN_TOKEN_ENV: token})
+        return proc, out
+
+
+def generate(url: str, rid: str) -> dict:
+    payload = {"input_ids": [3, 4, 5, 6], "rid": rid, "sampling_params": {"max_new_tokens": 0}}
+    request = urllib.request.Request(
+        f"{url}/generate", json.dumps(payload).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.loads(response.read())
+
+
+def test_start_on_demand_serve_and_stop_at_end_of_its_run(run):
+    assert read_json(run.paths.state) is None
+    with server_lease(run.config, run_token="run-a") as handle:
+        rid = "eaglepipe-0123456789ab-7-0"
+        assert generate(handle.url, rid)["meta_info"]["prompt_tokens"] == 4
+        assert (handle.dump_dir / f"{rid}.safetensors").is_file()
+        assert handle.info["aux_layer_ids"] == [1, 3, 4]
+        assert handle.info["instance_id"] == handle.state["instance_id"]
+        handle.raise_if_dead()
+        state = read_json(run.paths.state)
+        assert state["pid"] == handle.pid and state["started_by"] == "run-a"
+        assert Path(state["log"]).parent == run.workdir / "logs" / "server"
+        assert len(list((run.paths.leases).glob("*.lease"))) == 1
+    # The block ended: the server stays for the next job of the run, the lease is gone.
+    assert group_alive(handle.pid) and not list(run.paths.leases.glob("*.lease"))
+    assert stop_if_started_by("another-run") is False and group_alive(handle.pid)
+    assert stop_if_started_by("run-a") is True
+    assert not group_alive(handle.pid)
+    assert port_is_free("127.0.0.1", handle.state["port"])
+    assert read_json(run.paths.state) is None and not handle.dump_dir.exists()
+    assert [e["event"] for e in read_history(run.paths)] == ["start", "ready", "exit", "stop"]
+
+
+def test_two_concurrent_jobs_share_one_server(run):
+    jobs = [run.job(name) for name in ("job-a", "job-b")]
+    holding = [
+        wait_for(lambda out=out: (out / "holding").exists() and out / "holding", "a job holding")
+        for _, out in jobs
+    ]
+    pids = {json.loads(path.read_text())["pid"] for path in holding}
+    assert len(pids) == 1 and len(starts(run.paths)) == 1
+    for _, out in jobs:
+        (out / "finish").write_text("")
+    for proc, _ in jobs:
+        assert proc.wait(timeout=WAIT_S) == 0
+    (pid,) = pids
+    assert group_alive(pid)
+    assert stop_if_started_by("run-jobs") is True
+    assert not group_alive(pid) and port_is_free("127.0.0.1", run.config["server"]["port"])
+
+
+def test_reuse_across_runs_and_replace_when_layer_ids_change(run):
+    with server_lease(run.config, run_token="run-1") as first:
+        pass
+    with server_lease(run.config, run_token="run-2") as second:
+        assert second.pid == first.pid
+    assert len(starts(run.paths)) == 1
+    # run-1 is over, so run-2, which reused the server, is the run that stops it.
+    assert read_json(run.paths.state)["owner_run"] == "run-2"
+
+    changed = json.loads(json.dumps(run.config))
+    changed["aux_layer_ids"] = [0, 2, 5]
+    with server_lease(changed, run_token="run-3") as third:
+        assert third.pid != first.pid
+        assert third.info["aux_layer_ids"] == [0, 2, 5]
+    assert not group_alive(first.pid) and len(starts(run.paths)) == 2
+    assert stop_if_started_by("run-3") is True and not group_alive(third.pid)
+
+
+def test_refuses_a_port_held_by_a_foreign_process_and_leaves_it_running(run):
+    port = run.config["server"]["port"]
+    listener = run.spawn(
+        [
+            PYTHON,
+            "-c",
+            "import socket, time\n"
+            f"s = socket.socket(); s.bind(('127.0.0.1', {port})); s.listen()\n"
+            "time.sleep(600)",
+        ]
+    )
+    wait_for(lambda: not port_is_free("127.0.0.1", port), "the foreign listener")
+    with pytest.raises(PipelineError) as excinfo:
+        with server_lease(run.config, run_token="run-port"):
+            pytest.fail("a lease was granted on a foreign port")
+    message = str(excinfo.value)
+    assert f"port {port}" in message and f"PID {listener.pid}" in message
+    assert "time.sleep(600)" in message
+    assert listener.poll() is None
+    assert not starts(run.paths) and read_json(run.paths.state) is None
+
+
+def test_dead_or_silent_server_fails_its_client_within_seconds(run, monkeypatch):
+    # hang_after:0: /generate never answers (and /health still does), like a wedged engine.
+    monkeypatch.setenv("EAGLEPIPE_FAULT", "hang_after:0")
+    with server_lease(run.config, run_token="run-kill") as handle:
+        # Stopped (SIGSTOP): /health goes silent, the liveness check says so.
+        os.killpg(handle.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(PipelineError, match="stopped answering"):
+                handle.raise_if_dead(probe_timeout_s=1)
+        finally:
+            os.killpg(handle.pid, signal.SIGCONT)
+        handle.raise_if_dead()
+
+        async def request_then_kill():
+            async with aiohttp.ClientSession() as session:
+                rid = "eaglepipe-0123456789ab-1-0"
+                payload = {
+                    "input_ids": [1, 2],
+                    "rid": rid,
+                    "sampling_params": {"max_new_tokens": 0},
+                }
+                timeout = aiohttp.ClientTimeout(total=600)
+                post = session.post(f"{handle.url}/generate", json=payload, timeout=timeout)
+                asyncio.get_running_loop().call_later(1.0, os.killpg, handle.pid, signal.SIGKILL)
+                return await handle.guard(post)
+
+        with pytest.raises(PipelineError) as excinfo:
+            asyncio.run(asyncio.wait_for(request_then_kill(), WAIT_S))
+        message = str(excinfo.value)
+        assert f"PID {handle.pid}" in message and str(handle.log_path) in message
+        with pytest.raises(PipelineError, match="exited while in use"):
+            lifecycle.server_alive(handle)
+        with pytest.raises(PipelineError, match=str(handle.log_path)):
+            handle.raise_if_dead()
+    # The next lease finds the dead server's state and starts afresh.
+    run.use_fake_engine(monkeypatch)
+    with server_lease(run.config, run_token="run-kill") as fresh:
+        assert fresh.pid != handle.pid
+    assert stop_if_started_by("run-kill") is True
+
+
+@pytest.mark.parametrize(
+    "engine_code, expected",
+    [
+        ("print('loading shard 1 of 999', flush=True); import time; time.sleep(600)", "within 3s"),
+        ("print('CUDA out of memory while loading', flush=True); raise SystemExit(2)", "code 2"),
+    ],
+    ids=["never-healthy", "exits-early"],
+)
+def test_failed_start_reports_the_log_tail_and_leaves_nothing(
+    run, monkeypatch, engine_code, expected
+):
+    monkeypatch.setattr(
+        lifecycle, "engine_command", lambda *a, **k: ([PYTHON, "-u", "-c", engine_code], {})
+    )
+    config = run.with_server(health_timeout_s=3)
+    with pytest.raises(PipelineError) as excinfo:
+        with server_lease(config, run_token="run-fail"):
+            pytest.fail("an unhealthy server was handed out")
+    message = str(excinfo.value)
+    assert expected in message and engine_code.split("'")[1] in message
+    (event,) = starts(run.paths)
+    assert not group_alive(event["pid"]) and read_json(run.paths.state) is None
+    assert port_is_free("127.0.0.1", config["server"]["port"])
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_interrupted_job_stops_the_server_its_run_started(run, monkeypatch, sig):
+    run.use_fake_engine(monkeypatch)
+    proc, out = run.job("job", token="run-int")
+    wait_for(lambda: (out / "holding").exists(), "the job to hold its lease")
+    pid = json.loads((out / "holding").read_text())["pid"]
+    proc.send_signal(sig)
+    assert proc.wait(timeout=WAIT_S) != 0
+    assert not group_alive(pid)
+    assert read_json(run.paths.state) is None
+    assert port_is_free("127.0.0.1", run.config["server"]["port"])
+
+
+def test_interrupted_job_leaves_the_server_to_a_job_still_using_it(run, monkeypatch):
+    run.use_fake_engine(monkeypatch)
+    stays, stays_out = run.job("stays", token="run-int")
+    wait_for(lambda: (stays_out / "holding").exists(), "the first job")
+    leaves, leaves_out = run.job("leaves", token="run-int")
+    wait_for(lambda: (leaves_out / "holding").exists(), "the second job")
+    pid = json.loads((stays_out / "holding").read_text())["pid"]
+    leaves.send_signal(signal.SIGINT)
+    assert leaves.wait(timeout=WAIT_S) != 0
+    assert group_alive(pid)
+    (stays_out / "finish").write_text("")
+    assert stays.wait(timeout=WAIT_S) == 0
+    assert stop_if_started_by("run-int") is True
+
+
+def test_server_of_a_killed_client_stops_after_the_idle_timeout(run, monkeypatch):
+    run.use_fake_engine(monkeypatch)
+    config = run.with_server(idle_timeout_s=2)
+    proc, out = run.job("job", token="run-killed", config=config)
+    wait_for(lambda: (out / "holding").exists(), "the job to hold its lease")
+    state = read_json(run.paths.state)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    wait_for(lambda: not group_alive(state["pid"]), "the idle server to stop itself")
+    (exit_event,) = [e for e in read_history(run.paths) if e["event"] == "exit"]
+    assert "no live lease" in exit_event["reason"]
+    assert read_json(run.paths.state) is None and not Path(state["dump_dir"]).exists()
+    assert port_is_free("127.0.0.1", state["port"])
+
+
+def test_exclusive_lease_waits_for_shared_users_and_keeps_them_out(run, monkeypatch):
+    run.use_fake_engine(monkeypatch)
+    # A shared user that yields between requests lets the exclusive user in while it lives.
+    polite, polite_out = run.job("polite", mode="yield")
+    wait_for(lambda: (polite_out / "holding").exists(), "the shared job")
+    with server_lease(run.config, run_token="run-jobs", exclusive=True) as handle:
+        assert (polite_out / "yielded").exists() and polite.poll() is None
+        generate(handle.url, "eaglepipe-0123456789ab-1-0")
+        assert not (polite_out / "resumed").exists()
+    wait_for(lambda: (polite_out / "resumed").exists(), "the shared job to resume")
+    (polite_out / "finish").write_text("")
+    assert polite.wait(timeout=WAIT_S) == 0
+
+    # One that never yields keeps the exclusive user waiting until its lease ends.
+    busy, busy_out = run.job("busy")
+    wait_for(lambda: (busy_out / "holding").exists(), "the second shared job")
+    seen: dict = {}
+
+    def exclusive_user():
+        try:
+            with server_lease(run.config, run_token="run-jobs", exclusive=True):
+                seen["busy_had_left"] = (busy_out / "left").exists()
+        except BaseException as exc:  # reported by the assertion below
+            seen["error"] = exc
+
+    waiter = threading.Thread(target=exclusive_user)
+    waiter.start()
+    wait_for(run.paths.exclusive_marker.exists, "the exclusive user to queue at the gate")
+    assert seen == {} and busy.poll() is None
+    (busy_out / "finish").write_text("")
+    waiter.join(WAIT_S)
+    assert seen == {"busy_had_left": True}
+    assert busy.wait(timeout=WAIT_S) == 0
+    assert len(starts(run.paths)) == 1
+    assert stop_if_started_by("run-jobs") is True
+
+
+def test_server_command_line_start_status_stop(run):
+    config_path = run.write_config()
+
+    def cli(*args):
+        return subprocess.run(
+            [PYTHON, "-u", str(REPO_ROOT / "scripts" / "server.py"), *args],
+            cwd=run.workdir,
+            capture_output=True,
+            text=True,
+            timeout=WAIT_S,
+        )
+
+    started = cli("start", "--config", str(config_path))
+    assert started.returncode == 0, started.stderr
+    state = read_json(run.paths.state)
+    assert state["url"] in started.stdout and state["log"] in started.stdout
+    status = cli("status")
+    assert status.returncode == 0 and "healthy" in status.stdout and "pinned" in status.stdout
+    assert str(state["pid"]) in status.stdout and state["fingerprint"] in status.stdout
+    # A pinned server belongs to the person who started it, not to a run.
+    assert stop_if_started_by(state["owner_run"]) is False
+    stopped = cli("stop")
+    assert stopped.returncode == 0 and f"port {state['port']} is free" in stopped.stdout
+    assert not group_alive(state["pid"])
+    assert cli("status").returncode == lifecycle_exit_not_running()
+
+
+def lifecycle_exit_not_running() -> int:
+    from eaglepipe.cli import EXIT_NOT_RUNNING
+
+    return EXIT_NOT_RUNNING
+
+
+def test_group_members_skips_processes_older_than_the_server():
+    # pgid reuse guard: a group whose leader predates the recorded start is never ours.
+    me = psutil.Process()
+    assert lifecycle.group_members(os.getpgid(0), me.create_time() + 3600) == []
