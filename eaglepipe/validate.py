@@ -34,6 +34,7 @@ import contextlib
 import json
 import os
 import random
+import struct
 import sys
 import time
 import urllib.error
@@ -496,60 +497,106 @@ def _layer_label(index: int, aux_layer_ids: list[int]) -> str:
     return "final (post-norm)"
 
 
-def _token_reductions(reader, layout: ChunkLayout, stats: ValueStats):
-    """Per token and layer: min, max and L2 norm, read in bounded token blocks."""
+def map_hidden_states(path: Path) -> dict[str, np.ndarray]:
+    """Zero-copy views of a chunk's hidden states as raw bf16 bit patterns (int16), mmapped.
+
+    `safe_open(...).get_slice` copies into freshly allocated memory, and faulting in fresh pages
+    costs more than the reductions themselves; a copy-on-write map reads straight from the page
+    cache. The header layout is the safetensors format's (little-endian u64 length, JSON);
+    `check_chunk_schema` has already checked names, dtypes and shapes through safetensors.
+    """
+    with open(path, "rb") as f:
+        header_len = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(header_len))
+    data_start = 8 + header_len
+    views = {}
+    for name in ("aux_hidden_states", "final_hidden_states"):
+        begin, end = header[name]["data_offsets"]
+        shape = tuple(header[name]["shape"])
+        if end == begin:
+            views[name] = np.empty(shape, np.int16)
+            continue
+        views[name] = np.memmap(path, np.int16, mode="c", offset=data_start + begin, shape=shape)
+    return views
+
+
+_BF16_EXPONENT = 0x7F80
+
+
+def _bf16_value(bits: int) -> float:
+    return torch.tensor([bits], dtype=torch.int16).view(torch.bfloat16).item()
+
+
+def _token_reductions(path: Path, layout: ChunkLayout, stats: ValueStats):
+    """Per token and layer: min and max bit pattern, and the L2 norm, in bounded token blocks.
+
+    Equal min and max bit patterns mean equal values, so integer reductions (several GB/s in
+    numpy) decide constancy; the norm runs on bf16 directly (torch accumulates in fp32) since
+    converting to fp32 first would cost more than everything else together. A NaN or inf
+    makes the norm non-finite, so the norm also screens for non-finite values.
+    """
     hidden, aux_layers = stats.hidden_size, stats.num_aux_layers
     tokens = layout.num_tokens
     layers = aux_layers + 1
     block = max(1, _VALUE_BLOCK_BYTES // (layers * hidden * 2))
-    token_min = np.empty((tokens, layers), np.float32)
-    token_max = np.empty((tokens, layers), np.float32)
+    token_min = np.empty((tokens, layers), np.int16)
+    token_max = np.empty((tokens, layers), np.int16)
     token_norm = np.empty((tokens, layers), np.float32)
-    aux_slice = reader.get_slice("aux_hidden_states")
-    final_slice = reader.get_slice("final_hidden_states")
+    mapped = map_hidden_states(path)
+    aux_all = mapped["aux_hidden_states"].reshape(tokens, aux_layers, hidden)
+    final_all = mapped["final_hidden_states"].reshape(tokens, 1, hidden)
     for a in range(0, tokens, block):
         b = min(tokens, a + block)
-        aux = aux_slice[a:b].view(b - a, aux_layers, hidden)
-        final = final_slice[a:b].view(b - a, 1, hidden)
-        for values, cols in ((aux, slice(0, aux_layers)), (final, slice(aux_layers, layers))):
-            token_min[a:b, cols] = values.amin(-1).float().numpy()
-            token_max[a:b, cols] = values.amax(-1).float().numpy()
-            token_norm[a:b, cols] = torch.linalg.vector_norm(
-                values, dim=-1, dtype=torch.float32
-            ).numpy()
-    return token_min, token_max, token_norm
+        for bits, cols in (
+            (aux_all[a:b], slice(0, aux_layers)),
+            (final_all[a:b], slice(aux_layers, layers)),
+        ):
+            token_min[a:b, cols] = bits.min(-1)
+            token_max[a:b, cols] = bits.max(-1)
+            values = torch.from_numpy(bits).view(torch.bfloat16)
+            token_norm[a:b, cols] = torch.linalg.vector_norm(values, dim=-1).float().numpy()
+    return token_min, token_max, token_norm, aux_all, final_all
 
 
 def check_chunk_values(
-    reader, shard: str, layout: ChunkLayout, stats: ValueStats, aux_layer_ids: list[int]
+    path: Path, shard: str, layout: ChunkLayout, stats: ValueStats, aux_layer_ids: list[int]
 ) -> None:
     """All finite; no row's slice of any layer all zero or constant; accumulate norms."""
-    token_min, token_max, token_norm = _token_reductions(reader, layout, stats)
-    # min/max propagate NaN and carry +-inf, so they reveal any non-finite element.
-    bad = ~(np.isfinite(token_min) & np.isfinite(token_max))
-    if bad.any():
-        token, layer = np.argwhere(bad)[0]
-        row = layout.row_of_token(int(token))
+    token_min, token_max, token_norm, aux_bits, final_bits = _token_reductions(path, layout, stats)
+    row_start = dict(zip(layout.row_ids.tolist(), layout.offsets[:-1].tolist(), strict=True))
+
+    def fail(detail: str, token: int, layer: int) -> None:
+        row = layout.row_of_token(token)
         raise ValidationFailure(
             shard,
             "values",
-            f"non-finite hidden state in {_layer_label(int(layer), aux_layer_ids)} "
-            f"at token {int(token) - int(layout.offsets[list(layout.row_ids).index(row)])}",
+            f"{detail} in {_layer_label(layer, aux_layer_ids)} at token {token - row_start[row]}",
             chunk=layout.file,
             row=row,
         )
+
+    overflow = ~np.isfinite(token_norm)
+    if overflow.any():
+        token, layer = (int(i) for i in np.argwhere(overflow)[0])
+        bits = aux_bits[token, layer] if layer < len(aux_layer_ids) else final_bits[token, 0]
+        if ((bits & _BF16_EXPONENT) == _BF16_EXPONENT).any():
+            fail("non-finite hidden state (NaN or inf)", token, layer)
+        fail("hidden state too large (its L2 norm overflows fp32)", token, layer)
+
     starts = layout.offsets[:-1]
     row_min = np.minimum.reduceat(token_min, starts, axis=0)
     row_max = np.maximum.reduceat(token_max, starts, axis=0)
-    constant = row_min == row_max
-    if constant.any():
-        index, layer = np.argwhere(constant)[0]
-        value = float(row_min[index, layer])
+    row_norm = np.maximum.reduceat(token_norm, starts, axis=0)
+    # All zero: every norm 0 (+0 and -0 have different bits); constant: one bit pattern.
+    degenerate = (row_norm == 0) | (row_min == row_max)
+    if degenerate.any():
+        index, layer = (int(i) for i in np.argwhere(degenerate)[0])
+        value = 0.0 if row_norm[index, layer] == 0 else _bf16_value(int(row_min[index, layer]))
         what = "all zero" if value == 0 else f"constant ({value:g})"
         raise ValidationFailure(
             shard,
             "values",
-            f"hidden states of {_layer_label(int(layer), aux_layer_ids)} are {what} "
+            f"hidden states of {_layer_label(layer, aux_layer_ids)} are {what} "
             f"over the row's {int(np.diff(layout.offsets)[index])} tokens",
             chunk=layout.file,
             row=int(layout.row_ids[index]),
@@ -963,7 +1010,15 @@ def check_spot(config: dict, shard: str, shard_dir: Path, manifest: dict, log) -
         result["independent_forward"] = {"ran": False, "reason": reason}
         return result
     log(f"spot check: independent fp32 transformers forward on CPU ({reason})")
-    independent = independent_forward(config, stored_rows, aux_ids)
+    try:
+        independent = independent_forward(config, stored_rows, aux_ids)
+    except (OSError, ValueError, ImportError, KeyError, RuntimeError) as exc:
+        # The server runs the model; transformers may not (e.g. an engine-only architecture).
+        # That weakens the check, so it is said out loud and recorded, never silently skipped.
+        reason = f"transformers could not run the model: {type(exc).__name__}: {exc}"
+        print(f"warning: {shard}: independent forward skipped: {reason}", file=sys.stderr)
+        result["independent_forward"] = {"ran": False, "reason": reason}
+        return result
     result["independent_forward"] = {
         "ran": True,
         "layers": compare_rows(
@@ -1045,7 +1100,9 @@ def validate_shard(
             with open_chunk(shard_dir, shard, entry) as reader:
                 layout = check_chunk_schema(reader, shard, entry, manifest)
                 check_chunk_tokens(reader, shard, layout, prepared)
-                check_chunk_values(reader, shard, layout, stats, manifest["aux_layer_ids"])
+            check_chunk_values(
+                shard_dir / entry["file"], shard, layout, stats, manifest["aux_layer_ids"]
+            )
             bar.update(entry["bytes"])
     checks["integrity"] = {
         "ok": True,

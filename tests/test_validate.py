@@ -243,6 +243,22 @@ def test_a_rerun_that_fails_removes_the_earlier_report(workspace):
     expect_failure(workspace, "integrity")
 
 
+def test_shard_whose_rows_prepare_all_skipped_passes_empty(workspace):
+    skipped = {"count": 16, "reasons": {"no assistant tokens": 16}}
+    skipped["rows"] = [{"row_id": r, "reason": "no assistant tokens"} for r in range(32, 48)]
+    (workspace.root / "prepared" / "skipped.json").write_text(json.dumps(skipped))
+    write_shard(workspace)
+    validate_shard(workspace.config, SHARD, progress=False)
+    write_shard(workspace, "rows_32-48", [])
+    report = validate_shard(workspace.config, "rows_32-48", progress=False)
+    assert report["num_rows"] == 0 and report["checks"]["coverage"]["skipped_rows"] == 16
+    assert report["checks"]["values"]["norm_ratio_to_reference"] is None
+    # an empty shard is never the norm reference of a later one
+    write_shard(workspace, "rows_16-32", [list(range(16, 32))])
+    later = validate_shard(workspace.config, "rows_16-32", progress=False)
+    assert later["layer_norm_reference"] == SHARD
+
+
 # --- integrity ----------------------------------------------------------------------------
 
 
