@@ -86,16 +86,19 @@ class ServerProc:
                 time.sleep(0.2)
         pytest.fail(f"server {self.name} not healthy in {START_TIMEOUT_S}s:\n{self.log()[-3000:]}")
 
+    def signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-            except ProcessLookupError:
-                pass
+        """After `signal_group(SIGTERM)`: wait briefly, then kill the whole group."""
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.signal_group(signal.SIGKILL)
+            self.proc.wait()
 
 
 def launch(name, model_dir, root: Path, *, fault=None, aux_ids=AUX_IDS, port=None) -> ServerProc:
@@ -148,6 +151,8 @@ def fleet(tmp_path_factory, tiny_llama_dir, tiny_deepseek_dir):
     try:
         yield servers
     finally:
+        for server in servers.values():
+            server.signal_group(signal.SIGTERM)
         for server in servers.values():
             server.stop()
         held.close()
@@ -455,3 +460,14 @@ def test_fault_syntax():
         parse_faults("explode")
     with pytest.raises(PipelineError, match="die_after needs a non-negative count"):
         parse_faults("die_after:x")
+
+
+def test_sigterm_stops_cleanly(fleet):
+    """Runs last in this file: it ends the skewed server (its own test is done by now)."""
+    server = fleet["skewed"].wait_healthy()
+    server.signal_group(signal.SIGTERM)
+    assert server.wait_exit(timeout=30) == 0
+    assert "stopped after" in server.log()
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a new server would
+        sock.bind(("127.0.0.1", server.port))  # nobody listens there any more

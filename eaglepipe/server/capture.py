@@ -9,6 +9,7 @@ away, so padded activations are never held and what leaves the device is exactly
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -67,13 +68,18 @@ def packed_token_index(lengths: Sequence[int], padded_len: int, *, device) -> to
 class HiddenStateCapture:
     """Forward hooks on decoder layers `layer_ids` and on the final norm.
 
-    Use `with capture.capturing(token_index): model(...)`, then `aux(ids)` ([T, len(ids)*H])
-    and `final` ([T, H]); `token_index` selects the real tokens of the flattened [B*S] batch
-    (None keeps every position).
+    `run(sequences, aux_ids)` does a whole padded batch. Lower level: `with
+    capture.capturing(token_index): model(...)`, then `aux(ids)` ([T, len(ids)*H]) and `final`
+    ([T, H]); `token_index` selects the real tokens of the flattened [B*S] batch (None keeps
+    every position).
     """
 
     def __init__(self, model: nn.Module, layer_ids: Sequence[int]):
         layers, norm = find_decoder_stack(model)
+        self.model = model
+        forward_params = inspect.signature(model.forward).parameters
+        # Only the last position's logits: the lm_head over every token is wasted work.
+        self._forward_extra = {"logits_to_keep": 1} if "logits_to_keep" in forward_params else {}
         self.num_layers = len(layers)
         self.layer_ids = sorted(set(int(i) for i in layer_ids))
         for layer_id in self.layer_ids:
@@ -111,6 +117,35 @@ class HiddenStateCapture:
             yield self
         finally:
             self._token_index = None
+
+    def run(
+        self, sequences: Sequence[Sequence[int]], aux_ids: Sequence[int], *, drop_last: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """One right-padded forward over `sequences`: packed aux [T, len(aux_ids)*H], final
+        [T, H] (real tokens only, on the model's device) and the per-request token counts.
+
+        Right padding with an attention mask: causal attention keeps each real token's result
+        independent of the padding after it. `drop_last` leaves out each request's last token
+        (the wrong_token_count fault)."""
+        device = next(self.model.parameters()).device
+        lengths = [len(s) for s in sequences]
+        padded_len = max(lengths)
+        input_ids = torch.zeros((len(sequences), padded_len), dtype=torch.long)
+        attention_mask = torch.zeros_like(input_ids)
+        for row, seq in enumerate(sequences):
+            input_ids[row, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
+            attention_mask[row, : len(seq)] = 1
+        kept = [n - 1 if drop_last and n > 1 else n for n in lengths]
+        index = packed_token_index(kept, padded_len, device=device)
+        with torch.inference_mode(), self.capturing(index):
+            self.model(
+                input_ids=input_ids.to(device, non_blocking=True),
+                attention_mask=attention_mask.to(device, non_blocking=True),
+                use_cache=False,
+                **self._forward_extra,
+            )
+            aux = self.aux(aux_ids)
+        return aux, self.final, kept
 
     def aux(self, ids: Sequence[int]) -> torch.Tensor:
         missing = [i for i in ids if i not in self.layers]

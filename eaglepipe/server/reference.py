@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
-import inspect
 import json
 import os
 import signal
@@ -43,7 +42,7 @@ from ..dump import (
 from ..errors import PipelineError
 from ..fingerprint import hash_json, model_config_hash
 from ..layers import CONVENTION, FINAL_CONVENTION, validate_aux_layer_ids
-from .capture import HiddenStateCapture, packed_token_index, text_config
+from .capture import HiddenStateCapture, text_config
 from .faults import DIE_EXIT_CODE, Faults, faults_from_env
 
 ENGINE = "reference"
@@ -96,6 +95,7 @@ class ReferenceEngine:
         device: torch.device,
         dtype: torch.dtype,
         trust_remote_code: bool = False,
+        hook_shifted_layers: bool = False,
     ):
         from transformers import AutoModelForCausalLM
 
@@ -118,37 +118,17 @@ class ReferenceEngine:
         self.max_positions = getattr(config, "max_position_embeddings", None)
         validate_aux_layer_ids(aux_layer_ids, self.num_layers)
         self.aux_layer_ids = list(aux_layer_ids)
-        # The shift fault reads id + 1; hooking it always costs nothing measurable.
+        # The shift_layer_batched fault reads id + 1; those layers are hooked only for it.
         self.shifted_layer_ids = [min(i + 1, self.num_layers - 1) for i in self.aux_layer_ids]
-        self.capture = HiddenStateCapture(self.model, self.aux_layer_ids + self.shifted_layer_ids)
-        forward_params = inspect.signature(self.model.forward).parameters
-        # Only the last position's logits: the lm_head over every token is wasted work.
-        self._extra = {"logits_to_keep": 1} if "logits_to_keep" in forward_params else {}
+        hooked = self.aux_layer_ids + (self.shifted_layer_ids if hook_shifted_layers else [])
+        self.capture = HiddenStateCapture(self.model, hooked)
 
     def forward(
         self, sequences: list[list[int]], *, shift_layers: bool = False, drop_last: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """One padded forward over `sequences`; returns packed aux [T, 3H], final [T, H] and
-        the per-request token counts (real tokens only, still on the model's device)."""
-        lengths = [len(s) for s in sequences]
-        padded_len = max(lengths)
-        input_ids = torch.zeros((len(sequences), padded_len), dtype=torch.long)
-        attention_mask = torch.zeros_like(input_ids)
-        for row, seq in enumerate(sequences):
-            input_ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-            attention_mask[row, : len(seq)] = 1
-        kept = [n - 1 if drop_last and n > 1 else n for n in lengths]
-        index = packed_token_index(kept, padded_len, device=self.device)
-        with torch.inference_mode(), self.capture.capturing(index):
-            self.model(
-                input_ids=input_ids.to(self.device),
-                attention_mask=attention_mask.to(self.device),
-                use_cache=False,
-                **self._extra,
-            )
-            aux = self.capture.aux(self.shifted_layer_ids if shift_layers else self.aux_layer_ids)
-            final = self.capture.final
-        return aux, final, kept
+        """Packed aux [T, 3H], final [T, H] (real tokens, on the model's device), counts."""
+        ids = self.shifted_layer_ids if shift_layers else self.aux_layer_ids
+        return self.capture.run(sequences, ids, drop_last=drop_last)
 
 
 @dataclass
@@ -549,6 +529,7 @@ async def serve(args) -> None:
         device=device,
         dtype=dtype,
         trust_remote_code=args.trust_remote_code,
+        hook_shifted_layers=faults.shift_layer_batched,
     )
     log(
         f"loaded in {time.monotonic() - started:.1f}s: {engine.num_layers} layers, hidden "
@@ -606,4 +587,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Everything is closed and written; skip torch/transformers interpreter teardown, which
+    # takes seconds and would keep a stopping server around for no reason.
+    os._exit(exit_code)
