@@ -1,0 +1,1 @@
+"""The EAGLE-3 drafter: vocabulary, model, training, evaluation, export and live check."""

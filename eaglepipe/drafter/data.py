@@ -1,0 +1,213 @@
+"""Streaming training batches out of the shard store.
+
+Nothing is loaded whole: an index of (chunk, row, token range) is built from each chunk's
+small `row_ids`/`offsets` tensors, and a batch reads only its rows' slices through safetensors'
+memory map. Batches are planned per epoch from a seed (shuffle, then length-sorted windows so
+padding stays small, then a shuffled batch order), each holding at most `batch_tokens` padded
+tokens; a background thread reads the next batches while the GPU trains on the current one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+from safetensors import safe_open
+
+from ..errors import PipelineError
+
+SORT_WINDOW_BATCHES = 32
+OPEN_CHUNKS = 64
+
+
+@dataclass(frozen=True)
+class RowRef:
+    row_id: int
+    chunk: str  # chunk file path
+    start: int  # token offsets inside the chunk
+    end: int
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+
+def split_row_ids(table_path: str | os.PathLike, split: str) -> set[int]:
+    """Row ids of the prepared table whose `split` column equals `split`."""
+    try:
+        table = pd.read_parquet(table_path, columns=["row_id", "split"])
+    except FileNotFoundError:
+        raise PipelineError(f"prepared table {table_path} does not exist") from None
+    return set(table.loc[table["split"] == split, "row_id"].astype(int).tolist())
+
+
+def read_manifest_json(path: str | os.PathLike) -> dict:
+    try:
+        manifest = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise PipelineError(f"shard manifest {path} does not exist") from None
+    except json.JSONDecodeError as exc:
+        raise PipelineError(f"shard manifest {path} is not valid JSON: {exc}") from None
+    for key in ("chunks", "hidden_size", "aux_layer_ids"):
+        if key not in manifest:
+            raise PipelineError(f"shard manifest {path} lacks key {key}")
+    return manifest
+
+
+def index_rows(
+    manifest_paths: Sequence[str | os.PathLike], row_ids: set[int] | None = None
+) -> tuple[list[RowRef], dict]:
+    """Every row of the listed shards (restricted to `row_ids`), and the shards' common facts."""
+    refs: list[RowRef] = []
+    facts: dict | None = None
+    for manifest_path in manifest_paths:
+        manifest = read_manifest_json(manifest_path)
+        these = {"hidden_size": manifest["hidden_size"], "aux_layer_ids": manifest["aux_layer_ids"]}
+        if facts is None:
+            facts = these
+        elif these != facts:
+            raise PipelineError(
+                f"shard manifest {manifest_path} has hidden_size/aux_layer_ids {these}, "
+                f"other shards have {facts}"
+            )
+        shard_dir = Path(manifest_path).parent
+        for chunk in manifest["chunks"]:
+            path = shard_dir / chunk["file"]
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    ids = f.get_tensor("row_ids").tolist()
+                    offsets = f.get_tensor("offsets").tolist()
+            except FileNotFoundError:
+                raise PipelineError(f"chunk {path} listed in {manifest_path} is missing") from None
+            for i, row_id in enumerate(ids):
+                if row_ids is None or row_id in row_ids:
+                    refs.append(RowRef(row_id, str(path), offsets[i], offsets[i + 1]))
+    if facts is None:
+        raise PipelineError("no shard manifests were given")
+    return refs, facts
+
+
+def plan_batches(
+    rows: Sequence[RowRef], batch_tokens: int, max_len: int, seed: int, epoch: int
+) -> list[list[RowRef]]:
+    """This epoch's batches: seeded, length-bucketed, each within `batch_tokens` padded tokens."""
+    rng = np.random.default_rng([seed, epoch])
+    order = rng.permutation(len(rows))
+    window = max(1, SORT_WINDOW_BATCHES * max(1, batch_tokens // max(1, max_len)))
+    batches: list[list[RowRef]] = []
+    for start in range(0, len(order), window):
+        members = sorted((rows[i] for i in order[start : start + window]), key=lambda r: r.length)
+        current: list[RowRef] = []
+        for row in members:
+            padded = (len(current) + 1) * min(row.length, max_len)
+            if current and padded > batch_tokens:
+                batches.append(current)
+                current = []
+            current.append(row)
+        if current:
+            batches.append(current)
+    return [batches[i] for i in rng.permutation(len(batches))]
+
+
+class ChunkCache:
+    """A bounded set of open (memory-mapped) chunk files."""
+
+    def __init__(self, capacity: int = OPEN_CHUNKS):
+        self.capacity = capacity
+        self._open: OrderedDict[str, object] = OrderedDict()
+
+    def get(self, path: str):
+        handle = self._open.pop(path, None)
+        if handle is None:
+            try:
+                handle = safe_open(path, framework="pt")
+            except FileNotFoundError:
+                raise PipelineError(f"chunk {path} is missing") from None
+            if len(self._open) >= self.capacity:
+                self._open.popitem(last=False)
+        self._open[path] = handle
+        return handle
+
+
+def load_batch(refs: Sequence[RowRef], max_len: int, cache: ChunkCache) -> dict:
+    """Right-padded tensors of one batch; rows longer than `max_len` keep their first tokens."""
+    lengths = [min(r.length, max_len) for r in refs]
+    width = max(lengths)
+    first = cache.get(refs[0].chunk)
+    aux_width = first.get_slice("aux_hidden_states").get_shape()[1]
+    hidden = first.get_slice("final_hidden_states").get_shape()[1]
+    b = len(refs)
+    batch = {
+        "input_ids": torch.zeros(b, width, dtype=torch.int64),
+        "loss_mask": torch.zeros(b, width, dtype=torch.uint8),
+        "aux_hidden_states": torch.zeros(b, width, aux_width, dtype=torch.bfloat16),
+        "final_hidden_states": torch.zeros(b, width, hidden, dtype=torch.bfloat16),
+        "lengths": torch.tensor(lengths, dtype=torch.int64),
+        "row_ids": torch.tensor([r.row_id for r in refs], dtype=torch.int64),
+    }
+    for i, (ref, n) in enumerate(zip(refs, lengths, strict=True)):
+        f = cache.get(ref.chunk)
+        start, end = ref.start, ref.start + n
+        for name in ("input_ids", "loss_mask", "aux_hidden_states", "final_hidden_states"):
+            batch[name][i, :n] = f.get_slice(name)[start:end]
+    return batch
+
+
+class BatchStream:
+    """Iterates loaded batches for a plan, reading ahead on a thread; counts time spent waiting."""
+
+    def __init__(self, plans: Sequence[Sequence[RowRef]], max_len: int, prefetch: int = 4):
+        self.plans = plans
+        self.max_len = max_len
+        self.wait_seconds = 0.0
+        self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._produce, daemon=True)
+        self._thread.start()
+
+    def _produce(self) -> None:
+        cache = ChunkCache()
+        try:
+            for refs in self.plans:
+                batch = load_batch(refs, self.max_len, cache)
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put(batch, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if self._stop.is_set():
+                    return
+            self._queue.put(None)
+        except BaseException as exc:  # handed to the consumer, raised there
+            self._queue.put(exc)
+
+    def __iter__(self) -> Iterator[dict]:
+        while True:
+            began = time.perf_counter()
+            item = self._queue.get()
+            self.wait_seconds += time.perf_counter() - began
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def close(self) -> None:
+        self._stop.set()
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+        self._thread.join(timeout=5)

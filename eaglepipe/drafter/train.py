@@ -1,0 +1,426 @@
+"""Training the drafter on validated shards: AdamW, warmup + cosine, TTT loss, resumable.
+
+One script for one process or many: under `torchrun` (WORLD_SIZE > 1) every rank trains a
+DDP replica on its own slice of each epoch's batch plan (batch k goes to rank k % world), and
+only rank 0 writes checkpoints, the log and the model. Checkpoints are written atomically every
+`train.checkpoint_every` steps; a rerun resumes from the newest one that belongs to the same
+inputs and reaches the same total step count, because the batch plan depends only on the seed.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save
+
+from ..atomic import atomic_write_bytes
+from ..config import aux_layer_ids, model_dir, read_model_config
+from ..errors import PipelineError
+from ..fingerprint import hash_file, hash_json
+from .data import BatchStream, index_rows, plan_batches, split_row_ids
+from .loss import ttt_loss
+from .model import DrafterConfig, Eagle3Drafter
+from .target_head import load_target_head
+from .vocab import load_vocab
+
+CHECKPOINT_RE = re.compile(r"step-(\d{8})\.pt$")
+KEEP_CHECKPOINTS = 2
+
+
+# ---------------------------------------------------------------------------------------------
+# The validation gate
+
+
+def check_validated(manifests: list[str], validated: list[str]) -> None:
+    """Every manifest needs a validation report for the same shard and the same manifest bytes."""
+    reports: dict[str, dict] = {}
+    for path in validated:
+        try:
+            report = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise PipelineError(f"validation report {path} does not exist") from None
+        except json.JSONDecodeError as exc:
+            raise PipelineError(f"validation report {path} is not valid JSON: {exc}") from None
+        if "shard" not in report or "manifest_xxh3_128" not in report:
+            raise PipelineError(f"validation report {path} lacks shard/manifest_xxh3_128")
+        reports[report["shard"]] = report
+    for manifest in manifests:
+        shard = Path(manifest).parent.name
+        report = reports.get(shard)
+        if report is None:
+            raise PipelineError(
+                f"shard {shard} ({manifest}) has no validation report: run the validate step "
+                "first; training only reads validated shards"
+            )
+        if report["manifest_xxh3_128"] != hash_file(manifest):
+            raise PipelineError(
+                f"shard {shard}: {manifest} changed after it was validated; validate it again"
+            )
+
+
+# ---------------------------------------------------------------------------------------------
+# Setup
+
+
+@dataclass
+class Distributed:
+    rank: int
+    world_size: int
+    local_rank: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device_kind: str) -> Distributed:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if world > 1 and not torch.distributed.is_initialized():
+        backend = "nccl" if device_kind == "cuda" else "gloo"
+        torch.distributed.init_process_group(backend=backend)
+    return Distributed(rank=rank, world_size=world, local_rank=local)
+
+
+def resolve_device(train_config: dict, local_rank: int = 0) -> torch.device:
+    wanted = train_config.get("device", "auto")
+    if wanted == "cuda" and not torch.cuda.is_available():
+        raise PipelineError("train.device is cuda but no CUDA device is visible")
+    if wanted == "cuda" or (wanted == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def resolve_dtype(train_config: dict, device: torch.device) -> torch.dtype:
+    precision = train_config.get("precision", "auto")
+    if precision == "bf16" or (precision == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return torch.float32
+
+
+def lr_at(step: int, total_steps: int, peak: float, warmup: int) -> float:
+    """Linear warmup to `peak`, then cosine decay to zero at `total_steps`."""
+    if warmup and step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total_steps - warmup)
+    return peak * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def build_drafter(config: dict, vocab, target_head, seed: int) -> Eagle3Drafter:
+    drafter_config = DrafterConfig.from_target(read_model_config(config), vocab.size)
+    torch.manual_seed(seed)
+    model = Eagle3Drafter(drafter_config)
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(target_head.embed_tokens.float())
+        model.d2t.copy_(vocab.d2t)
+        model.t2d.copy_(vocab.t2d)
+    return model
+
+
+def to_device(batch: dict, device: torch.device, dtype: torch.dtype) -> dict:
+    out = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    for name in ("aux_hidden_states", "final_hidden_states"):
+        out[name] = out[name].to(dtype)
+    return out
+
+
+def save_drafter(model: Eagle3Drafter, path: str | os.PathLike, metadata: dict) -> None:
+    tensors = {
+        k: v.detach().float().cpu().contiguous() for k, v in model.trainable_state_dict().items()
+    }
+    tensors["d2t"] = model.d2t.cpu()
+    tensors["t2d"] = model.t2d.cpu()
+    meta = {"drafter_config": model.config.to_json(), **{k: str(v) for k, v in metadata.items()}}
+    atomic_write_bytes(path, save(tensors, metadata=meta))
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def list_checkpoints(directory: Path) -> list[tuple[int, Path]]:
+    if not directory.is_dir():
+        return []
+    found = []
+    for path in directory.iterdir():
+        match = CHECKPOINT_RE.search(path.name)
+        if match:
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def save_checkpoint(directory: Path, step: int, model, optimizer, run_key: str) -> Path:
+    buffer = io.BytesIO()
+    torch.save(
+        {
+            "step": step,
+            "run_key": run_key,
+            "model": model.trainable_state_dict(),
+            "optimizer": optimizer.state_dict(),
+        },
+        buffer,
+    )
+    path = directory / f"step-{step:08d}.pt"
+    atomic_write_bytes(path, buffer.getvalue())
+    for _, old in list_checkpoints(directory)[:-KEEP_CHECKPOINTS]:
+        old.unlink(missing_ok=True)
+    return path
+
+
+def latest_checkpoint(directory: Path, run_key: str, log) -> dict | None:
+    """The newest readable checkpoint of this run; checkpoints of other inputs are removed."""
+    for step, path in reversed(list_checkpoints(directory)):
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=False)
+        except Exception as exc:  # a truncated file from a crash mid-write never gets renamed
+            log(f"checkpoint {path} is unreadable ({exc}); trying an older one")
+            continue
+        if state.get("run_key") != run_key:
+            log(f"checkpoint {path} was made from other inputs or settings; removing it")
+            path.unlink(missing_ok=True)
+            continue
+        log(f"resuming from {path} (step {step})")
+        return state
+    return None
+
+
+def truncate_log(path: Path, last_step: int) -> None:
+    """Keep only the log lines of steps up to `last_step` (a resumed run rewrites the rest)."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= last_step:
+                kept.append(line)
+        except (json.JSONDecodeError, KeyError):
+            continue
+    atomic_write_bytes(path, ("\n".join(kept) + "\n" if kept else "").encode())
+
+
+# ---------------------------------------------------------------------------------------------
+# The training run
+
+
+def train(
+    config: dict,
+    *,
+    vocab_path: str,
+    table_path: str,
+    manifests: list[str],
+    validated: list[str],
+    out_path: str,
+    log_path: str,
+    checkpoint_dir: str,
+    stop_after_steps: int | None = None,
+) -> dict:
+    """Train and write the drafter; returns a summary. `stop_after_steps` is for benchmarks."""
+    check_validated(manifests, validated)
+    tc = config["train"]
+    probe_device = resolve_device(tc)
+    dist = init_distributed(probe_device.type)
+    device = resolve_device(tc, dist.local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dtype = resolve_dtype(tc, device)
+
+    def log(message: str) -> None:
+        if dist.is_main:
+            print(message, flush=True)
+
+    vocab = load_vocab(vocab_path)
+    head = load_target_head(model_dir(config))
+    rows, facts = index_rows(manifests, split_row_ids(table_path, "train"))
+    if not rows:
+        raise PipelineError("the listed shards hold no rows of the train split")
+    expected_ids = aux_layer_ids(config)
+    if list(facts["aux_layer_ids"]) != list(expected_ids):
+        raise PipelineError(
+            f"shards were extracted at aux layers {facts['aux_layer_ids']}, the config resolves "
+            f"to {expected_ids}: re-extract or fix aux_layer_ids"
+        )
+    if facts["hidden_size"] != head.lm_head.shape[1]:
+        raise PipelineError(
+            f"shards have hidden_size {facts['hidden_size']}, the target {head.lm_head.shape[1]}"
+        )
+
+    model = build_drafter(config, vocab, head, tc["seed"]).to(device)
+    lm_head = head.lm_head.to(device=device, dtype=dtype)
+    draft_ids = vocab.draft_ids.to(device)
+    t2d = vocab.t2d.to(device)
+    del head
+
+    plans_by_epoch = [
+        plan_batches(rows, tc["batch_tokens"], tc["max_len"], tc["seed"], epoch)
+        for epoch in range(tc["epochs"])
+    ]
+    steps_per_epoch = min(len(p) for p in plans_by_epoch) // dist.world_size
+    if steps_per_epoch == 0:
+        raise PipelineError(
+            f"{len(rows)} train rows make fewer batches than the {dist.world_size} ranks"
+        )
+    total_steps = steps_per_epoch * tc["epochs"]
+    run_key = hash_json(
+        {
+            "train": tc,
+            "drafter": model.config.to_json(),
+            "vocab": hash_file(vocab_path),
+            "manifests": sorted(hash_file(m) for m in manifests),
+            "world_size": dist.world_size,
+        }
+    )
+
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=tc["lr"],
+        weight_decay=tc["weight_decay"],
+        betas=(0.9, 0.95),
+    )
+    ckpt_dir = Path(checkpoint_dir)
+    log_file = Path(log_path)
+    start_step = 0
+    state = latest_checkpoint(ckpt_dir, run_key, log)
+    if state is not None:
+        model.load_state_dict(state["model"], strict=False)
+        optimizer.load_state_dict(state["optimizer"])
+        start_step = int(state["step"])
+    if dist.is_main:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        if start_step:
+            truncate_log(log_file, start_step)
+        else:
+            log_file.write_text("")
+
+    ddp_model = model
+    if dist.world_size > 1:
+        ddp_model = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None
+        )
+    log(
+        f"training drafter: {len(rows)} rows, {total_steps} steps "
+        f"({steps_per_epoch}/epoch x {tc['epochs']}), world {dist.world_size}, "
+        f"device {device}, {dtype}, from step {start_step}"
+    )
+
+    end_step = total_steps if stop_after_steps is None else min(total_steps, stop_after_steps)
+    step = start_step
+    began = time.perf_counter()
+    tokens_done = 0
+    wait_total = 0.0
+    last_loss = float("nan")
+    with open(log_file, "a") if dist.is_main else open(os.devnull, "w") as log_out:
+        while step < end_step:
+            epoch, offset = divmod(step, steps_per_epoch)
+            mine = plans_by_epoch[epoch][dist.rank :: dist.world_size][:steps_per_epoch]
+            stream = BatchStream(mine[offset:], tc["max_len"])
+            try:
+                for batch in stream:
+                    if step >= end_step:
+                        break
+                    step_began = time.perf_counter()
+                    wait_before = stream.wait_seconds
+                    batch = to_device(batch, device, dtype)
+                    lr = lr_at(step, total_steps, tc["lr"], tc["warmup_steps"])
+                    for group in optimizer.param_groups:
+                        group["lr"] = lr
+                    with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                        result = ttt_loss(
+                            ddp_model,
+                            batch,
+                            lm_head,
+                            draft_ids,
+                            t2d,
+                            tc["ttt_length"],
+                            tc["step_weight_decay"],
+                        )
+                    optimizer.zero_grad(set_to_none=True)
+                    result.loss.backward()
+                    grad_norm = torch.nn.utils.clip_grad_norm_(
+                        [p for p in model.parameters() if p.requires_grad], tc["grad_clip"]
+                    )
+                    optimizer.step()
+                    step += 1
+                    stats = torch.tensor(
+                        [float(result.loss.detach()), *result.correct, *result.counted],
+                        dtype=torch.float64,
+                        device=device,
+                    )
+                    if dist.world_size > 1:
+                        torch.distributed.all_reduce(stats)
+                        stats[0] /= dist.world_size
+                    k = tc["ttt_length"]
+                    correct, counted = stats[1 : 1 + k].tolist(), stats[1 + k :].tolist()
+                    tokens = int(batch["lengths"].sum()) * dist.world_size
+                    tokens_done += tokens
+                    seconds = time.perf_counter() - step_began
+                    wait_total += stream.wait_seconds - wait_before
+                    last_loss = float(stats[0])
+                    record = {
+                        "step": step,
+                        "epoch": epoch,
+                        "loss": last_loss,
+                        "step_losses": result.step_losses,
+                        "acc": [
+                            c / n if n else None for c, n in zip(correct, counted, strict=True)
+                        ],
+                        "counted": [int(n) for n in counted],
+                        "lr": lr,
+                        "grad_norm": float(grad_norm),
+                        "tokens": tokens,
+                        "seconds": seconds,
+                    }
+                    log_out.write(json.dumps(record) + "\n")
+                    log_out.flush()
+                    if dist.is_main and (step % 10 == 0 or step == end_step or step == 1):
+                        elapsed = time.perf_counter() - began
+                        rate = tokens_done / max(elapsed, 1e-9)
+                        eta = (end_step - step) * elapsed / max(1, step - start_step)
+                        acc0 = record["acc"][0]
+                        print(
+                            f"step {step}/{total_steps} loss {last_loss:.4f} "
+                            f"acc0 {acc0 if acc0 is None else round(acc0, 3)} lr {lr:.2e} "
+                            f"{rate:,.0f} tok/s ETA {eta:.0f}s",
+                            flush=True,
+                        )
+                    if dist.is_main and step % tc["checkpoint_every"] == 0 and step < total_steps:
+                        save_checkpoint(ckpt_dir, step, model, optimizer, run_key)
+            finally:
+                stream.close()
+
+    elapsed = time.perf_counter() - began
+    summary = {
+        "steps": step,
+        "total_steps": total_steps,
+        "resumed_from": start_step,
+        "final_loss": last_loss,
+        "tokens": tokens_done,
+        "tokens_per_s": tokens_done / max(elapsed, 1e-9),
+        "data_wait_fraction": wait_total / max(elapsed, 1e-9),
+        "seconds": elapsed,
+    }
+    if dist.is_main and step >= total_steps:
+        save_drafter(
+            model,
+            out_path,
+            {
+                "aux_layer_ids": json.dumps(list(facts["aux_layer_ids"])),
+                "total_steps": total_steps,
+                "final_loss": last_loss,
+            },
+        )
+        log(f"wrote {out_path} after {step} steps (final loss {last_loss:.4f})")
+    if dist.world_size > 1:
+        torch.distributed.barrier()
+    sys.stdout.flush()
+    return summary

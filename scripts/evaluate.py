@@ -1,0 +1,38 @@
+#!/usr/bin/env python3
+"""Evaluate the drafter on held-out rows: per-step accuracy and simulated acceptance length."""
+
+import argparse
+import sys
+
+from eaglepipe.config import config_from_arg
+from eaglepipe.drafter.evaluate import evaluate
+from eaglepipe.errors import PipelineError
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--vocab", required=True)
+    parser.add_argument("--table", required=True)
+    parser.add_argument("--manifests", nargs="+", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--plot")
+    args = parser.parse_args()
+    try:
+        evaluate(
+            config_from_arg(args.config),
+            model_path=args.model,
+            vocab_path=args.vocab,
+            table_path=args.table,
+            manifests=args.manifests,
+            out_path=args.out,
+            plot_path=args.plot,
+        )
+    except PipelineError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

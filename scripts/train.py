@@ -1,0 +1,45 @@
+#!/usr/bin/env python3
+"""Train the EAGLE-3 drafter on validated shards (also under torchrun for DDP)."""
+
+import argparse
+import sys
+
+import torch
+
+from eaglepipe.config import config_from_arg
+from eaglepipe.drafter.train import train
+from eaglepipe.errors import PipelineError
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--vocab", required=True)
+    parser.add_argument("--table", required=True)
+    parser.add_argument("--manifests", nargs="+", required=True)
+    parser.add_argument("--validated", nargs="*", default=[])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--log", required=True)
+    parser.add_argument("--checkpoint-dir", required=True)
+    args = parser.parse_args()
+    try:
+        train(
+            config_from_arg(args.config),
+            vocab_path=args.vocab,
+            table_path=args.table,
+            manifests=args.manifests,
+            validated=args.validated,
+            out_path=args.out,
+            log_path=args.log,
+            checkpoint_dir=args.checkpoint_dir,
+        )
+    except PipelineError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+#!/usr/bin/env python3
+"""Build the draft vocabulary (d2t/t2d) from the loss-masked tokens of the train rows."""
+
+import argparse
+import sys
+
+import pandas as pd
+
+from eaglepipe.config import config_from_arg, read_model_config, text_config
+from eaglepipe.drafter.vocab import build_draft_vocab, save_vocab
+from eaglepipe.errors import PipelineError
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--table", required=True, help="prepared/tokenized.parquet")
+    parser.add_argument("--out", required=True, help="drafter/vocab.safetensors")
+    args = parser.parse_args()
+    try:
+        config = config_from_arg(args.config)
+        vocab_size = int(text_config(read_model_config(config))["vocab_size"])
+        try:
+            table = pd.read_parquet(
+                args.table, columns=["row_id", "split", "input_ids", "loss_mask"]
+            )
+        except FileNotFoundError:
+            raise PipelineError(f"prepared table {args.table} does not exist") from None
+        vocab, stats = build_draft_vocab(table, vocab_size, config["train"]["draft_vocab_size"])
+        save_vocab(vocab, args.out, stats)
+        print(
+            f"draft vocabulary: {stats['draft_vocab_size']} of {vocab_size} ids cover "
+            f"{stats['coverage']:.1%} of {stats['masked_tokens']} loss-masked train tokens "
+            f"-> {args.out}",
+            flush=True,
+        )
+    except PipelineError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
