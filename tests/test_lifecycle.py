@@ -25,6 +25,8 @@ import pytest
 import yaml
 from conftest import REPO_ROOT
 
+from eaglepipe.cli import EXIT_NOT_RUNNING
+from eaglepipe.cli import main as cli_main
 from eaglepipe.config import validate_config
 from eaglepipe.errors import PipelineError
 from eaglepipe.server import lifecycle
@@ -135,7 +137,7 @@ def run(tmp_path, monkeypatch, tiny_llama_dir):
         dump_root=str(tmp_path / "dumps"),
         health_timeout_s=180,
         idle_timeout_s=600,
-        lease_ttl_s=1,
+        lease_ttl_s=3,
     )
     ctx = Run(tmp_path, validate_config(raw))
     yield ctx
@@ -249,7 +251,8 @@ def test_two_concurrent_jobs_share_one_server(run):
     assert not group_alive(pid) and port_is_free("127.0.0.1", run.config["server"]["port"])
 
 
-def test_reuse_across_runs_and_replace_when_layer_ids_change(run):
+def test_reuse_across_runs_and_replace_when_layer_ids_change(run, monkeypatch):
+    run.use_fake_engine(monkeypatch)
     with server_lease(run.config, run_token="run-1") as first:
         pass
     with server_lease(run.config, run_token="run-2") as second:
@@ -262,7 +265,7 @@ def test_reuse_across_runs_and_replace_when_layer_ids_change(run):
     changed["aux_layer_ids"] = [0, 2, 5]
     with server_lease(changed, run_token="run-3") as third:
         assert third.pid != first.pid
-        assert third.info["aux_layer_ids"] == [0, 2, 5]
+        assert third.state["settings"]["aux_layer_ids"] == [0, 2, 5]
     assert not group_alive(first.pid) and len(starts(run.paths)) == 2
     assert stop_if_started_by("run-3") is True and not group_alive(third.pid)
 
@@ -435,10 +438,11 @@ def test_exclusive_lease_waits_for_shared_users_and_keeps_them_out(run, monkeypa
     assert stop_if_started_by("run-jobs") is True
 
 
-def test_server_command_line_start_status_stop(run):
+def test_server_command_line_start_status_stop(run, monkeypatch, capsys):
+    run.use_fake_engine(monkeypatch)
     config_path = run.write_config()
 
-    def cli(*args):
+    def script(*args):
         return subprocess.run(
             [PYTHON, "-u", str(REPO_ROOT / "scripts" / "server.py"), *args],
             cwd=run.workdir,
@@ -447,25 +451,20 @@ def test_server_command_line_start_status_stop(run):
             timeout=WAIT_S,
         )
 
-    started = cli("start", "--config", str(config_path))
-    assert started.returncode == 0, started.stderr
+    # In-process, so the stand-in engine applies; the script path is exercised below.
+    assert cli_main(["server", "start", "--config", str(config_path)]) == 0
+    started = capsys.readouterr().out
     state = read_json(run.paths.state)
-    assert state["url"] in started.stdout and state["log"] in started.stdout
-    status = cli("status")
+    assert state["url"] in started and state["log"] in started
+    status = script("status")
     assert status.returncode == 0 and "healthy" in status.stdout and "pinned" in status.stdout
     assert str(state["pid"]) in status.stdout and state["fingerprint"] in status.stdout
     # A pinned server belongs to the person who started it, not to a run.
     assert stop_if_started_by(state["owner_run"]) is False
-    stopped = cli("stop")
+    stopped = script("stop")
     assert stopped.returncode == 0 and f"port {state['port']} is free" in stopped.stdout
     assert not group_alive(state["pid"])
-    assert cli("status").returncode == lifecycle_exit_not_running()
-
-
-def lifecycle_exit_not_running() -> int:
-    from eaglepipe.cli import EXIT_NOT_RUNNING
-
-    return EXIT_NOT_RUNNING
+    assert script("status").returncode == EXIT_NOT_RUNNING
 
 
 def test_group_members_skips_processes_older_than_the_server():

@@ -60,7 +60,7 @@ from .leases import (
     reap_started_children,
     remove_dead_leases,
 )
-from .ports import describe_port_holders, port_is_free, wait_port_free
+from .ports import describe_port_holders, port_holders, port_is_free, wait_port_free
 from .supervise import owner_file
 
 RUN_TOKEN_ENV = "EAGLEPIPE_RUN_TOKEN"
@@ -69,6 +69,8 @@ SUPERVISOR_MODULE = "eaglepipe.server.supervise"
 STOP_GRACE_S = 20.0
 PORT_RELEASE_TIMEOUT_S = 15.0
 PROBE_TIMEOUT_S = 5.0
+# How long a running server that does not answer /health gets before it is replaced.
+REUSE_PATIENCE_S = 30.0
 # After a request fails, how long to watch for the server process to be gone before blaming it.
 DEATH_CONFIRM_S = 3.0
 PROGRESS_EVERY_S = 5.0
@@ -483,6 +485,22 @@ def _server_info_if_healthy(state: dict) -> dict | None:
     return info
 
 
+def _server_info_when_answering(state: dict, patience_s: float) -> dict | None:
+    """Like `_server_info_if_healthy`, but a busy server gets `patience_s` to answer before it
+    counts as hung (and is replaced): other jobs may be keeping it busy."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        info = _server_info_if_healthy(state)
+        if info is not None or time.monotonic() > deadline or supervisor_process(state) is None:
+            return info
+        print(
+            f"{_describe(state)} does not answer its health check yet; retrying",
+            file=sys.stderr,
+            flush=True,
+        )
+        time.sleep(1.0)
+
+
 def _adopt(state: dict, paths: ServerPaths, run_token: str, ttl_s: float) -> None:
     """A run that reuses a server whose starting run is over becomes the run that stops it."""
     owner = state.get("owner_run")
@@ -507,7 +525,7 @@ def _ensure_server(
         if supervisor_process(state) is None:
             _stop_group(state, paths, "stale state: its supervisor is gone")
         elif state["fingerprint"] == fingerprint:
-            info = _server_info_if_healthy(state)
+            info = _server_info_when_answering(state, max(ttl_s, REUSE_PATIENCE_S))
             if info is not None:
                 _adopt(state, paths, run_token, ttl_s)
                 append_history(paths, "reuse", pid=state["pid"], run_token=run_token)
@@ -537,9 +555,15 @@ def _start(config: dict, paths: ServerPaths, run_token: str, fingerprint: str) -
     dump_root.mkdir(parents=True, exist_ok=True, mode=0o700)
     _remove_stale_dumps(dump_root)
     if not port_is_free(host, port):
+        hint = ""
+        if any(SUPERVISOR_MODULE.rsplit(".", 1)[0] in h.cmdline for h in port_holders(port)):
+            hint = (
+                f" (an eaglepipe server not recorded in {paths.root}: another working "
+                "directory's, or one whose state file was deleted)"
+            )
         raise PipelineError(
-            f"cannot start the server: {describe_port_holders(host, port)}, which this pipeline "
-            "did not start and leaves running: stop it, or set server.port to a free port"
+            f"cannot start the server: {describe_port_holders(host, port)}{hint}, which this "
+            "pipeline did not start and leaves running: stop it, or set server.port to a free port"
         )
     from ..dump import prepare_dump_dir  # imports torch: only on the path that starts a server
 

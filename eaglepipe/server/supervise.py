@@ -69,12 +69,14 @@ def stop_engine(engine: subprocess.Popen, reason: str) -> None:
         engine.wait(timeout=ENGINE_STOP_GRACE_S)
     except subprocess.TimeoutExpired:
         log(f"engine pid {engine.pid} ignored SIGTERM for {ENGINE_STOP_GRACE_S:.0f}s; SIGKILL")
-    for proc in group_members_except_self():
+    leftovers = group_members_except_self()
+    for proc in leftovers:
         try:
             proc.kill()
         except psutil.NoSuchProcess:
             continue
     engine.wait()
+    psutil.wait_procs(leftovers, timeout=ENGINE_STOP_GRACE_S)
 
 
 class Supervisor:
@@ -95,11 +97,13 @@ class Supervisor:
             return True
         return bool(live_leases(self.paths, self.lease_ttl_s))
 
-    def idle_stop_confirmed(self) -> bool:
-        """Re-check under the lifecycle lock, so no job is reusing us at the moment we stop.
+    def stop_if_still_idle(self, engine: subprocess.Popen) -> bool:
+        """Stop the engine if no job uses it, deciding and stopping under the lifecycle lock.
 
         A job creates its lease before it takes the lock, so once we hold the lock every job
-        about to reuse this server is visible. A busy lock means a job is deciding: try later.
+        about to reuse this server is visible; and holding it until the engine is gone means
+        no job starts a new server while our port is still taken. A busy lock means a job is
+        deciding right now: try again on the next round.
         """
         lock = filelock.FileLock(self.paths.lock)
         try:
@@ -109,12 +113,17 @@ class Supervisor:
         try:
             if self.in_use():
                 return False
+            stop_engine(engine, self.idle_reason)
             state = read_json(self.paths.state)
             if state and state.get("pid") == os.getpid():
                 self.paths.state.unlink(missing_ok=True)
             return True
         finally:
             lock.release()
+
+    @property
+    def idle_reason(self) -> str:
+        return f"no live lease for {self.idle_timeout_s:g}s (server.idle_timeout_s)"
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self.on_signal)
@@ -139,13 +148,12 @@ class Supervisor:
             if self.in_use():
                 last_in_use = time.monotonic()
             elif time.monotonic() - last_in_use > self.idle_timeout_s:
-                if self.idle_stop_confirmed():
-                    reason = f"no live lease for {self.idle_timeout_s:g}s (server.idle_timeout_s)"
-                    stop_engine(engine, reason)
+                if self.stop_if_still_idle(engine):
+                    reason = self.idle_reason
                     break
             time.sleep(poll_s)
         self.clean_up(reason, engine.returncode)
-        if self.stop_signal is not None or reason.startswith("no live lease"):
+        if self.stop_signal is not None or reason == self.idle_reason:
             return 0
         code = engine.returncode
         return code if code >= 0 else 128 - code
