@@ -948,7 +948,10 @@ def independent_forward_fits(model_dir: Path) -> tuple[bool, str]:
     """Whether an fp32 CPU forward leaves ample memory: weights at most a quarter of free RAM."""
     need = model_fp32_bytes(model_dir)
     available = psutil.virtual_memory().available
-    reason = f"model needs ~{need / 1e9:.2f} GB in fp32, {available / 1e9:.1f} GB available"
+    reason = (
+        f"model needs ~{shard_store.format_bytes(need)} in fp32, "
+        f"{shard_store.format_bytes(available)} available"
+    )
     return need * 4 <= available, reason
 
 
