@@ -225,6 +225,12 @@ def check_manifest_schema(shard: str, manifest: dict) -> None:
     def fail(detail: str) -> None:
         raise ValidationFailure(shard, "schema", f"manifest.json: {detail}")
 
+    planned = parse_shard_name(shard)
+    if (manifest["row_start"], manifest["row_end"]) != (planned.start, planned.end):
+        fail(
+            f"row range [{manifest['row_start']}, {manifest['row_end']}) is not the shard's "
+            f"planned [{planned.start}, {planned.end})"
+        )
     chunks = manifest["chunks"]
     names = [entry["file"] for entry in chunks]
     expected_names = [f"chunk-{i:05d}.safetensors" for i in range(len(chunks))]
@@ -1070,6 +1076,8 @@ def validate_shard(
     log = _printer(progress)
     began = time.monotonic()
 
+    manifest_path = shard_dir / shard_store.MANIFEST_NAME
+    manifest_hash = hash_file(manifest_path) if manifest_path.exists() else None
     manifest = read_manifest(shard_dir, shard)
     checks: dict[str, dict] = {}
     checks["provenance"] = check_provenance(
@@ -1129,11 +1137,11 @@ def validate_shard(
     seconds = time.monotonic() - began
     report = {
         "shard": shard,
-        "manifest_xxh3_128": hash_file(shard_dir / "manifest.json"),
+        "manifest_xxh3_128": manifest_hash,
         "provenance": provenance,
         "checks": {name: checks[name] for name in CHECKS},
         "layer_norms": stats.layer_means(),
-        "layer_norm_reference": reference["shard"] if reference else shard,
+        "layer_norm_reference": reference["shard"] if reference and stats.tokens else shard,
         "num_rows": manifest["num_rows"],
         "num_tokens": manifest["num_tokens"],
         "num_bytes": total,
