@@ -1,0 +1,207 @@
+"""The drafter stages end to end through their scripts, on a tiny target trained for seconds.
+
+vocab -> train -> evaluate -> export -> live acceptance, as the Snakemake rules run them, plus
+the validation gate and kill-and-resume of training.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import PYTHON, REPO_ROOT, build_tiny_llama
+from drafter_helpers import make_inputs, synthetic_rows, train_tiny_target
+
+from eaglepipe.config import config_from_arg
+from eaglepipe.drafter.evaluate import eval_rows, evaluate_model
+from eaglepipe.drafter.target_head import load_target_head
+from eaglepipe.drafter.train import build_drafter
+from eaglepipe.drafter.vocab import load_vocab
+
+TRAIN = {"batch_tokens": 256, "lr": 0.01, "epochs": 10, "warmup_steps": 10}
+
+
+def run_script(name: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    result = subprocess.run(
+        [PYTHON, "-u", str(REPO_ROOT / "scripts" / name), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    if check and result.returncode != 0:
+        raise AssertionError(f"{name} failed:\n{result.stdout}\n{result.stderr}")
+    return result
+
+
+def train_args(inputs: dict, out: Path, **overrides) -> list[str]:
+    args = {
+        "--config": inputs["config"],
+        "--vocab": str(inputs["vocab"]),
+        "--table": inputs["table"],
+        "--out": str(out / "model.safetensors"),
+        "--log": str(out / "train_log.jsonl"),
+        "--checkpoint-dir": str(out / "checkpoints"),
+        **overrides,
+    }
+    flat = [x for pair in args.items() for x in pair]
+    return [*flat, "--manifests", *inputs["manifests"], "--validated", *inputs["validated"]]
+
+
+def read_log(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    root = tmp_path_factory.mktemp("drafter")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the shared test machine is oversubscribed; one thread is faster
+    try:
+        model_dir = build_tiny_llama(root / "target")
+        train_tiny_target(model_dir, synthetic_rows(60, 300), steps=100)
+        inputs = make_inputs(root, model_dir, **TRAIN)
+    finally:
+        torch.set_num_threads(threads)
+    drafter = root / "drafter"
+    inputs["vocab"] = drafter / "vocab.safetensors"
+    run_script(
+        "vocab.py", "--config", inputs["config"], "--table", inputs["table"],
+        "--out", str(inputs["vocab"]),
+    )  # fmt: skip
+    trained = run_script("train.py", *train_args(inputs, drafter))
+    inputs["train_stdout"] = trained.stdout
+    common = ["--config", inputs["config"], "--vocab", str(inputs["vocab"])]
+    run_script(
+        "evaluate.py", *common, "--model", str(drafter / "model.safetensors"),
+        "--table", inputs["table"], "--manifests", *inputs["manifests"],
+        "--out", str(drafter / "eval.json"), "--plot", str(drafter / "eval.png"),
+    )  # fmt: skip
+    run_script(
+        "export.py", *common, "--model", str(drafter / "model.safetensors"),
+        "--out-dir", str(drafter / "export"),
+    )  # fmt: skip
+    run_script(
+        "live_acceptance.py", "--config", inputs["config"],
+        "--export-dir", str(drafter / "export" / "sglang"), "--table", inputs["table"],
+        "--out", str(drafter / "live.json"), "--eval", str(drafter / "eval.json"),
+    )  # fmt: skip
+    inputs["drafter"] = drafter
+    return inputs
+
+
+def test_training_logs_every_step_and_the_loss_falls(pipeline):
+    log = read_log(pipeline["drafter"] / "train_log.jsonl")
+    assert [r["step"] for r in log] == list(range(1, len(log) + 1))
+    assert len(log) > 50
+    first = sum(r["loss"] for r in log[:10]) / 10
+    last = sum(r["loss"] for r in log[-10:]) / 10
+    assert last < 0.85 * first, (first, last)
+    assert all(len(r["acc"]) == 7 for r in log)
+    assert not list((pipeline["drafter"] / "checkpoints").glob(".*tmp"))
+
+
+def test_trained_drafter_beats_an_untrained_one_on_held_out_rows(pipeline):
+    config = config_from_arg(pipeline["config"])
+    evaluation = json.loads((pipeline["drafter"] / "eval.json").read_text())
+    assert (pipeline["drafter"] / "eval.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    vocab = load_vocab(pipeline["vocab"])
+    head = load_target_head(Path(config["model"]["path"]))
+    untrained = build_drafter(config, vocab, head, seed=config["train"]["seed"])
+    rows, _ = eval_rows(pipeline["table"], pipeline["manifests"], config["evaluate"]["max_rows"])
+    baseline = evaluate_model(
+        untrained,
+        vocab,
+        head.lm_head,
+        rows,
+        ttt_length=config["train"]["ttt_length"],
+        batch_tokens=config["train"]["batch_tokens"],
+        max_len=config["train"]["max_len"],
+        device=torch.device("cpu"),
+    )
+    assert (
+        evaluation["rows"] == baseline["rows"] and evaluation["positions"] == baseline["positions"]
+    )
+    trained_acc, untrained_acc = evaluation["accuracy"][0], baseline["accuracy"][0]
+    assert trained_acc > untrained_acc + 0.2, (trained_acc, untrained_acc)
+    assert evaluation["acceptance_length"] > baseline["acceptance_length"] + 0.3
+    cond = evaluation["conditional_accuracy"]
+    assert cond[0] == pytest.approx(trained_acc)
+
+
+def test_live_acceptance_is_well_above_one_and_near_the_offline_estimate(pipeline):
+    live = json.loads((pipeline["drafter"] / "live.json").read_text())
+    offline = live["offline_acceptance_length"]
+    assert live["aux_layers_captured"] == [1, 3, 4]
+    assert live["outputs_match_greedy"] == live["prompts"] == 3
+    assert live["acceptance_length"] > 1.3, live
+    # Same order of gain as the teacher-forced estimate: a layer-id or export bug collapses to ~1.
+    gain, offline_gain = live["acceptance_length"] - 1, offline - 1
+    assert 0.35 * offline_gain < gain < 3.0 * offline_gain, (live["acceptance_length"], offline)
+
+
+def test_export_writes_both_engines(pipeline):
+    for engine, ids in (("sglang", [1, 3, 4]), ("vllm", [2, 4, 5])):
+        config = json.loads((pipeline["drafter"] / "export" / engine / "config.json").read_text())
+        assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == ids
+        assert (pipeline["drafter"] / "export" / engine / "model.safetensors").exists()
+
+
+def test_training_refuses_shards_without_a_validation_report(pipeline, tmp_path):
+    args = train_args(pipeline, tmp_path)
+    cut = args.index("--validated")
+    result = run_script("train.py", *args[: cut + 1], pipeline["validated"][0], check=False)
+    assert result.returncode == 1
+    shard = Path(pipeline["manifests"][1]).parent.name
+    assert result.stderr.strip().startswith(f"error: shard {shard}")
+    assert "no validation report" in result.stderr
+    assert not (tmp_path / "model.safetensors").exists()
+
+
+def test_killed_training_resumes_to_the_same_step_count(pipeline, tmp_path):
+    full_steps = len(read_log(pipeline["drafter"] / "train_log.jsonl"))
+    config = json.loads(json.dumps(config_from_arg(pipeline["config"])))
+    config["train"]["checkpoint_every"] = 5
+    config_path = tmp_path / "config.json"
+    config_path.write_text(json.dumps(config))
+    inputs = {**pipeline, "config": str(config_path)}
+    args = train_args(inputs, tmp_path)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(
+        [PYTHON, "-u", str(REPO_ROOT / "scripts" / "train.py"), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not list((tmp_path / "checkpoints").glob("step-*.pt")):
+            assert process.poll() is None, process.stdout.read().decode()
+            assert time.monotonic() < deadline, "no checkpoint appeared"
+            time.sleep(0.05)
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert process.returncode == -signal.SIGKILL
+    assert not (tmp_path / "model.safetensors").exists()
+    killed_at = len(read_log(tmp_path / "train_log.jsonl"))
+    assert killed_at < full_steps
+
+    resumed = run_script("train.py", *args)
+    checkpoint_step = int(resumed.stdout.split("(step ")[1].split(")")[0])
+    assert 5 <= checkpoint_step <= killed_at
+    log = read_log(tmp_path / "train_log.jsonl")
+    assert [r["step"] for r in log] == list(range(1, full_steps + 1))
+    assert f"from step {checkpoint_step}" in resumed.stdout
+    assert (tmp_path / "model.safetensors").exists()
