@@ -467,7 +467,10 @@ def test_server_command_line_start_status_stop(run, monkeypatch, capsys):
     assert script("status").returncode == EXIT_NOT_RUNNING
 
 
-def test_group_members_skips_processes_older_than_the_server():
+def test_group_members_recognises_only_the_servers_own_processes():
     # pgid reuse guard: a group whose leader predates the recorded start is never ours.
     me = psutil.Process()
     assert lifecycle.group_members(os.getpgid(0), me.create_time() + 3600) == []
+    # Nor are processes that lack the server instance's marker in their environment.
+    assert me.pid in [p.pid for p in lifecycle.group_members(os.getpgid(0), 0)]
+    assert lifecycle.group_members(os.getpgid(0), 0, "some-other-instance") == []

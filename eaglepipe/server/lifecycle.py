@@ -64,6 +64,8 @@ from .ports import describe_port_holders, port_holders, port_is_free, wait_port_
 from .supervise import owner_file
 
 RUN_TOKEN_ENV = "EAGLEPIPE_RUN_TOKEN"
+# Every process of a server carries its instance id in this variable: how a stop recognises them.
+INSTANCE_ENV = "EAGLEPIPE_SERVER_INSTANCE"
 SERVER_LOG_DIR = cfg.LOG_DIR / "server"
 SUPERVISOR_MODULE = "eaglepipe.server.supervise"
 STOP_GRACE_S = 20.0
@@ -217,35 +219,47 @@ def supervisor_process(state: dict) -> psutil.Process | None:
         return None
 
 
-def group_members(pgid: int, started_after: float) -> list[psutil.Process]:
-    """Live processes of our server's group (created after its supervisor, so never a reuse)."""
+def group_members(
+    pgid: int, started_after: float, instance_id: str | None = None
+) -> list[psutil.Process]:
+    """Live processes of a server's process group.
+
+    A member must be younger than the supervisor and, given `instance_id`, carry the instance
+    marker in its environment: a recycled pid or process group is never taken for ours.
+    """
     members = []
     for proc in psutil.process_iter():
         try:
             if os.getpgid(proc.pid) != pgid or proc.create_time() < started_after - 1:
                 continue
-            if proc.status() != psutil.STATUS_ZOMBIE:
-                members.append(proc)
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if instance_id is not None and proc.environ().get(INSTANCE_ENV) != instance_id:
+                continue
+            members.append(proc)
         except (ProcessLookupError, psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+        except psutil.AccessDenied:
             continue
     return members
 
 
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        return
-
-
-def _wait_group_gone(pgid: int, started_after: float, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while group_members(pgid, started_after):
-        reap_started_children()
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.2)
-    return True
+def _stop_members(state: dict, grace_s: float) -> None:
+    """SIGTERM every process of the server's group, SIGKILL what is left after `grace_s`."""
+    pgid, since, instance = state["pgid"], state["create_time"], state["instance_id"]
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, grace_s)):
+        members = group_members(pgid, since, instance)
+        if not members:
+            return
+        for proc in members:
+            try:
+                proc.send_signal(sig)
+            except psutil.NoSuchProcess:
+                continue
+        deadline = time.monotonic() + wait_s
+        while group_members(pgid, since, instance) and time.monotonic() < deadline:
+            reap_started_children()
+            time.sleep(0.2)
 
 
 def _describe(state: dict) -> str:
@@ -446,13 +460,9 @@ def _remove_stale_dumps(dump_root: Path) -> None:
 
 def _stop_group(state: dict, paths: ServerPaths, reason: str) -> None:
     """Stop the server's whole process group, wait for its port, and remove its traces."""
-    pgid, since = state["pgid"], state["create_time"]
-    if group_members(pgid, since):
+    if group_members(state["pgid"], state["create_time"], state["instance_id"]):
         print(f"stopping {_describe(state)}: {reason}", file=sys.stderr, flush=True)
-        _signal_group(pgid, signal.SIGTERM)
-        if not _wait_group_gone(pgid, since, STOP_GRACE_S):
-            _signal_group(pgid, signal.SIGKILL)
-            _wait_group_gone(pgid, since, STOP_GRACE_S)
+        _stop_members(state, STOP_GRACE_S)
     reap_started_children()
     port_free = wait_port_free(state["host"], state["port"], PORT_RELEASE_TIMEOUT_S)
     shutil.rmtree(state["dump_dir"], ignore_errors=True)
@@ -592,7 +602,7 @@ def _start(config: dict, paths: ServerPaths, run_token: str, fingerprint: str) -
         "--",
         *engine_argv,
     ]
-    env = {**os.environ, **engine_env, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **engine_env, "PYTHONUNBUFFERED": "1", INSTANCE_ENV: instance_id}
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
             argv,
