@@ -279,6 +279,8 @@ class ExtractionClient:
                 delay = min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2**attempt)
                 self.log(f"row {row.row_id}: {last_error}; retry {attempt + 1} in {delay:.2f}s")
                 await asyncio.sleep(delay)
+        if self.is_alive is not None:
+            await asyncio.to_thread(self.is_alive)  # name a dead server rather than the row
         raise PipelineError(
             f"row {row.row_id} failed after {s.retries + 1} attempt(s): {last_error}"
         )
@@ -363,9 +365,29 @@ def liveness_check(handle) -> Callable[[], bool] | None:
     """The lifecycle's process check for a server handle (raises naming the PID and log)."""
     if not getattr(handle, "state", None):
         return None
+    import psutil
+
     from .server.lifecycle import server_alive
 
-    return lambda: server_alive(handle)
+    engine_pid = handle.state.get("engine_pid")
+
+    def alive() -> bool:
+        server_alive(handle)
+        # The engine can die a moment before its supervisor notices and exits.
+        if engine_pid is not None:
+            try:
+                gone = psutil.Process(engine_pid).status() == psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                gone = True
+            if gone:
+                log = getattr(handle, "log_path", None)
+                raise PipelineError(
+                    f"the server engine (PID {engine_pid}) at {handle.url} exited during "
+                    f"extraction" + (f"; log: {log}" if log else "")
+                )
+        return True
+
+    return alive
 
 
 def _gate_of(handle):

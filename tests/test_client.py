@@ -6,6 +6,8 @@ server that dies mid-run."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import socket
 import threading
 from contextlib import contextmanager
@@ -243,3 +245,14 @@ def test_server_death_fails_the_run_naming_the_server(tiny_llama_dir, tmp_path, 
         monkeypatch.delenv("EAGLEPIPE_FAULT")
         with pytest.raises(PipelineError, match=r"server.*(exited|died)"):
             collect(handle, make_rows(20, seed=5), settings_for(config))
+
+
+def test_a_server_that_stops_answering_fails_the_run(server):
+    config, handle = server
+    engine_pid = handle.state.get("engine_pid") or handle.pid
+    os.kill(engine_pid, signal.SIGSTOP)  # frozen: neither /generate nor /health answers
+    try:
+        with pytest.raises(PipelineError, match="stopped answering"):
+            collect(handle, make_rows(4, seed=6), settings_for(config, request_timeout_s=600))
+    finally:
+        os.kill(engine_pid, signal.SIGCONT)
