@@ -32,7 +32,7 @@ from .errors import PipelineError
 # How often the watchdog asks whether the server is alive, and how many consecutive failed
 # health probes (on top of the lifecycle's process check) count as "stopped answering".
 LIVENESS_INTERVAL_S = 1.0
-HEALTH_PROBE_TIMEOUT_S = 3.0
+HEALTH_PROBE_TIMEOUT_S = 4.0
 HEALTH_FAILURES_FATAL = 3
 BACKOFF_BASE_S = 0.25
 BACKOFF_MAX_S = 8.0
@@ -214,7 +214,7 @@ class ExtractionClient:
         try:
             async with aiohttp.ClientSession(connector=connector) as session:
                 async with asyncio.TaskGroup() as group:
-                    watchdog = group.create_task(self._watchdog(session))
+                    watchdog = group.create_task(self._watchdog())
                     row_tasks = []
                     self._drained = asyncio.Condition()
                     for row in rows:
@@ -327,8 +327,16 @@ class ExtractionClient:
             dump_bytes=size,
         )
 
-    async def _watchdog(self, session) -> None:
-        """Fail fast when the server process dies or stops answering health probes."""
+    async def _watchdog(self) -> None:
+        """Fail fast when the server process dies or stops answering health probes.
+
+        Probes use their own session: the request session's connections can all be busy with
+        long prefills, and a probe queued behind them would read as a dead server.
+        """
+        async with aiohttp.ClientSession() as session:
+            await self._watch(session)
+
+    async def _watch(self, session) -> None:
         failures = 0
         probe_timeout = aiohttp.ClientTimeout(total=HEALTH_PROBE_TIMEOUT_S)
         while True:
