@@ -325,11 +325,12 @@ def train(
             mine = plans_by_epoch[epoch][dist.rank :: dist.world_size][:steps_per_epoch]
             stream = BatchStream(mine[offset:], tc["max_len"])
             try:
+                seen_wait = 0.0
                 for batch in stream:
                     if step >= end_step:
                         break
                     step_began = time.perf_counter()
-                    wait_before = stream.wait_seconds
+                    waited, seen_wait = stream.wait_seconds - seen_wait, stream.wait_seconds
                     batch = to_device(batch, device, dtype)
                     lr = lr_at(step, total_steps, tc["lr"], tc["warmup_steps"])
                     for group in optimizer.param_groups:
@@ -364,7 +365,7 @@ def train(
                     tokens = int(batch["lengths"].sum()) * dist.world_size
                     tokens_done += tokens
                     seconds = time.perf_counter() - step_began
-                    wait_total += stream.wait_seconds - wait_before
+                    wait_total += waited
                     last_loss = float(stats[0])
                     record = {
                         "step": step,
@@ -379,6 +380,7 @@ def train(
                         "grad_norm": float(grad_norm),
                         "tokens": tokens,
                         "seconds": seconds,
+                        "data_wait_s": waited,
                     }
                     log_out.write(json.dumps(record) + "\n")
                     log_out.flush()
