@@ -19,7 +19,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 import json
 import os
@@ -34,7 +33,6 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import filelock
@@ -44,6 +42,17 @@ from .. import config as cfg
 from ..atomic import atomic_write_json
 from ..errors import PipelineError
 from ..fingerprint import hash_json, model_config_hash
+from .handle import (
+    PROBE_TIMEOUT_S,
+    SUPERVISOR_MODULE,
+    ServerHandle,
+    describe_server,
+    http_get_json,
+    log_tail,
+    probe_health,
+    server_alive,
+    supervisor_process,
+)
 from .leases import (
     STARTED_CHILDREN,
     Lease,
@@ -63,23 +72,30 @@ from .leases import (
 from .ports import describe_port_holders, port_holders, port_is_free, wait_port_free
 from .supervise import owner_file
 
+__all__ = [
+    "RUN_TOKEN_ENV",
+    "ServerHandle",
+    "current_run_token",
+    "engine_command",
+    "new_run_token",
+    "server_alive",
+    "server_fingerprint",
+    "server_lease",
+    "server_status",
+    "start_server",
+    "stop_if_started_by",
+    "stop_server",
+]
+
 RUN_TOKEN_ENV = "EAGLEPIPE_RUN_TOKEN"
 # Every process of a server carries its instance id in this variable: how a stop recognises them.
 INSTANCE_ENV = "EAGLEPIPE_SERVER_INSTANCE"
 SERVER_LOG_DIR = cfg.LOG_DIR / "server"
-SUPERVISOR_MODULE = "eaglepipe.server.supervise"
 STOP_GRACE_S = 20.0
 PORT_RELEASE_TIMEOUT_S = 15.0
-PROBE_TIMEOUT_S = 5.0
 # How long a running server that does not answer /health gets before it is replaced.
 REUSE_PATIENCE_S = 30.0
-# After a request fails, how long to watch for the server process to be gone before blaming it.
-DEATH_CONFIRM_S = 3.0
 PROGRESS_EVERY_S = 5.0
-LOG_TAIL_LINES = 20
-
-# Health probes go straight to the server, never through an http_proxy from the environment.
-_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 def new_run_token() -> str:
@@ -175,50 +191,6 @@ def engine_command(
     return argv, {}
 
 
-# ---------------------------------------------------------------- small helpers
-
-
-def http_get_json(url: str, timeout_s: float) -> dict:
-    with _DIRECT.open(url, timeout=timeout_s) as response:
-        body = response.read()
-    return json.loads(body) if body.strip() else {}
-
-
-def probe_health(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
-    """None if GET /health answers 200 in time, else why not."""
-    try:
-        with _DIRECT.open(f"{url}/health", timeout=timeout_s) as response:
-            response.read()
-            return None if response.status == 200 else f"HTTP {response.status}"
-    except urllib.error.HTTPError as exc:
-        return f"HTTP {exc.code}"
-    except (urllib.error.URLError, OSError) as exc:
-        reason = getattr(exc, "reason", exc)
-        return f"{type(reason).__name__}: {reason}" if str(reason) else type(reason).__name__
-
-
-def log_tail(path: str | os.PathLike, lines: int = LOG_TAIL_LINES) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 64 * 1024))
-            text = f.read().decode(errors="replace")
-    except FileNotFoundError:
-        return "(no log written)"
-    return "\n".join(text.splitlines()[-lines:]) or "(log is empty)"
-
-
-def supervisor_process(state: dict) -> psutil.Process | None:
-    """The state's supervisor if it is alive and really ours (pid, start time and command line)."""
-    proc = ProcessRef(state["pid"], state["create_time"]).process()
-    if proc is None:
-        return None
-    try:
-        return proc if SUPERVISOR_MODULE in " ".join(proc.cmdline()) else None
-    except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
-        return None
-
-
 def group_members(
     pgid: int, started_after: float, instance_id: str | None = None
 ) -> list[psutil.Process]:
@@ -260,154 +232,6 @@ def _stop_members(state: dict, grace_s: float) -> None:
         while group_members(pgid, since, instance) and time.monotonic() < deadline:
             reap_started_children()
             time.sleep(0.2)
-
-
-def _describe(state: dict) -> str:
-    return f"{state['engine']} server (supervisor PID {state['pid']}, port {state['port']})"
-
-
-# ---------------------------------------------------------------- the handle
-
-
-@dataclass
-class ServerHandle:
-    """A running server as a client sees it, plus the helpers that keep a client from hanging."""
-
-    url: str
-    dump_dir: Path
-    info: dict
-    state: dict
-    gate: RequestGate | None = None
-    _watchdog: Watchdog | None = field(default=None, repr=False)
-
-    @property
-    def pid(self) -> int:
-        return self.state["pid"]
-
-    @property
-    def log_path(self) -> Path:
-        return Path(self.state["log"])
-
-    def _dead_error(self) -> PipelineError:
-        return PipelineError(
-            f"{_describe(self.state)} exited while in use; log: {self.log_path}; last lines:\n"
-            f"{log_tail(self.log_path)}"
-        )
-
-    def _unresponsive_error(self, seconds: float, why: str) -> PipelineError:
-        return PipelineError(
-            f"{_describe(self.state)} stopped answering {self.url}/health for {seconds:.0f}s "
-            f"({why}); log: {self.log_path}"
-        )
-
-    def raise_if_dead(self, probe_timeout_s: float = PROBE_TIMEOUT_S) -> None:
-        """Raise PipelineError at once if the server process is gone or /health does not answer."""
-        if supervisor_process(self.state) is None:
-            raise self._dead_error()
-        why = probe_health(self.url, probe_timeout_s)
-        if why is not None:
-            if supervisor_process(self.state) is None:
-                raise self._dead_error()
-            raise self._unresponsive_error(probe_timeout_s, why)
-
-    def start_watchdog(self, *, unresponsive_after_s: float = 20.0) -> None:
-        if self._watchdog is None:
-            self._watchdog = Watchdog(self, unresponsive_after_s)
-            self._watchdog.start()
-
-    def stop_watchdog(self) -> None:
-        if self._watchdog is not None:
-            self._watchdog.stop()
-            self._watchdog = None
-
-    @property
-    def failure(self) -> PipelineError | None:
-        """Set by the watchdog (within about a second of a death) and never cleared."""
-        return self._watchdog.failure if self._watchdog is not None else None
-
-    def check(self) -> None:
-        """Cheap: raise the watchdog's error if the server died or stopped answering."""
-        if self.failure is not None:
-            raise self.failure
-
-    async def guard(self, awaitable, *, poll_s: float = 0.25):
-        """Await `awaitable`, but fail with the watchdog's error as soon as the server dies."""
-        self.start_watchdog()
-        task = asyncio.ensure_future(awaitable)
-        try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=poll_s)
-                if done:
-                    break
-                self.check()
-        finally:
-            if not task.done():
-                task.cancel()
-        error = task.exception()
-        if error is not None and not isinstance(error, PipelineError):
-            # A dropped connection is usually the server dying: name the death, not the socket.
-            await asyncio.to_thread(self._raise_if_gone_soon, DEATH_CONFIRM_S)
-        return task.result()
-
-    def _raise_if_gone_soon(self, within_s: float) -> None:
-        deadline = time.monotonic() + within_s
-        while time.monotonic() < deadline:
-            if supervisor_process(self.state) is None:
-                raise self._dead_error()
-            time.sleep(0.1)
-
-    def exclusive_waiting(self) -> bool:
-        """True while a spot check waits for exclusive use: stop sending, drain, then yield."""
-        return self.gate is not None and self.gate.exclusive_waiting()
-
-    def yield_to_exclusive(self) -> bool:
-        """With no request in flight: let a waiting spot check run, return when it is done."""
-        return self.gate is not None and self.gate.yield_to_exclusive()
-
-
-def server_alive(handle: ServerHandle) -> bool:
-    """True while the handle's server process lives; raises the detailed error once it is gone.
-
-    The extraction client calls this every second from its watchdog; raising (rather than
-    returning False) lets its failure name the supervisor PID and the log with its last lines.
-    """
-    if supervisor_process(handle.state) is None:
-        raise handle._dead_error()
-    return True
-
-
-class Watchdog(threading.Thread):
-    """Checks the supervisor every second and /health continuously; records the first failure."""
-
-    def __init__(self, handle: ServerHandle, unresponsive_after_s: float):
-        super().__init__(name="eaglepipe-server-watchdog", daemon=True)
-        self.handle = handle
-        self.unresponsive_after_s = unresponsive_after_s
-        self.failure: PipelineError | None = None
-        self._stop_event = threading.Event()
-
-    def run(self) -> None:
-        last_answer = time.monotonic()
-        probe_timeout = min(PROBE_TIMEOUT_S, self.unresponsive_after_s / 2)
-        while not self._stop_event.is_set():
-            if supervisor_process(self.handle.state) is None:
-                self.failure = self.handle._dead_error()
-                return
-            why = probe_health(self.handle.url, probe_timeout)
-            if why is None:
-                last_answer = time.monotonic()
-            elif time.monotonic() - last_answer > self.unresponsive_after_s:
-                if supervisor_process(self.handle.state) is None:
-                    self.failure = self.handle._dead_error()
-                else:
-                    silent = time.monotonic() - last_answer
-                    self.failure = self.handle._unresponsive_error(silent, why)
-                return
-            self._stop_event.wait(1.0)
-
-    def stop(self) -> None:
-        self._stop_event.set()
-        self.join()
 
 
 # ---------------------------------------------------------------- lock, start, stop
@@ -461,7 +285,7 @@ def _remove_stale_dumps(dump_root: Path) -> None:
 def _stop_group(state: dict, paths: ServerPaths, reason: str) -> None:
     """Stop the server's whole process group, wait for its port, and remove its traces."""
     if group_members(state["pgid"], state["create_time"], state["instance_id"]):
-        print(f"stopping {_describe(state)}: {reason}", file=sys.stderr, flush=True)
+        print(f"stopping {describe_server(state)}: {reason}", file=sys.stderr, flush=True)
         _stop_members(state, STOP_GRACE_S)
     reap_started_children()
     port_free = wait_port_free(state["host"], state["port"], PORT_RELEASE_TIMEOUT_S)
@@ -504,7 +328,7 @@ def _server_info_when_answering(state: dict, patience_s: float) -> dict | None:
         if info is not None or time.monotonic() > deadline or supervisor_process(state) is None:
             return info
         print(
-            f"{_describe(state)} does not answer its health check yet; retrying",
+            f"{describe_server(state)} does not answer its health check yet; retrying",
             file=sys.stderr,
             flush=True,
         )
@@ -546,7 +370,7 @@ def _ensure_server(
             if others:
                 holders = ", ".join(f"PID {other['pid']}" for other in others)
                 raise PipelineError(
-                    f"{_describe(state)} runs with other settings (fingerprint "
+                    f"{describe_server(state)} runs with other settings (fingerprint "
                     f"{state['fingerprint'][:12]}, this config needs {fingerprint[:12]}) and is "
                     f"in use by {holders}: wait for them, or stop it with `eaglepipe server stop`"
                 )
@@ -701,7 +525,7 @@ def _wait_healthy(
 def _fail_start(state: dict, paths: ServerPaths, what: str) -> None:
     _stop_group(state, paths, f"start failed: {what}")
     raise PipelineError(
-        f"{_describe(state)} {what}; last lines of {state['log']}:\n{log_tail(state['log'])}"
+        f"{describe_server(state)} {what}; last lines of {state['log']}:\n{log_tail(state['log'])}"
     )
 
 
