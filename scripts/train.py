@@ -19,7 +19,8 @@ def main() -> None:
     parser.add_argument("--manifests", nargs="+", required=True)
     parser.add_argument("--validated", nargs="*", default=[])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--log", required=True)
+    # torchrun reads an abbreviated "--log" as its own --log-dir: use --train-log under torchrun.
+    parser.add_argument("--log", "--train-log", dest="log", required=True)
     parser.add_argument("--checkpoint-dir", required=True)
     args = parser.parse_args()
     try:
