@@ -221,8 +221,10 @@ def build_toy_target(
     if not conversations:
         raise PipelineError(f"toy target corpus {corpus_path} holds no usable conversations")
     previous_threads = torch.get_num_threads()
-    # A fixed thread count keeps float reductions, and so the weights, reproducible.
-    torch.set_num_threads(num_threads or min(4, os.cpu_count() or 1))
+    # One thread by default: the toy's matrices are so small that threading only adds
+    # synchronisation, and on a busy machine OpenMP threads spinning on contended cores made
+    # training 10-20x slower. A fixed count also keeps float reductions reproducible.
+    torch.set_num_threads(num_threads or 1)
     try:
         started = time.monotonic()
         tokenizer = train_tokenizer(
