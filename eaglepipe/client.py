@@ -231,8 +231,8 @@ class ExtractionClient:
                         )
                     await asyncio.gather(*row_tasks)
                     watchdog.cancel()
-        except* PipelineError as group_error:
-            raise group_error.exceptions[0] from None
+        except BaseExceptionGroup as group:
+            raise _first_error(group) from None
         finally:
             self._remove_own_dumps()
         return self.stats
@@ -367,6 +367,15 @@ class ExtractionClient:
             for path in self.dump_dir.iterdir():
                 if marker in path.name and path.name.endswith(".safetensors"):
                     path.unlink(missing_ok=True)
+
+
+def _first_error(group: BaseExceptionGroup) -> BaseException:
+    """The error to report from a task group: a PipelineError (one clear line) if any."""
+    chosen = group.subgroup(PipelineError) or group
+    leaf: BaseException = chosen
+    while isinstance(leaf, BaseExceptionGroup):
+        leaf = leaf.exceptions[0]
+    return leaf
 
 
 def liveness_check(handle) -> Callable[[], bool] | None:

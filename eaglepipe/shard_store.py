@@ -13,6 +13,7 @@ A shard directory `hidden_states/rows_{start}-{end}/` holds (docs/CONTRACTS.md, 
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -360,6 +361,14 @@ def write_chunk(
                     emit(buf)
             os.fsync(f.fileno())
         os.replace(tmp_path, final_path)
+    except OSError as exc:
+        tmp_path.unlink(missing_ok=True)
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise PipelineError(
+                f"no space left on the filesystem of {shard_dir} while writing {name} "
+                f"(rows {ids[0]}..{ids[-1]}): free space, then rerun to resume"
+            ) from None
+        raise
     except BaseException:
         tmp_path.unlink(missing_ok=True)
         raise

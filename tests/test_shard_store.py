@@ -221,3 +221,11 @@ def test_free_space_preflight(tmp_path, monkeypatch):
         check_free_space(2000, target, "shard rows_0-8")
     check_free_space(999, target, "shard rows_0-8")
     assert not (tmp_path / "hidden_states").exists()
+
+
+def test_disk_full_mid_chunk_is_a_clear_error_and_leaves_nothing(tmp_path):
+    # The temp name points at /dev/full, which fails every write with ENOSPC.
+    (tmp_path / ".chunk-00000.safetensors.tmp").symlink_to("/dev/full")
+    with pytest.raises(PipelineError, match=r"no space left .* writing chunk-00000.*rows 0\.\.1"):
+        write_chunk(tmp_path, 0, [make_row(0, 3), make_row(1, 2)], hidden_size=H)
+    assert not list(tmp_path.iterdir())
