@@ -9,7 +9,8 @@ name `.<rid>.safetensors.tmp` and renamed into place, so a reader never sees a p
 `DumpWriter` is shared by the reference server and the SGLang forward hook. The forward thread
 hands it a whole batch (real tokens only, packed in request order); on CUDA it starts one
 asynchronous device-to-host copy into a reusable pinned buffer and returns, and a background
-thread waits for the copy and writes the files, so the forward pass never waits on the disk.
+thread waits for the copy and writes the files (a few threads in parallel), so the forward pass
+never waits on the disk.
 The pinned memory it holds is bounded; `submit` blocks (backpressure) when the writer thread
 falls behind by more than that bound.
 """
@@ -23,6 +24,7 @@ import stat
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +40,7 @@ DUMP_SUFFIX = ".safetensors"
 TEMP_SUFFIX = ".safetensors.tmp"
 NONCE_HEX_CHARS = 12
 DEFAULT_MAX_PINNED_BYTES = 2 << 30
+DEFAULT_FILE_THREADS = 4
 
 _RID_RE = re.compile(r"^([A-Za-z][A-Za-z0-9]*)-([0-9a-f]{12})-([0-9]+)-([0-9]+)$")
 _PREFIX_RE = re.compile(r"^[A-Za-z][A-Za-z0-9]*$")
@@ -190,6 +193,10 @@ def _capacity_for(nbytes: int, limit: int) -> int:
     return capacity if capacity <= limit else nbytes
 
 
+def _without(buffers: list[torch.Tensor], buffer: torch.Tensor) -> list[torch.Tensor]:
+    return [b for b in buffers if b is not buffer]
+
+
 class _HostBufferPool:
     """Reusable host buffers (pinned when `pin`), at most `limit_bytes` allocated at once.
 
@@ -222,12 +229,13 @@ class _HostBufferPool:
                 self._cond.wait()
 
     def _try_take(self, sizes: Sequence[int]) -> list[torch.Tensor] | None:
+        # Buffers are compared by identity throughout: `==` on tensors is elementwise.
         chosen: dict[int, torch.Tensor] = {}
         free = sorted(self._free, key=lambda b: b.numel())
         for index in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
             fit = next((b for b in free if b.numel() >= sizes[index]), None)
             if fit is not None:
-                free.remove(fit)
+                free = _without(free, fit)
                 chosen[index] = fit
         new_caps = {
             i: _capacity_for(size, self.limit) for i, size in enumerate(sizes) if i not in chosen
@@ -242,10 +250,10 @@ class _HostBufferPool:
         for buffer in sorted(free, key=lambda b: -b.numel()):
             if self._allocated + need <= self.limit:
                 break
-            self._free.remove(buffer)
+            self._free = _without(self._free, buffer)
             self._allocated -= buffer.numel()
         for buffer in chosen.values():
-            self._free.remove(buffer)
+            self._free = _without(self._free, buffer)
         for index, capacity in new_caps.items():
             chosen[index] = torch.empty(capacity, dtype=torch.uint8, pin_memory=self.pin)
             self._allocated += capacity
@@ -322,9 +330,10 @@ class DumpWriter:
     the data is safe to reuse on the caller's side: on CUDA after the device-to-host copy has
     been queued on a side stream (the source tensors are kept alive until it finishes), on CPU
     at once (the caller must not modify the tensors afterwards). `on_done(rid, error)` is called
-    once per rid from the writer thread: after the rename for a dumped rid, or with error None
-    and no file for a rid without the prefix. Write errors go to `on_done` and are raised again
-    by the next `flush()` or `close()`.
+    once per rid from a writer thread (the rids of one batch are written by `file_threads`
+    threads in parallel, so calls may come concurrently): after the rename for a dumped rid, or
+    with error None and no file for a rid without the prefix. Write errors go to `on_done` and
+    are raised again by the next `flush()` or `close()`.
     """
 
     def __init__(
@@ -334,6 +343,7 @@ class DumpWriter:
         *,
         aux_layer_ids: Sequence[int],
         max_pinned_bytes: int = DEFAULT_MAX_PINNED_BYTES,
+        file_threads: int = DEFAULT_FILE_THREADS,
         fsync: bool = False,
     ):
         # fsync is off by default: the handoff dir is a tmpfs and dumps are transient (a crash
@@ -352,6 +362,11 @@ class DumpWriter:
         self._closed = False
         self.files_written = 0
         self.bytes_written = 0
+        self._file_pool = (
+            ThreadPoolExecutor(file_threads, thread_name_prefix="eaglepipe-dump-file")
+            if file_threads > 1
+            else None
+        )
         self._thread = threading.Thread(target=self._run, name="eaglepipe-dump-writer", daemon=True)
         self._thread.start()
 
@@ -438,6 +453,8 @@ class DumpWriter:
         finally:
             self._queue.put(None)
             self._thread.join()
+            if self._file_pool is not None:
+                self._file_pool.shutdown()
             if self._pinned_pool is not None:
                 self._pinned_pool.close()
 
@@ -471,28 +488,38 @@ class DumpWriter:
             except Exception as exc:  # a CUDA error poisons the whole batch
                 copy_error = exc
         try:
-            offset = 0
+            jobs, offset = [], 0
             for rid, count in zip(batch.rids, batch.token_counts, strict=True):
-                error = None
-                if is_pipeline_rid(rid, self.prefix):
-                    try:
-                        if copy_error is not None:
-                            raise copy_error
-                        self._write_one(rid, batch, offset, count)
-                    except Exception as exc:
-                        error = PipelineError(
-                            f"dump of request {rid} to {self.dump_dir} failed: {exc}"
-                        )
-                        with self._errors_lock:
-                            self._errors.append(error)
+                jobs.append((rid, offset, count))
                 offset += count
-                self._notify(batch.on_done, rid, error)
+            if len(jobs) > 1 and self._file_pool is not None:
+                # The file writes release the GIL, so a batch's files go out in parallel.
+                list(self._file_pool.map(lambda job: self._finish(batch, *job, copy_error), jobs))
+            else:
+                for job in jobs:
+                    self._finish(batch, *job, copy_error)
         finally:
             batch.aux = batch.final = None
             if batch.buffers and self._pinned_pool is not None:
                 self._pinned_pool.release(batch.buffers)
             if batch.budget_bytes:
                 self._cpu_budget.give(batch.budget_bytes)
+
+    def _finish(
+        self, batch: _Batch, rid: str, offset: int, count: int, copy_error: BaseException | None
+    ) -> None:
+        """Write one request's file (if its rid is the pipeline's), then call on_done."""
+        error = None
+        if is_pipeline_rid(rid, self.prefix):
+            try:
+                if copy_error is not None:
+                    raise copy_error
+                self._write_one(rid, batch, offset, count)
+            except Exception as exc:
+                error = PipelineError(f"dump of request {rid} to {self.dump_dir} failed: {exc}")
+                with self._errors_lock:
+                    self._errors.append(error)
+        self._notify(batch.on_done, rid, error)
 
     def _write_one(self, rid: str, batch: _Batch, offset: int, count: int) -> None:
         final_path = dump_path(self.dump_dir, rid)
@@ -517,8 +544,9 @@ class DumpWriter:
         except BaseException:
             temp_path.unlink(missing_ok=True)
             raise
-        self.files_written += 1
-        self.bytes_written += (aux.numel() + final.numel()) * 2
+        with self._errors_lock:
+            self.files_written += 1
+            self.bytes_written += (aux.numel() + final.numel()) * 2
 
     @staticmethod
     def _notify(on_done: OnDone | None, rid: str, error: BaseException | None) -> None:

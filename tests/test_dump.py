@@ -380,6 +380,12 @@ def test_host_pool_reuses_buffers_and_bounds_memory():
     assert got[0][0].numel() >= 3 << 20
     assert pool.allocated_bytes <= 4 << 20
     pool.release(got[0])
+    # Mixed sizes: the free list holds buffers of different capacities to pick among.
+    mixed = pool.acquire([1 << 20, 2 << 20])
+    pool.release(mixed)
+    again = pool.acquire([2 << 20, 1 << 20])
+    assert [b.numel() >= n for b, n in zip(again, [2 << 20, 1 << 20], strict=True)] == [True] * 2
+    pool.release(again)
     # A single request over the whole bound is served alone rather than never.
     huge = pool.acquire([8 << 20])
     assert huge[0].numel() == 8 << 20
