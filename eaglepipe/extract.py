@@ -68,6 +68,7 @@ from .shard_store import (
     write_chunk,
     write_manifest,
 )
+from .workflow import shard_provenance
 
 PROGRESS_INTERVAL_S = 2.0
 ENGINE_KEYS = ("engine", "engine_version")
@@ -156,6 +157,9 @@ class Progress:
         self.start = time.monotonic()
         self.last = 0.0
         self.log = log
+
+    def start_clock(self) -> None:
+        self.start = time.monotonic()
 
     def row(self, num_tokens: int, num_bytes: int) -> None:
         self.done_rows += 1
@@ -296,10 +300,15 @@ def _extract_chunks(
             log=log,
             gate=handle,
         )
+        progress.start_clock()  # rates count from the first request, not the server start
         try:
             asyncio.run(client.run(requests, assembler.on_row, assembler.may_send))
-        finally:
-            log(f"{progress.shard}: {client.stats.requests_sent} request(s) sent")
+        except BaseException:
+            log(
+                f"{progress.shard}: failed after {client.stats.requests_sent} request(s); "
+                f"{len(assembler.records)} new chunk(s) kept for the rerun"
+            )
+            raise
     return assembler.records, client.stats.requests_sent, engine
 
 
@@ -394,6 +403,8 @@ def extract_shard(
                 "engine": engine["engine"],
                 "engine_version": engine["engine_version"],
                 "project_version": __version__,
+                # What the workflow's rerun decision compares (eaglepipe.workflow).
+                "workflow": shard_provenance(config, shard_name),
             },
             timing={
                 "started_at": started_at.isoformat(timespec="seconds"),

@@ -34,6 +34,7 @@ from .dataset import BadRow, RowProblem, bad_row_error, dataset_hash, iter_rows
 from .errors import PipelineError
 from .fingerprint import model_config_hash, tokenizer_fingerprint
 from .shard_plan import DEFAULT_CACHE_DIR, count_source_rows, parse_shard_name, plan_shards
+from .workflow import prepare_provenance
 
 HISTOGRAM_BINS = 16
 _SKIP_EXAMPLES_PRINTED = 10
@@ -307,6 +308,8 @@ def _summary(
             "tokenizer_fingerprint": tokenizer_fingerprint(model_dir),
             "model_config_hash": model_config_hash(model_dir),
             "max_length": max_length,
+            # What the workflow's rerun decision compares (eaglepipe.workflow).
+            "workflow": prepare_provenance(config),
         },
     }
 

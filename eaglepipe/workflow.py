@@ -1,13 +1,18 @@
 """Parse-time logic of the Snakemake workflow (rules/common.smk only wires these up).
 
-Rerun policy. Snakemake's default mtime trigger would re-extract every shard whenever the
-prepared table is rewritten or the dataset file is touched; for multi-terabyte runs that is
-unacceptable. So the stages keyed by data (prepare, extract) take their upstream files as
-`ancient()` inputs and declare their *content* as params: a per-shard provenance string built
-at parse time from cheap fingerprints (model config, tokenizer files, aux layer ids,
-tokenization settings, the shard's own source rows). Snakemake's params trigger then reruns
-exactly the shards whose inputs really changed, and `snakemake -n` says "params changed".
-The default profile drops the `code` trigger so reformatting a rule re-extracts nothing.
+Rerun policy. Snakemake's mtime trigger would re-extract every shard whenever the prepared
+table is rewritten or the dataset file is touched; for multi-terabyte runs that is not
+acceptable. Instead each data stage has a *provenance stamp*: a small JSON file under
+`.eaglepipe/provenance/` holding everything its output depends on (model and tokenizer
+fingerprints, aux layer ids, tokenization settings, the shard's own source rows), rewritten at
+parse time only when that content changes. Outputs record the provenance hash they were built
+from. A stage whose recorded hash equals the current one is *fresh*: its inputs are wired as
+`ancient()`, so nothing upstream can trigger it. A stale stage gets plain inputs, so it reruns
+(the dry run names its stamp as the updated input), and so does anything downstream of it.
+
+Why not Snakemake's params trigger: a job downstream of a job that must rerun is never
+checked for its own reasons when its only link is an `ancient()` input (snakemake's DAG masks
+it), so a changed shard would silently survive a run that also re-prepares the table.
 """
 
 from __future__ import annotations
@@ -99,8 +104,8 @@ def shards(config: dict) -> list[str]:
 def model_fingerprint(config: dict) -> str:
     """Identity of the target model and tokenizer, computable before the toy target exists."""
     if is_toy_model(config):
-        # The toy build is deterministic in its settings and the corpus it trains on.
-        return hash_json({"toy": config["model"]["toy"], "corpus": dataset_hash(config)})
+        # The toy build is seeded: its settings identify it (it is not rebuilt on data edits).
+        return hash_json({"toy": config["model"]["toy"]})
     directory = model_dir(config)
     return hash_json(
         {"config": model_config_hash(directory), "tokenizer": tokenizer_fingerprint(directory)}
@@ -118,6 +123,7 @@ def _tokenization_settings(config: dict) -> dict:
 
 
 def prepare_provenance(config: dict) -> str:
+    """Hash of everything the prepared table depends on."""
     return hash_json(
         {
             "model": model_fingerprint(config),
@@ -135,21 +141,73 @@ def _shard_digests(path: str, rows_per_shard: int, size: int, mtime_ns: int) -> 
 
 
 def shard_provenance(config: dict, shard: str) -> str:
-    """Everything a shard's hidden states depend on; a change makes only this shard stale."""
-    path = _dataset_path(config)
-    stat = path.stat()
-    digests = _shard_digests(
-        str(path), config["shards"]["rows_per_shard"], stat.st_size, stat.st_mtime_ns
-    )
-    return hash_json(
-        {
+    """Hash of everything a shard's hidden states depend on; a change makes only it stale."""
+    provenances = _shard_provenances(hash_json(config), config)
+    if shard not in provenances:
+        raise PipelineError(
+            f"shard {shard} is not in the plan of {config['dataset']['path']} with "
+            f"shards.rows_per_shard={config['shards']['rows_per_shard']}"
+        )
+    return provenances[shard]
+
+
+_PROVENANCE_MEMO: dict[str, dict[str, str]] = {}
+
+
+def _shard_provenances(config_key: str, config: dict) -> dict[str, str]:
+    # Parse time asks once per shard: fingerprint the model and read the source only once.
+    if config_key not in _PROVENANCE_MEMO:
+        path = _dataset_path(config)
+        stat = path.stat()
+        digests = _shard_digests(
+            str(path), config["shards"]["rows_per_shard"], stat.st_size, stat.st_mtime_ns
+        )
+        shared = {
             "model": model_fingerprint(config),
             "aux_layer_ids": aux_layer_ids(config),
             "tokenization": _tokenization_settings(config),
-            "source_rows": digests[shard],
             "chunk_max_bytes": config["shards"]["chunk_max_bytes"],
         }
-    )
+        _PROVENANCE_MEMO[config_key] = {
+            shard: hash_json({**shared, "source_rows": digest}) for shard, digest in digests.items()
+        }
+    return _PROVENANCE_MEMO[config_key]
+
+
+PROVENANCE_DIR = Path(".eaglepipe/provenance")
+PREPARE_STAMP = PROVENANCE_DIR / "prepare.json"
+
+
+def shard_stamp(shard: str) -> Path:
+    return PROVENANCE_DIR / f"{shard}.json"
+
+
+def write_stamps(config: dict) -> None:
+    """Rewrite each provenance stamp whose content changed (mtime moves only then)."""
+    from .atomic import write_json_if_changed
+
+    write_json_if_changed(PREPARE_STAMP, {"provenance": prepare_provenance(config)})
+    for shard in shards(config):
+        write_json_if_changed(shard_stamp(shard), {"provenance": shard_provenance(config, shard)})
+
+
+def _recorded_provenance(path: Path) -> str | None:
+    import json
+
+    try:
+        return json.loads(path.read_text()).get("provenance", {}).get("workflow")
+    except (FileNotFoundError, ValueError, AttributeError):
+        return None
+
+
+def prepare_is_fresh(config: dict) -> bool:
+    from .config import PREPARED_SUMMARY
+
+    return _recorded_provenance(PREPARED_SUMMARY) == prepare_provenance(config)
+
+
+def shard_is_fresh(config: dict, shard: str) -> bool:
+    return _recorded_provenance(Path(manifest_path(shard))) == shard_provenance(config, shard)
 
 
 def manifest_path(shard: str) -> str:

@@ -13,6 +13,7 @@ RESOLVED = str(RESOLVED_CONFIG)
 ENV = "../envs/pipeline.yaml"
 SHARDS = workflow_lib.shards(CONFIG)
 MODEL_CONFIG = workflow_lib.model_config_file(CONFIG)
+workflow_lib.write_stamps(CONFIG)
 DATASET = CONFIG["dataset"]["path"]
 
 
@@ -43,14 +44,39 @@ def input_dir(name):
     return directory_of
 
 
-def shard_provenance(wildcards):
-    return workflow_lib.shard_provenance(
-        CONFIG, f"rows_{wildcards.start}-{wildcards.end}"
+def shard_name(wildcards):
+    return f"rows_{wildcards.start}-{wildcards.end}"
+
+
+def when_stale(path, fresh):
+    """A fresh stage's inputs are ancient(): only changed content may trigger it."""
+    return ancient(path) if fresh else path
+
+
+def extract_inputs(wildcards):
+    shard = shard_name(wildcards)
+    fresh = workflow_lib.shard_is_fresh(CONFIG, shard)
+    return {
+        "stamp": when_stale(str(workflow_lib.shard_stamp(shard)), fresh),
+        "table": when_stale("prepared/tokenized.parquet", fresh),
+        "summary": when_stale("prepared/summary.json", fresh),
+        "model": ancient(MODEL_CONFIG),
+    }
+
+
+def prepare_inputs(wildcards):
+    fresh = workflow_lib.prepare_is_fresh(CONFIG)
+    return {
+        "stamp": when_stale(str(workflow_lib.PREPARE_STAMP), fresh),
+        "dataset": ancient(DATASET),
+        "model": when_stale(MODEL_CONFIG, fresh),
+    }
+
+
+def prepared_table(wildcards=None):
+    return when_stale(
+        "prepared/tokenized.parquet", workflow_lib.prepare_is_fresh(CONFIG)
     )
-
-
-def prepare_provenance(wildcards):
-    return workflow_lib.prepare_provenance(CONFIG)
 
 
 def all_manifests(wildcards=None):

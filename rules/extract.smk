@@ -1,9 +1,7 @@
 rule extract:
     """One shard of hidden states through the shared server; resumes finished chunks."""
     input:
-        table=ancient("prepared/tokenized.parquet"),
-        summary=ancient("prepared/summary.json"),
-        model=ancient(MODEL_CONFIG),
+        unpack(extract_inputs),
     output:
         "hidden_states/rows_{start}-{end}/manifest.json",
     log:
@@ -16,7 +14,6 @@ rule extract:
     params:
         script=script("extract.py"),
         config=RESOLVED,
-        provenance=shard_provenance,
     shell:
         "python -u {params.script} --config {params.config}"
         " --shard rows_{wildcards.start}-{wildcards.end} 2>&1 | tee {log}"

@@ -22,8 +22,7 @@ rule build_toy_target:
 rule prepare:
     """Tokenize with the chat template, build loss masks, split, record skipped rows."""
     input:
-        dataset=ancient(DATASET),
-        model=ancient(MODEL_CONFIG),
+        unpack(prepare_inputs),
     output:
         table="prepared/tokenized.parquet",
         summary="prepared/summary.json",
@@ -35,6 +34,5 @@ rule prepare:
     params:
         script=script("prepare.py"),
         config=RESOLVED,
-        provenance=prepare_provenance,
     shell:
         "python -u {params.script} --config {params.config} 2>&1 | tee {log}"

@@ -1,7 +1,7 @@
 rule vocab:
     """Draft vocabulary from loss-masked token frequencies of the training rows."""
     input:
-        table="prepared/tokenized.parquet",
+        table=prepared_table,
     output:
         "drafter/vocab.safetensors",
     log:
@@ -20,7 +20,7 @@ rule train:
     """EAGLE-3 drafter; gated on every shard's validation report."""
     input:
         vocab="drafter/vocab.safetensors",
-        table="prepared/tokenized.parquet",
+        table=prepared_table,
         validated=all_validations,
         manifests=all_manifests,
     output:
@@ -49,7 +49,7 @@ rule evaluate:
     input:
         model="drafter/model.safetensors",
         vocab="drafter/vocab.safetensors",
-        table="prepared/tokenized.parquet",
+        table=prepared_table,
         manifests=all_manifests,
     output:
         json="drafter/eval.json",
@@ -91,7 +91,7 @@ rule live_acceptance:
     """Real speculative decoding with the exported checkpoint against the target."""
     input:
         export="drafter/export/sglang/model.safetensors",
-        table="prepared/tokenized.parquet",
+        table=prepared_table,
         offline="drafter/eval.json",
     output:
         "drafter/live.json",

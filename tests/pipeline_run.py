@@ -1,0 +1,135 @@
+"""Running the real Snakemake workflow from tests, in a scratch working directory."""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from conftest import REPO_ROOT
+
+SNAKEMAKE = str(Path(sys.executable).parent / "snakemake")
+SAMPLE = REPO_ROOT / "data" / "sample" / "conversations.jsonl"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def default_config() -> dict:
+    return yaml.safe_load((REPO_ROOT / "config.yaml").read_text())
+
+
+def small_config(workdir: Path, *, rows: int = 40, rows_per_shard: int = 10) -> dict:
+    """The embedded default, shrunk so a whole run takes seconds: fewer rows, shorter training."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    lines = SAMPLE.read_text().splitlines(keepends=True)[:rows]
+    dataset = workdir / "conversations.jsonl"
+    dataset.write_text("".join(lines))
+    config = default_config()
+    config["dataset"]["path"] = str(dataset)
+    config["shards"]["rows_per_shard"] = rows_per_shard
+    config["shards"]["chunk_max_bytes"] = 1 << 20
+    config["model"]["toy"]["train_steps"] = 20
+    config["train"]["epochs"] = 2
+    config["evaluate"]["live_prompts"] = 2
+    config["evaluate"]["live_new_tokens"] = 8
+    config["validate"]["spot_check_rows"] = 1
+    return isolate(config, workdir)
+
+
+def isolate(config: dict, workdir: Path) -> dict:
+    """Own port and handoff dir, so concurrent test runs never meet."""
+    config = copy.deepcopy(config)
+    config["server"]["port"] = free_port()
+    config["server"]["dump_root"] = str(workdir / "dumps")
+    config["server"]["idle_timeout_s"] = 90
+    return config
+
+
+def write_config(workdir: Path, config: dict) -> Path:
+    path = workdir / "config.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def snakemake_argv(workdir: Path, *args: str) -> list[str]:
+    return [
+        SNAKEMAKE,
+        "--snakefile",
+        str(REPO_ROOT / "Snakefile"),
+        "--directory",
+        str(workdir),
+        "--configfile",
+        str(workdir / "config.yaml"),
+        *args,
+    ]
+
+
+def run_snakemake(workdir: Path, *args: str, check: bool = True, timeout: float = 900):
+    result = subprocess.run(
+        snakemake_argv(workdir, *args),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=_env(),
+    )
+    if check and result.returncode != 0:
+        raise AssertionError(
+            f"snakemake {' '.join(args)} failed ({result.returncode}):\n"
+            + result.stdout[-6000:]
+            + result.stderr[-6000:]
+        )
+    return result
+
+
+def start_snakemake(workdir: Path, *args: str, log: Path) -> subprocess.Popen:
+    """Start snakemake in its own process group (so a test can signal or kill it whole)."""
+    return subprocess.Popen(
+        snakemake_argv(workdir, *args),
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env=_env(),
+    )
+
+
+def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env.pop("EAGLEPIPE_RUN_TOKEN", None)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def dry_run_jobs(workdir: Path, *args: str) -> dict[str, int]:
+    """Job counts per rule from `snakemake -n` (empty when nothing is left to do)."""
+    out = run_snakemake(workdir, "-n", *args).stdout
+    counts: dict[str, int] = {}
+    in_stats = False
+    for line in out.splitlines():
+        if line.startswith("job ") and "count" in line:
+            in_stats = True
+            continue
+        if in_stats:
+            parts = line.split()
+            if not parts or parts[0] == "total":
+                break
+            if parts[0].startswith("-"):
+                continue
+            counts[parts[0]] = int(parts[1])
+    return counts

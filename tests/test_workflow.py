@@ -1,0 +1,152 @@
+"""The Snakemake workflow itself: DAG, rerun policy, single-shard rebuilds and the training gate.
+
+One small extraction run (a user-style model directory, 40 rows in 4 shards) is shared by the
+tests of this module; each test that changes something works on its own copy of that run.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline_run import (
+    dry_run_jobs,
+    isolate,
+    run_snakemake,
+    small_config,
+    write_config,
+)
+
+SHARDS = ["rows_0-10", "rows_10-20", "rows_20-30", "rows_30-40"]
+VALIDATED = [f"validated/{s}.json" for s in SHARDS]
+
+
+def manifest(workdir: Path, shard: str) -> Path:
+    return workdir / "hidden_states" / shard / "manifest.json"
+
+
+@pytest.fixture(scope="module")
+def extracted(tmp_path_factory) -> Path:
+    """Every shard extracted and validated, with the toy target used as a user model dir."""
+    workdir = tmp_path_factory.mktemp("extracted")
+    config = small_config(workdir)
+    write_config(workdir, config)
+    run_snakemake(workdir, "--cores", "2", "models/toy-target/config.json")
+    shutil.copytree(workdir / "models" / "toy-target", workdir / "target")
+    shutil.rmtree(workdir / "models")
+    config["model"]["path"] = str(workdir / "target")
+    write_config(workdir, config)
+    run_snakemake(workdir, "--cores", "2", *VALIDATED)
+    return workdir
+
+
+@pytest.fixture
+def run_copy(extracted, tmp_path) -> Path:
+    """A private copy of the extracted run (Snakemake metadata included), on its own port."""
+    workdir = tmp_path / "run"
+    shutil.copytree(extracted, workdir, ignore=shutil.ignore_patterns("dumps", "server"))
+    config = yaml.safe_load((workdir / "config.yaml").read_text())
+    dataset = workdir / "conversations.jsonl"
+    config["dataset"]["path"] = str(dataset)
+    # Keep the model where it was: moving it would change nothing the provenance hashes.
+    write_config(workdir, isolate(config, workdir))
+    return workdir
+
+
+def test_schema_error_names_the_bad_key(tmp_path):
+    config = small_config(tmp_path)
+    config["shards"]["rows_per_shrd"] = 3
+    write_config(tmp_path, config)
+    result = run_snakemake(tmp_path, "-n", check=False)
+    assert result.returncode != 0
+    assert "config key shards.rows_per_shrd" in result.stdout + result.stderr
+
+
+def test_wrong_type_names_the_key(tmp_path):
+    config = small_config(tmp_path)
+    config["server"]["port"] = "eighty"
+    write_config(tmp_path, config)
+    result = run_snakemake(tmp_path, "-n", check=False)
+    assert result.returncode != 0
+    assert "config key server.port" in result.stdout + result.stderr
+
+
+def test_dry_run_lists_one_extract_per_shard(tmp_path):
+    config = small_config(tmp_path, rows=35, rows_per_shard=10)
+    write_config(tmp_path, config)
+    jobs = dry_run_jobs(tmp_path, *[f"hidden_states/{s}/manifest.json" for s in SHARDS[:3]])
+    assert jobs["extract"] == 3
+    out = run_snakemake(tmp_path, "-n").stdout
+    assert "hidden_states/rows_30-35/manifest.json" in out  # the last shard is short
+
+
+def test_finished_run_leaves_nothing_to_do(extracted):
+    assert dry_run_jobs(extracted, *VALIDATED) == {}
+    for shard in SHARDS:
+        report = json.loads((extracted / "validated" / f"{shard}.json").read_text())
+        assert all(check["ok"] for check in report["checks"].values())
+
+
+def test_rerunning_prepare_with_same_content_reextracts_nothing(run_copy):
+    # Snakemake deletes a job's outputs before running it, so the table gets a new mtime; the
+    # stages after it read it as ancient() and rerun only on changed content (params).
+    table = run_copy / "prepared" / "tokenized.parquet"
+    before = table.read_bytes()
+    run_snakemake(run_copy, "--cores", "2", "--forcerun", "prepare", "--until", "prepare")
+    assert table.read_bytes() == before
+    assert dry_run_jobs(run_copy, *VALIDATED) == {}
+
+
+def test_touching_the_dataset_reextracts_nothing(run_copy):
+    (run_copy / "conversations.jsonl").touch()
+    assert "extract" not in dry_run_jobs(run_copy, *VALIDATED)
+
+
+def test_changed_layer_ids_make_every_shard_stale(run_copy):
+    config = yaml.safe_load((run_copy / "config.yaml").read_text())
+    config["aux_layer_ids"] = [0, 3, 6]
+    write_config(run_copy, config)
+    result = run_snakemake(run_copy, "-n", *VALIDATED)
+    assert dry_run_jobs(run_copy, *VALIDATED)["extract"] == 4
+    assert "Params have changed" in result.stdout or "params" in result.stdout.lower()
+
+
+def test_editing_one_row_makes_only_its_shard_stale(run_copy):
+    dataset = run_copy / "conversations.jsonl"
+    lines = dataset.read_text().splitlines(keepends=True)
+    row = json.loads(lines[13])
+    row["messages"][-1]["content"] += " (edited)"
+    lines[13] = json.dumps(row) + "\n"
+    dataset.write_text("".join(lines))
+    result = run_snakemake(run_copy, "-n", *VALIDATED)
+    assert dry_run_jobs(run_copy, *VALIDATED)["extract"] == 1
+    assert "hidden_states/rows_10-20/manifest.json" in result.stdout
+
+
+def test_single_shard_target_rebuilds_just_that_shard(run_copy):
+    others = {s: manifest(run_copy, s).stat().st_mtime_ns for s in SHARDS if s != "rows_20-30"}
+    run_snakemake(
+        run_copy, "--cores", "2", "--forcerun", "extract", "hidden_states/rows_20-30/manifest.json"
+    )
+    rebuilt = json.loads(manifest(run_copy, "rows_20-30").read_text())
+    assert rebuilt["num_rows"] == 10
+    assert {s: manifest(run_copy, s).stat().st_mtime_ns for s in others} == others
+
+
+def test_a_corrupt_shard_blocks_training(run_copy):
+    chunk = run_copy / "hidden_states" / "rows_10-20" / "chunk-00000.safetensors"
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    (run_copy / "validated" / "rows_10-20.json").unlink()
+    result = run_snakemake(run_copy, "--cores", "2", "drafter/model.safetensors", check=False)
+    assert result.returncode != 0
+    log = (run_copy / "logs" / "validate" / "rows_10-20.log").read_text()
+    assert "integrity" in log and "chunk-00000.safetensors" in log
+    assert not (run_copy / "validated" / "rows_10-20.json").exists()
+    assert not (run_copy / "drafter" / "model.safetensors").exists()
+    assert "rule train" not in result.stdout + result.stderr
