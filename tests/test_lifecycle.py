@@ -296,14 +296,22 @@ def test_dead_or_silent_server_fails_its_client_within_seconds(run, monkeypatch)
     # hang_after:0: /generate never answers (and /health still does), like a wedged engine.
     monkeypatch.setenv("EAGLEPIPE_FAULT", "hang_after:0")
     with server_lease(run.config, run_token="run-kill") as handle:
-        # Stopped (SIGSTOP): /health goes silent, the liveness check says so.
+        # Stopped (SIGSTOP): /health goes silent; the probe and the watchdog both say so.
+        handle.stop_watchdog()
+        handle.start_watchdog(unresponsive_after_s=2)
         os.killpg(handle.pid, signal.SIGSTOP)
         try:
             with pytest.raises(PipelineError, match="stopped answering"):
                 handle.raise_if_dead(probe_timeout_s=1)
+            wait_for(lambda: handle.failure, "the watchdog to notice the silence")
+            with pytest.raises(PipelineError, match=f"PID {handle.pid}.*stopped answering"):
+                handle.check()
         finally:
             os.killpg(handle.pid, signal.SIGCONT)
         handle.raise_if_dead()
+        handle.stop_watchdog()
+        handle.start_watchdog()
+        handle.check()
 
         async def request_then_kill():
             async with aiohttp.ClientSession() as session:
