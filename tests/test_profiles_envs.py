@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 import tomllib
 from pathlib import Path
 
@@ -17,6 +21,8 @@ import yaml
 from conftest import REPO_ROOT
 from packaging.requirements import Requirement
 from packaging.version import Version
+
+from eaglepipe.shard_plan import plan_for_source
 
 SNAKEMAKE = str(Path(sys.executable).parent / "snakemake")
 PROFILES = {name: REPO_ROOT / "profiles" / name / "config.yaml" for name in ("default", "slurm")}
@@ -154,6 +160,90 @@ def test_dry_run_with_the_slurm_profile_groups_shards(tmp_path):
     group = load_profile("slurm")["groups"]["extract"]
     assert f"Group job {group}" in output
     assert "gres=gpu:8" in output and "slurm_extra=--exclusive" in output
+
+
+FAKE_SLURM_COMMAND = """#!/bin/sh
+echo "$(basename "$0") $*" >> "{log}"
+if [ "$(basename "$0")" = sbatch ]; then echo "$((1000 + $(grep -c '^sbatch' "{log}")))"; fi
+"""
+
+
+def fake_slurm(bindir: Path, log: Path) -> dict:
+    """Stand-ins for SLURM's commands that record their arguments; sbatch answers a job id."""
+    bindir.mkdir()
+    for command in ("sbatch", "sacct", "squeue", "sinfo", "scontrol", "sacctmgr", "scancel"):
+        path = bindir / command
+        path.write_text(FAKE_SLURM_COMMAND.format(log=log))
+        path.chmod(0o755)
+    return {**os.environ, "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}"}
+
+
+def write_prepared_outputs(workdir: Path) -> None:
+    """What extraction needs in place, so the first jobs submitted are the extract groups."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    model = workdir / "models" / "toy-target" / "config.json"
+    model.parent.mkdir(parents=True)
+    model.write_text(json.dumps({"hidden_size": 64, "num_hidden_layers": 8}))
+    prepared = workdir / "prepared"
+    prepared.mkdir()
+    table = {"row_id": pa.array(range(300), pa.int64()), "num_tokens": pa.array([50] * 300)}
+    pq.write_table(pa.table(table), prepared / "tokenized.parquet")
+    for name in ("summary.json", "skipped.json"):
+        (prepared / name).write_text("{}")
+
+
+@needs_workflow
+@pytest.mark.skipif(not HAS_SLURM_PLUGIN, reason="snakemake-executor-plugin-slurm not installed")
+def test_slurm_profile_submits_several_shards_as_one_gpu_node_job(tmp_path):
+    """The real plugin submits through a fake sbatch: four shards (extract + validate each)
+    in one job asking once for the node's GPUs, with memory and CPUs summed."""
+    workdir = copy_workflow(tmp_path / "run")
+    write_prepared_outputs(workdir)
+    calls = tmp_path / "slurm_calls.log"
+    calls.touch()
+    env = fake_slurm(tmp_path / "bin", calls)
+    profile = load_profile("slurm")
+    extract = profile["set-resources"]["extract"]
+    per_group = profile["group-components"][profile["groups"]["extract"]]
+    config = yaml.safe_load((workdir / "config.yaml").read_text())
+    shards = plan_for_source(
+        workdir / config["dataset"]["path"],
+        config["shards"]["rows_per_shard"],
+        cache_dir=tmp_path / "cache",
+    )
+    assert len(shards) > per_group, "the sample dataset must fill more than one group"
+    targets = [f"validated/{shard.name}.json" for shard in shards]
+    with open(tmp_path / "snakemake.log", "w") as out:
+        proc = subprocess.Popen(
+            [SNAKEMAKE, "--workflow-profile", "profiles/slurm", *targets]
+            + ["--allowed-rules", "extract", "validate"],
+            cwd=workdir,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            for _ in range(600):
+                submitted = [c for c in calls.read_text().splitlines() if c.startswith("sbatch")]
+                if len(submitted) >= 2 or proc.poll() is not None:
+                    break
+                time.sleep(0.5)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    full = [c for c in submitted if c.count("'extract:") == per_group]
+    log = (tmp_path / "snakemake.log").read_text()[-3000:]
+    assert full, f"no sbatch call with {per_group} extract jobs among {submitted}; log:\n{log}"
+    call = full[0]
+    assert call.count("'validate:") == per_group
+    assert f"--gres={extract['gres']}" in call
+    assert f"--mem {extract['mem_mb'] * per_group}" in call
+    assert f"--cpus-per-task={extract['cpus_per_task'] * per_group}" in call
+    assert "--exclusive" in call and f"-p {extract['slurm_partition']}" in call
 
 
 # --- conda environments ----------------------------------------------------------------------
