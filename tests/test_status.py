@@ -294,3 +294,53 @@ def test_chunk_plan_matches_extraction():
     expected = plan_chunks(list(range(6)), [50] * 6, HIDDEN, max_chunk_bytes=60_000)
     assert planned == {"rows_0-6": 300}
     assert shard.chunks_planned == len(expected) > 1
+
+
+def test_reads_what_the_shard_store_writes(tmp_path):
+    """Contract: the real writer lock, journal and manifest of eaglepipe.shard_store."""
+    from eaglepipe.shard_store import (
+        ChunkRecord,
+        ShardLock,
+        append_journal,
+        build_manifest,
+        write_manifest,
+    )
+
+    shard_dir = tmp_path / "hidden_states" / "rows_0-8"
+    records = [
+        ChunkRecord("chunk-00000.safetensors", 1000, "a" * 32, [0, 1, 2], 30),
+        ChunkRecord("chunk-00001.safetensors", 1200, "b" * 32, [3, 4, 5, 6, 7], 45),
+    ]
+    with ShardLock(shard_dir):
+        append_journal(shard_dir, records[0], "digest")
+        running = status.shard_status(tmp_path, ["rows_0-8"]).shards[0]
+        assert (running.state, running.lock_pid, running.chunks_done) == ("running", os.getpid(), 1)
+        assert (running.rows, running.tokens, running.bytes) == (3, 30, 1000)
+    # Released (the writer empties the lock file): a journal without a manifest is partial.
+    assert status.shard_status(tmp_path, ["rows_0-8"]).shards[0].state == "partial"
+
+    append_journal(shard_dir, records[1], "digest")
+    started = datetime.now(UTC)
+    manifest = build_manifest(
+        shard="rows_0-8",
+        row_start=0,
+        row_end=8,
+        hidden_size=HIDDEN,
+        aux_layer_ids=[1, 3, 4],
+        records=records,
+        provenance={},
+        timing={
+            "started_at": started.isoformat(timespec="seconds"),
+            "finished_at": started.isoformat(timespec="seconds"),
+            "seconds": 0.5,
+        },
+    )
+    write_manifest(shard_dir, manifest)
+    done = status.shard_status(tmp_path, ["rows_0-8"]).shards[0]
+    assert (done.state, done.rows, done.tokens, done.bytes, done.chunks_done) == (
+        "done",
+        8,
+        75,
+        2200,
+        2,
+    )
