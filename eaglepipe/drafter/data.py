@@ -166,9 +166,17 @@ def load_batch(refs: Sequence[RowRef], max_len: int, cache: ChunkCache) -> dict:
 class BatchStream:
     """Iterates loaded batches for a plan, reading ahead on a thread; counts time spent waiting."""
 
-    def __init__(self, plans: Sequence[Sequence[RowRef]], max_len: int, prefetch: int = 4):
+    def __init__(
+        self,
+        plans: Sequence[Sequence[RowRef]],
+        max_len: int,
+        prefetch: int = 4,
+        pin_memory: bool = False,
+    ):
         self.plans = plans
         self.max_len = max_len
+        # Pinned host memory lets the trainer's copy to the GPU run asynchronously.
+        self.pin_memory = pin_memory
         self.wait_seconds = 0.0
         self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
         self._stop = threading.Event()
@@ -180,6 +188,8 @@ class BatchStream:
         try:
             for refs in self.plans:
                 batch = load_batch(refs, self.max_len, cache)
+                if self.pin_memory:
+                    batch = {k: v.pin_memory() for k, v in batch.items()}
                 while not self._stop.is_set():
                     try:
                         self._queue.put(batch, timeout=0.1)

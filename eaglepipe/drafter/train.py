@@ -320,85 +320,87 @@ def train(
     wait_total = 0.0
     last_loss = float("nan")
     with open(log_file, "a") if dist.is_main else open(os.devnull, "w") as log_out:
-        while step < end_step:
-            epoch, offset = divmod(step, steps_per_epoch)
-            mine = plans_by_epoch[epoch][dist.rank :: dist.world_size][:steps_per_epoch]
-            stream = BatchStream(mine[offset:], tc["max_len"])
-            try:
-                seen_wait = 0.0
-                for batch in stream:
-                    if step >= end_step:
-                        break
-                    step_began = time.perf_counter()
-                    waited, seen_wait = stream.wait_seconds - seen_wait, stream.wait_seconds
-                    batch = to_device(batch, device, dtype)
-                    lr = lr_at(step, total_steps, tc["lr"], tc["warmup_steps"])
-                    for group in optimizer.param_groups:
-                        group["lr"] = lr
-                    with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-                        result = ttt_loss(
-                            ddp_model,
-                            batch,
-                            lm_head,
-                            draft_ids,
-                            t2d,
-                            tc["ttt_length"],
-                            tc["step_weight_decay"],
-                        )
-                    optimizer.zero_grad(set_to_none=True)
-                    result.loss.backward()
-                    grad_norm = torch.nn.utils.clip_grad_norm_(
-                        [p for p in model.parameters() if p.requires_grad], tc["grad_clip"]
+        # One stream over every remaining step, so reading ahead crosses epoch boundaries.
+        mine = [
+            batch_refs
+            for plans in plans_by_epoch
+            for batch_refs in plans[dist.rank :: dist.world_size][:steps_per_epoch]
+        ]
+        stream = BatchStream(
+            mine[start_step:end_step], tc["max_len"], pin_memory=device.type == "cuda"
+        )
+        try:
+            seen_wait = 0.0
+            for batch in stream:
+                epoch = step // steps_per_epoch
+                step_began = time.perf_counter()
+                waited, seen_wait = stream.wait_seconds - seen_wait, stream.wait_seconds
+                batch = to_device(batch, device, dtype)
+                lr = lr_at(step, total_steps, tc["lr"], tc["warmup_steps"])
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                    result = ttt_loss(
+                        ddp_model,
+                        batch,
+                        lm_head,
+                        draft_ids,
+                        t2d,
+                        tc["ttt_length"],
+                        tc["step_weight_decay"],
                     )
-                    optimizer.step()
-                    step += 1
-                    stats = torch.tensor(
-                        [float(result.loss.detach()), *result.correct, *result.counted],
-                        dtype=torch.float64,
-                        device=device,
+                optimizer.zero_grad(set_to_none=True)
+                result.loss.backward()
+                grad_norm = torch.nn.utils.clip_grad_norm_(
+                    [p for p in model.parameters() if p.requires_grad], tc["grad_clip"]
+                )
+                optimizer.step()
+                step += 1
+                stats = torch.tensor(
+                    [float(result.loss.detach()), *result.correct, *result.counted],
+                    dtype=torch.float64,
+                    device=device,
+                )
+                if dist.world_size > 1:
+                    torch.distributed.all_reduce(stats)
+                    stats[0] /= dist.world_size
+                k = tc["ttt_length"]
+                correct, counted = stats[1 : 1 + k].tolist(), stats[1 + k :].tolist()
+                tokens = int(batch["lengths"].sum()) * dist.world_size
+                tokens_done += tokens
+                seconds = time.perf_counter() - step_began
+                wait_total += waited
+                last_loss = float(stats[0])
+                record = {
+                    "step": step,
+                    "epoch": epoch,
+                    "loss": last_loss,
+                    "step_losses": result.step_losses,
+                    "acc": [c / n if n else None for c, n in zip(correct, counted, strict=True)],
+                    "counted": [int(n) for n in counted],
+                    "lr": lr,
+                    "grad_norm": float(grad_norm),
+                    "tokens": tokens,
+                    "seconds": seconds,
+                    "data_wait_s": waited,
+                }
+                log_out.write(json.dumps(record) + "\n")
+                log_out.flush()
+                if dist.is_main and (step % 10 == 0 or step == end_step or step == 1):
+                    elapsed = time.perf_counter() - began
+                    rate = tokens_done / max(elapsed, 1e-9)
+                    eta = (end_step - step) * elapsed / max(1, step - start_step)
+                    acc0 = record["acc"][0]
+                    print(
+                        f"step {step}/{total_steps} loss {last_loss:.4f} "
+                        f"acc0 {acc0 if acc0 is None else round(acc0, 3)} lr {lr:.2e} "
+                        f"{rate:,.0f} tok/s ETA {eta:.0f}s",
+                        flush=True,
                     )
-                    if dist.world_size > 1:
-                        torch.distributed.all_reduce(stats)
-                        stats[0] /= dist.world_size
-                    k = tc["ttt_length"]
-                    correct, counted = stats[1 : 1 + k].tolist(), stats[1 + k :].tolist()
-                    tokens = int(batch["lengths"].sum()) * dist.world_size
-                    tokens_done += tokens
-                    seconds = time.perf_counter() - step_began
-                    wait_total += waited
-                    last_loss = float(stats[0])
-                    record = {
-                        "step": step,
-                        "epoch": epoch,
-                        "loss": last_loss,
-                        "step_losses": result.step_losses,
-                        "acc": [
-                            c / n if n else None for c, n in zip(correct, counted, strict=True)
-                        ],
-                        "counted": [int(n) for n in counted],
-                        "lr": lr,
-                        "grad_norm": float(grad_norm),
-                        "tokens": tokens,
-                        "seconds": seconds,
-                        "data_wait_s": waited,
-                    }
-                    log_out.write(json.dumps(record) + "\n")
-                    log_out.flush()
-                    if dist.is_main and (step % 10 == 0 or step == end_step or step == 1):
-                        elapsed = time.perf_counter() - began
-                        rate = tokens_done / max(elapsed, 1e-9)
-                        eta = (end_step - step) * elapsed / max(1, step - start_step)
-                        acc0 = record["acc"][0]
-                        print(
-                            f"step {step}/{total_steps} loss {last_loss:.4f} "
-                            f"acc0 {acc0 if acc0 is None else round(acc0, 3)} lr {lr:.2e} "
-                            f"{rate:,.0f} tok/s ETA {eta:.0f}s",
-                            flush=True,
-                        )
-                    if dist.is_main and step % tc["checkpoint_every"] == 0 and step < total_steps:
-                        save_checkpoint(ckpt_dir, step, model, optimizer, run_key)
-            finally:
-                stream.close()
+                if dist.is_main and step % tc["checkpoint_every"] == 0 and step < total_steps:
+                    save_checkpoint(ckpt_dir, step, model, optimizer, run_key)
+        finally:
+            stream.close()
 
     elapsed = time.perf_counter() - began
     summary = {
