@@ -64,12 +64,23 @@ def make_workdir(root: Path, model_dir: Path) -> Path:
     """A run directory: config.json, prepared/ (table per CONTRACTS), its own server state."""
     import pyarrow as pa
     import pyarrow.parquet as pq
+    from tokenizers import Tokenizer, models
 
     from eaglepipe.prepare import table_schema
 
     root.mkdir(parents=True, exist_ok=True)
+    # The target as a run sees it: weights plus tokenizer files (fingerprinted for provenance).
+    target = root / "target"
+    shutil.copytree(model_dir, target)
+    Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]")).save(
+        str(target / "tokenizer.json")
+    )
     config = load_config(REPO_ROOT / "config.yaml")
-    config["model"]["path"] = str(model_dir)
+    config["model"]["path"] = str(target)
+    # The source the prepared table stands for: the manifest records the workflow's provenance
+    # of the shard, computed from it. (The table below is synthetic; only the plan must match.)
+    sample = (REPO_ROOT / "data" / "sample" / "conversations.jsonl").read_text().splitlines()
+    (root / "conversations.jsonl").write_text("\n".join(sample[:24]) + "\n")
     config["dataset"]["path"] = str(root / "conversations.jsonl")
     config["shards"]["rows_per_shard"] = 24
     config["shards"]["chunk_max_bytes"] = 12000  # ~2 rows per chunk at H=32
@@ -200,6 +211,7 @@ def test_every_row_equals_a_direct_forward(main_run, tiny_llama_dir):
     assert manifest["hidden_size"] == 32 and manifest["aux_layer_ids"] == AUX_IDS
     assert manifest["provenance"]["engine"] == "reference"
     assert manifest["provenance"]["dataset_hash"] == "d" * 32
+    assert manifest["provenance"]["workflow"]  # the rerun stamp eaglepipe.workflow compares
     assert manifest["timing"]["requests_sent"] == len(prepared)
     seen = []
     for row_id, tensors in iter_rows(shard_dir):
