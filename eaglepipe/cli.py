@@ -1,6 +1,8 @@
 """The `eaglepipe` command line: tools for people next to the Snakemake workflow.
 
     eaglepipe server start|status|stop [--config PATH]
+    eaglepipe status [--config PATH] [--all]
+    eaglepipe verify [--hidden-states DIR]
 
 Each subcommand is registered by one `add_*_command(subparsers)` function listed in
 `SUBCOMMANDS`; it sets `run=<function(args) -> exit code>` on its parser. A new subcommand is
@@ -136,7 +138,46 @@ def add_server_command(subparsers) -> None:
         parser.set_defaults(run=run)
 
 
-SUBCOMMANDS: list[Callable] = [add_server_command]
+# ---------------------------------------------------------------- eaglepipe status / verify
+
+
+def status_command(args: argparse.Namespace) -> int:
+    from .status import print_status
+
+    return print_status(load_config_arg(args), list_all=args.all)
+
+
+def add_status_command(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "status", help="per-shard progress, failures, totals, throughput and ETA"
+    )
+    add_config_argument(parser)
+    parser.add_argument("--all", action="store_true", help="list every shard, not a summary")
+    parser.set_defaults(run=status_command)
+
+
+def verify_command(args: argparse.Namespace) -> int:
+    from .config import HIDDEN_STATES_DIR
+    from .validate import verify_all
+
+    problems = verify_all(hidden_states_dir=args.hidden_states or HIDDEN_STATES_DIR, progress=True)
+    for problem in problems:
+        print(f"error: {problem}")
+    return 1 if problems else 0
+
+
+def add_verify_command(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "verify",
+        help="re-check integrity and schema of every shard (e.g. after copying the data)",
+    )
+    parser.add_argument(
+        "--hidden-states", type=Path, default=None, help="shard root (default: hidden_states/)"
+    )
+    parser.set_defaults(run=verify_command)
+
+
+SUBCOMMANDS: list[Callable] = [add_server_command, add_status_command, add_verify_command]
 
 
 def build_parser() -> argparse.ArgumentParser:

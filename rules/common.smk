@@ -95,6 +95,19 @@ def export_targets(wildcards=None):
     )
 
 
+def report_figures(wildcards=None):
+    return [
+        "report/dataset.png",
+        "report/extraction.png",
+        "report/extraction.csv",
+        "report/validation.png",
+        "report/validation.csv",
+        "report/training.png",
+        "report/acceptance.png",
+        "report/acceptance.csv",
+    ]
+
+
 def final_targets():
     return [
         *all_validations(),

@@ -1,2 +1,116 @@
-def report_figures(wildcards=None):
-    return []
+# Figures and tables for `snakemake --report report.html`; captions in rules/captions/.
+rule report_dataset:
+    input:
+        table="prepared/tokenized.parquet",
+        summary="prepared/summary.json",
+        skipped="prepared/skipped.json",
+    output:
+        report(
+            "report/dataset.png", caption="captions/dataset.rst", category="1. Dataset"
+        ),
+    log:
+        "logs/report/dataset.log",
+    conda:
+        ENV
+    params:
+        script=script("report_figures.py"),
+    shell:
+        "python -u {params.script} dataset --table {input.table} --summary {input.summary}"
+        " --skipped {input.skipped} --out {output} 2>&1 | tee {log}"
+
+
+rule report_extraction:
+    input:
+        all_manifests,
+    output:
+        png=report(
+            "report/extraction.png",
+            caption="captions/extraction.rst",
+            category="2. Extraction",
+        ),
+        csv=report(
+            "report/extraction.csv",
+            caption="captions/extraction.rst",
+            category="2. Extraction",
+        ),
+    log:
+        "logs/report/extraction.log",
+    conda:
+        ENV
+    params:
+        script=script("report_figures.py"),
+        config=RESOLVED,
+    shell:
+        "python -u {params.script} extraction --config {params.config}"
+        " --out {output.png} --table {output.csv} 2>&1 | tee {log}"
+
+
+rule report_validation:
+    input:
+        all_validations,
+    output:
+        png=report(
+            "report/validation.png",
+            caption="captions/validation.rst",
+            category="3. Validation",
+        ),
+        csv=report(
+            "report/validation.csv",
+            caption="captions/validation.rst",
+            category="3. Validation",
+        ),
+    log:
+        "logs/report/validation.log",
+    conda:
+        ENV
+    params:
+        script=script("report_figures.py"),
+        config=RESOLVED,
+    shell:
+        "python -u {params.script} validation --config {params.config}"
+        " --out {output.png} --table {output.csv} 2>&1 | tee {log}"
+
+
+rule report_training:
+    input:
+        "drafter/train_log.jsonl",
+    output:
+        report(
+            "report/training.png",
+            caption="captions/training.rst",
+            category="4. Drafter",
+        ),
+    log:
+        "logs/report/training.log",
+    conda:
+        ENV
+    params:
+        script=script("report_figures.py"),
+    shell:
+        "python -u {params.script} training --log {input} --out {output} 2>&1 | tee {log}"
+
+
+rule report_acceptance:
+    input:
+        eval="drafter/eval.json",
+        live="drafter/live.json",
+    output:
+        png=report(
+            "report/acceptance.png",
+            caption="captions/acceptance.rst",
+            category="4. Drafter",
+        ),
+        csv=report(
+            "report/acceptance.csv",
+            caption="captions/acceptance.rst",
+            category="4. Drafter",
+        ),
+    log:
+        "logs/report/acceptance.log",
+    conda:
+        ENV
+    params:
+        script=script("report_figures.py"),
+    shell:
+        "python -u {params.script} acceptance --eval {input.eval} --live {input.live}"
+        " --out {output.png} --table {output.csv} 2>&1 | tee {log}"
