@@ -113,6 +113,29 @@ def shard_inputs_hash(rows: ShardRows) -> str:
     return hasher.hexdigest()
 
 
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
+WEIGHT_SAMPLE_BYTES = 1 << 20
+
+
+def weights_fingerprint(directory: Path) -> str:
+    """A cheap identity of the model weights: each weight file's name, size, first and last MiB.
+
+    config.json alone cannot tell a base model from its fine-tune (same architecture, same
+    config), and hashing a terabyte of weights is out of the question; sampled bytes of every
+    file tell them apart. Chunks journalled under other weights are never reused.
+    """
+    parts = []
+    files = sorted({p for pattern in WEIGHT_PATTERNS for p in Path(directory).glob(pattern)})
+    for path in files:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(WEIGHT_SAMPLE_BYTES)
+            f.seek(max(0, size - WEIGHT_SAMPLE_BYTES))
+            tail = f.read(WEIGHT_SAMPLE_BYTES)
+        parts.append([path.name, size, xxhash.xxh3_128_hexdigest(head + tail)])
+    return xxhash.xxh3_128_hexdigest(json.dumps(parts).encode())
+
+
 def _summary_provenance(summary_path: Path) -> dict:
     try:
         summary = json.loads(summary_path.read_text())
@@ -335,6 +358,7 @@ def extract_shard(
     content_key = {
         "shard_inputs_hash": inputs_hash,
         "model_config_hash": model_hash,
+        "weights": weights_fingerprint(model_dir(config)),
         "aux_layer_ids": aux_ids,
         "hidden_size": hidden_size,
         "dtype": "bfloat16",

@@ -406,3 +406,21 @@ def test_too_little_free_space_writes_nothing(tmp_path, tiny_llama_dir, in_dir, 
         extract_shard(run_config(workdir), SHARD, log=lambda line: None)
     assert not (workdir / "hidden_states").exists()
     assert not (workdir / ".eaglepipe" / "server").exists()  # no server was started
+
+
+def test_weights_fingerprint_tells_a_fine_tune_from_its_base(tiny_llama_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from eaglepipe.extract import weights_fingerprint
+
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_llama_dir, copy)
+    assert weights_fingerprint(copy) == weights_fingerprint(tiny_llama_dir)
+    tuned = tmp_path / "tuned"
+    shutil.copytree(tiny_llama_dir, tuned)
+    weights = load_file(tuned / "model.safetensors")
+    first = sorted(weights)[0]
+    weights[first] = weights[first] + 1e-3
+    save_file(weights, tuned / "model.safetensors", metadata={"format": "pt"})
+    assert (tuned / "config.json").read_bytes() == (tiny_llama_dir / "config.json").read_bytes()
+    assert weights_fingerprint(tuned) != weights_fingerprint(tiny_llama_dir)
