@@ -260,7 +260,9 @@ def env_requirements(name: str) -> dict[str, Requirement]:
     assert "python=3.11" in conda and "pip" in conda, f"{ENVS[name]}: conda part {conda}"
     pip_lists = [d["pip"] for d in env["dependencies"] if isinstance(d, dict) and "pip" in d]
     assert len(pip_lists) == 1, f"{ENVS[name]}: expected one pip list"
-    requirements = [Requirement(line) for line in pip_lists[0]]
+    # The project itself is installed from the checkout, so rules can import eaglepipe.
+    assert "--editable .." in pip_lists[0], f"{ENVS[name]}: the project is not installed"
+    requirements = [Requirement(line) for line in pip_lists[0] if not line.startswith("-")]
     by_name = {r.name.lower(): r for r in requirements}
     assert len(by_name) == len(requirements), f"{ENVS[name]} lists a package twice"
     return by_name
