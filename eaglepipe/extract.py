@@ -72,6 +72,8 @@ from .workflow import shard_provenance
 
 PROGRESS_INTERVAL_S = 2.0
 ENGINE_KEYS = ("engine", "engine_version")
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
+WEIGHT_SAMPLE_BYTES = 1 << 20
 
 
 def _log(line: str) -> None:
@@ -111,10 +113,6 @@ def shard_inputs_hash(rows: ShardRows) -> str:
         hasher.update(np.ascontiguousarray(ids, dtype=np.int32).tobytes())
         hasher.update(np.ascontiguousarray(mask, dtype=np.uint8).tobytes())
     return hasher.hexdigest()
-
-
-WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
-WEIGHT_SAMPLE_BYTES = 1 << 20
 
 
 def weights_fingerprint(directory: Path) -> str:
