@@ -22,6 +22,12 @@ def fsync_dir(directory: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -31,6 +37,8 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        # mkstemp creates 0600; outputs get the usual permissions of a created file.
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
