@@ -107,24 +107,33 @@ def main() -> None:
     parser.add_argument("--chunk-mb", type=float, default=64.0, help="chunk size bound (MB)")
     parser.add_argument("--out-dir", default=".", help="a directory on the output filesystem")
     parser.add_argument("--handoff-dir", default=None, help="default: /dev/shm if writable")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds; the best of each is kept")
     args = parser.parse_args()
 
     shm = Path("/dev/shm")
     handoff_root = args.handoff_dir or (str(shm) if os.access(shm, os.W_OK) else None)
     handoff = Path(tempfile.mkdtemp(prefix="bench-ingest-handoff-", dir=handoff_root))
     out_root = Path(tempfile.mkdtemp(prefix="bench-ingest-out-", dir=args.out_dir))
+    ingest_s = raw_s = float("inf")
     try:
-        chunk_dir, raw_dir = out_root / "chunks", out_root / "raw"
-        chunk_dir.mkdir()
-        raw_dir.mkdir()
-        requests = make_dumps(handoff, args.rows, args.tokens, args.hidden_size)
-        start = time.perf_counter()
-        ingested = ingest(handoff, chunk_dir, requests, args.hidden_size, int(args.chunk_mb * 1e6))
-        ingest_s = time.perf_counter() - start
-        sizes = [p.stat().st_size for p in sorted(chunk_dir.glob("chunk-*.safetensors"))]
-        start = time.perf_counter()
-        raw = raw_write(raw_dir, sizes)
-        raw_s = time.perf_counter() - start
+        # Alternate the two measurements and keep each one's best: other I/O on the machine
+        # then distorts the ratio less.
+        for attempt in range(args.repeat):
+            chunk_dir, raw_dir = out_root / f"chunks-{attempt}", out_root / f"raw-{attempt}"
+            chunk_dir.mkdir()
+            raw_dir.mkdir()
+            requests = make_dumps(handoff, args.rows, args.tokens, args.hidden_size)
+            start = time.perf_counter()
+            ingested = ingest(
+                handoff, chunk_dir, requests, args.hidden_size, int(args.chunk_mb * 1e6)
+            )
+            ingest_s = min(ingest_s, time.perf_counter() - start)
+            sizes = [p.stat().st_size for p in sorted(chunk_dir.glob("chunk-*.safetensors"))]
+            start = time.perf_counter()
+            raw = raw_write(raw_dir, sizes)
+            raw_s = min(raw_s, time.perf_counter() - start)
+            shutil.rmtree(chunk_dir)
+            shutil.rmtree(raw_dir)
     finally:
         shutil.rmtree(handoff, ignore_errors=True)
         shutil.rmtree(out_root, ignore_errors=True)
@@ -133,7 +142,7 @@ def main() -> None:
     raw_gbs = raw / raw_s / 1e9
     print(
         f"rows={args.rows} tokens/row={args.tokens} hidden={args.hidden_size} "
-        f"chunks={len(sizes)} bytes={ingested / 1e9:.3f} GB "
+        f"chunks={len(sizes)} bytes={ingested / 1e9:.3f} GB best of {args.repeat} "
         f"handoff={handoff.parent} out={out_root.parent.resolve()}"
     )
     print(f"ingest (read+check+delete dump, hash+write chunk): {ingest_gbs:.3f} GB/s")
