@@ -258,7 +258,7 @@ def main(argv=None) -> int:
                 "ms_per_batch_until_files_written": round(done_ms, 3),
                 "tokens_per_s": round(tokens / args.batches / (ms / 1000)),
                 "ratio_to_capture": round(ms / baseline, 3),
-                "dump_mb_per_s": round(
+                "dumped_mb_per_s": round(
                     tokens * hidden_bytes / (done_ms / 1000 * args.batches) / 1e6
                 )
                 if dumped
@@ -289,7 +289,7 @@ def main(argv=None) -> int:
         "file_threads": args.file_threads,
         "max_pinned_bytes": args.max_pinned_bytes,
         "dump_dir_fs": str(dump_dir.parent.parent),
-        "pinned_bytes_peak": writer.pinned_bytes,
+        "pinned_bytes_peak": writer.pinned_peak_bytes,
         "results": rows,
         "raw": results,
     }  # fmt: skip

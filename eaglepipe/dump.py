@@ -213,6 +213,7 @@ class _HostBufferPool:
         self._allocated = 0
         self._in_use = 0
         self._closed = False
+        self.peak_bytes = 0
 
     @property
     def allocated_bytes(self) -> int:
@@ -257,6 +258,7 @@ class _HostBufferPool:
         for index, capacity in new_caps.items():
             chosen[index] = torch.empty(capacity, dtype=torch.uint8, pin_memory=self.pin)
             self._allocated += capacity
+        self.peak_bytes = max(self.peak_bytes, self._allocated)
         taken = [chosen[i] for i in range(len(sizes))]
         self._in_use += sum(b.numel() for b in taken)
         return taken
@@ -466,7 +468,12 @@ class DumpWriter:
 
     @property
     def pinned_bytes(self) -> int:
+        """Pinned host memory held now (free buffers included)."""
         return self._pinned_pool.allocated_bytes if self._pinned_pool else 0
+
+    @property
+    def pinned_peak_bytes(self) -> int:
+        return self._pinned_pool.peak_bytes if self._pinned_pool else 0
 
     # -- writer thread
 

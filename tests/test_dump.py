@@ -392,6 +392,7 @@ def test_host_pool_reuses_buffers_and_bounds_memory():
     pool.release(huge)
     pool.close()
     assert pool.allocated_bytes == 0
+    assert pool.peak_bytes >= 8 << 20
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
