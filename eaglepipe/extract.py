@@ -346,6 +346,8 @@ def extract_shard(
     started_at = datetime.now(UTC)
     t0 = time.monotonic()
     shard = parse_shard_name(shard_name)
+    # Up front: it also refuses a shard that is not in the plan before any work is done.
+    workflow_stamp = shard_provenance(config, shard_name)
     shard_dir = Path(hidden_states_dir) / shard_name
     rows = load_shard_rows(Path(prepared_table), shard.start, shard.end)
     summary = _summary_provenance(Path(prepared_summary))
@@ -426,7 +428,7 @@ def extract_shard(
                 "engine_version": engine["engine_version"],
                 "project_version": __version__,
                 # What the workflow's rerun decision compares (eaglepipe.workflow).
-                "workflow": shard_provenance(config, shard_name),
+                "workflow": workflow_stamp,
             },
             timing={
                 "started_at": started_at.isoformat(timespec="seconds"),
