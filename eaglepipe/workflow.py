@@ -176,6 +176,7 @@ def _shard_provenances(config_key: str, config: dict) -> dict[str, str]:
 
 PROVENANCE_DIR = Path(".eaglepipe/provenance")
 PREPARE_STAMP = PROVENANCE_DIR / "prepare.json"
+TOY_STAMP = PROVENANCE_DIR / "toy-target.json"
 
 
 def shard_stamp(shard: str) -> Path:
@@ -186,6 +187,7 @@ def write_stamps(config: dict) -> None:
     """Rewrite each provenance stamp whose content changed (mtime moves only then)."""
     from .atomic import write_json_if_changed
 
+    write_json_if_changed(TOY_STAMP, {"toy": config["model"]["toy"]})
     write_json_if_changed(PREPARE_STAMP, {"provenance": prepare_provenance(config)})
     for shard in shards(config):
         write_json_if_changed(shard_stamp(shard), {"provenance": shard_provenance(config, shard)})

@@ -14,6 +14,7 @@ ENV = "../envs/pipeline.yaml"
 SHARDS = workflow_lib.shards(CONFIG)
 MODEL_CONFIG = workflow_lib.model_config_file(CONFIG)
 workflow_lib.write_stamps(CONFIG)
+TOY_STAMP = str(workflow_lib.TOY_STAMP)
 DATASET = CONFIG["dataset"]["path"]
 
 

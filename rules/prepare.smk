@@ -1,6 +1,7 @@
 rule build_toy_target:
     """The embedded default target: a tiny seeded Llama and BPE tokenizer, built locally."""
     input:
+        stamp=TOY_STAMP,
         corpus=ancient(DATASET),
     output:
         "models/toy-target/config.json",
@@ -12,7 +13,6 @@ rule build_toy_target:
     params:
         script=script("build_toy_target.py"),
         config=RESOLVED,
-        toy=CONFIG["model"]["toy"],
         out_dir=output_dir,
     shell:
         "python -u {params.script} --config {params.config} --out {params.out_dir}"
