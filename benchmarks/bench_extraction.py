@@ -1,0 +1,661 @@
+#!/usr/bin/env python3
+"""Extraction at the speed of the prefill: four ways over the same rows, in one run.
+
+Builds a Llama target of the Llama-3.1-8B shape with random bf16 weights directly on the GPU
+(no download), saves it once as a local checkpoint (the reference server loads a model
+directory), and generates seeded token rows of 512-4096 tokens (uniform, mean ~2300). Then:
+
+- (a) bare: the in-process model over the batches the server forms (rows sorted by length,
+  right-padded, at most --max-batch-tokens padded tokens per batch), no capture: the ceiling.
+- (b) server: the real reference server (started by the real lifecycle) and the real client
+  (`eaglepipe.extract.extract_shard`) writing real checksummed chunks and manifests from a
+  prepared table of the same rows. Shards are deleted once done so the disk holds one at a time.
+- (c) per-sample: what common scripts do: one sample per forward with
+  `output_hidden_states=True`, the aux and final layers moved to the host and `torch.save`d per
+  sample (on a seeded subset of the rows: it is slow).
+- (d) packed (stretch): the rows packed into --max-batch-tokens-long rows with per-row
+  `position_ids`, so transformers' `flex_attention` builds a block-diagonal causal mask and no
+  padding is computed; checked against a single-row forward (no attention across rows).
+
+Ratios b/a (goal >= 0.90), b/c (goal >= 3.2) and d/a are printed and written, with the
+machine, to --out (JSON) and the .md beside it.
+
+    python -u benchmarks/bench_extraction.py --out benchmarks/results/extraction.json  # GPU
+    python -u benchmarks/bench_extraction.py --tiny --out /tmp/extraction.json        # CPU check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import traceback
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import (  # noqa: E402
+    REPO_ROOT,
+    command_line,
+    log,
+    machine_info,
+    machine_line,
+    markdown_table,
+    rate,
+    ratio,
+    timed,
+    write_results,
+)
+
+from eaglepipe.layers import default_aux_layer_ids  # noqa: E402
+
+SHAPES = {
+    # Llama-3.1-8B
+    "8b": dict(
+        hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336, vocab=128256, max_pos=8192
+    ),
+    # The toy target's shape: a CPU quick check of every path.
+    "tiny": dict(
+        hidden=64, layers=8, heads=4, kv_heads=2, intermediate=176, vocab=512, max_pos=2048
+    ),
+}
+GOALS = {"server_vs_bare": 0.90, "server_vs_per_sample": 3.2}
+PATHS = ("bare_prefill", "server_end_to_end", "per_sample_baseline", "packed_flex")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="toy shape, few rows, CPU sizes")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda")
+    parser.add_argument("--tokens", type=int, default=None, help="total tokens (8B: 1.2M)")
+    parser.add_argument("--min-len", type=int, default=None, help="shortest row (8B: 512)")
+    parser.add_argument("--max-len", type=int, default=None, help="longest row (8B: 4096)")
+    parser.add_argument("--max-batch-tokens", type=int, default=None, help="8B: 32768")
+    parser.add_argument(
+        "--baseline-fraction", type=float, default=None, help="rows the per-sample path runs"
+    )
+    parser.add_argument("--flex", choices=["auto", "on", "off"], default="auto")
+    parser.add_argument("--chunk-mb", type=float, default=None, help="chunk bound (8B: 2048)")
+    parser.add_argument("--shard-gb", type=float, default=10.0, help="bound on one shard's size")
+    parser.add_argument("--inflight-requests", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--work-root", default=None, help="scratch parent dir (default: /tmp)")
+    parser.add_argument("--keep", action="store_true", help="keep the scratch dir")
+    parser.add_argument("--out", default=None, help="results JSON (markdown beside it)")
+    args = parser.parse_args(argv)
+    tiny = args.tiny
+    defaults = {
+        "tokens": 3000 if tiny else 1_200_000,
+        "min_len": 16 if tiny else 512,
+        "max_len": 160 if tiny else 4096,
+        "max_batch_tokens": 512 if tiny else 32768,
+        "baseline_fraction": 0.5 if tiny else 0.2,
+        "chunk_mb": 0.05 if tiny else 2048.0,
+    }
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if tiny:
+        args.shard_gb = min(args.shard_gb, 0.1)
+    return args
+
+
+# ----------------------------------------------------------------------------- target and rows
+
+
+def build_target(shape: dict, device: torch.device, dtype: torch.dtype, seed: int):
+    """A random-weight Llama, created directly on the device in the target dtype."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=shape["vocab"],
+        hidden_size=shape["hidden"],
+        intermediate_size=shape["intermediate"],
+        num_hidden_layers=shape["layers"],
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv_heads"],
+        max_position_embeddings=shape["max_pos"],
+        tie_word_embeddings=False,
+    )
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval()
+
+
+def save_target(model, model_dir: Path) -> None:
+    """The checkpoint the server loads, plus a tokenizer file (provenance fingerprints it)."""
+    from tokenizers import Tokenizer, models
+
+    model.save_pretrained(model_dir, max_shard_size="5GB")
+    Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]")).save(
+        str(model_dir / "tokenizer.json")
+    )
+
+
+def make_rows(args, vocab: int) -> list[np.ndarray]:
+    """Seeded rows of uniform length in [min_len, max_len] until --tokens is reached."""
+    rng = np.random.default_rng(args.seed)
+    rows, total = [], 0
+    while total < args.tokens:
+        n = int(rng.integers(args.min_len, args.max_len + 1))
+        rows.append(rng.integers(0, vocab, n, dtype=np.int64).astype(np.int32))
+        total += n
+    return rows
+
+
+def server_batches(lengths: list[int], budget: int) -> list[list[int]]:
+    """Row indices per batch as the server forms them at best: sorted by length, padded
+    tokens (longest x count) within the budget."""
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        if current and lengths[i] * (len(current) + 1) > budget:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def pack_rows(lengths: list[int], capacity: int) -> list[list[int]]:
+    """First-fit decreasing into rows of `capacity` tokens."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        slot = next((b for b, free in enumerate(room) if free >= lengths[i]), None)
+        if slot is None:
+            bins.append([])
+            room.append(capacity)
+            slot = len(bins) - 1
+        bins[slot].append(i)
+        room[slot] -= lengths[i]
+    return bins
+
+
+# ----------------------------------------------------------------------------- (a) bare
+
+
+def padded_forward(model, seqs: list[np.ndarray], device: torch.device) -> None:
+    longest = max(len(s) for s in seqs)
+    input_ids = torch.zeros((len(seqs), longest), dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, seq in enumerate(seqs):
+        input_ids[row, : len(seq)] = torch.from_numpy(seq)
+        attention_mask[row, : len(seq)] = 1
+    model(
+        input_ids=input_ids.to(device, non_blocking=True),
+        attention_mask=attention_mask.to(device, non_blocking=True),
+        use_cache=False,
+        logits_to_keep=1,
+    )
+
+
+def run_bare(model, rows, batches, device) -> dict:
+    real = sum(len(r) for r in rows)
+    padded = sum(max(len(rows[i]) for i in b) * len(b) for b in batches)
+    with torch.inference_mode():
+        padded_forward(model, [rows[i] for i in batches[-1]], device)  # warm-up: longest rows
+        with timed(device) as t:
+            for batch in batches:
+                padded_forward(model, [rows[i] for i in batch], device)
+    return {
+        "tokens": real,
+        "seconds": round(t["seconds"], 3),
+        "tokens_per_s": round(rate(real, t["seconds"]), 1),
+        "batches": len(batches),
+        "padded_tokens": padded,
+        "padding_fraction": round(1 - real / padded, 4),
+    }
+
+
+# ----------------------------------------------------------------------------- (b) server
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def handoff_root(work: Path, need_bytes: int) -> Path:
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > 4 * need_bytes:
+        return Path(tempfile.mkdtemp(prefix="eaglepipe-bench-dumps-", dir=shm))
+    return work / "dumps"
+
+
+@contextmanager
+def working_directory(path: Path):
+    previous = Path.cwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(previous)
+
+
+def make_run_dir(run_dir: Path, model_dir: Path, rows, args, shape, device: str) -> dict:
+    """A run directory as the pipeline sees it: dataset, prepared table, summary, config."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from eaglepipe.config import load_config, validate_config
+    from eaglepipe.prepare import table_schema
+
+    prepared = run_dir / "prepared"
+    prepared.mkdir(parents=True)
+    # The source the prepared table stands for (the shard plan counts its rows).
+    dataset = run_dir / "conversations.jsonl"
+    with open(dataset, "w") as f:
+        for i in range(len(rows)):
+            turns = [{"from": "human", "value": f"row {i}"}, {"from": "gpt", "value": "ok"}]
+            f.write(json.dumps({"conversations": turns}) + "\n")
+    table = pa.Table.from_pylist(
+        [
+            {
+                "row_id": i,
+                "split": "train",
+                "num_tokens": len(ids),
+                "input_ids": ids.tolist(),
+                "loss_mask": [1] * len(ids),
+                "truncated": False,
+            }
+            for i, ids in enumerate(rows)
+        ],
+        schema=table_schema(),
+    )
+    pq.write_table(table, prepared / "tokenized.parquet")
+    provenance = {"dataset_hash": "bench", "tokenizer_fingerprint": "bench"}
+    (prepared / "summary.json").write_text(json.dumps({"rows": len(rows), **provenance}))
+
+    token_bytes = 4 * shape["hidden"] * 2  # three aux layers and the final one, bf16
+    row_bytes = token_bytes * args.tokens / len(rows)
+    rows_per_shard = max(1, min(len(rows), int(args.shard_gb * 1e9 / row_bytes)))
+    if args.tiny:
+        rows_per_shard = max(1, len(rows) // 2)  # two shards: the between-shard path runs too
+    dumps = handoff_root(run_dir, args.max_batch_tokens * token_bytes)
+    config = load_config(REPO_ROOT / "config.yaml")
+    config["model"]["path"] = str(model_dir)
+    config["dataset"]["path"] = str(dataset)
+    config["shards"].update(
+        rows_per_shard=rows_per_shard, chunk_max_bytes=max(4096, int(args.chunk_mb * 2**20))
+    )
+    config["server"].update(
+        port=free_port(),
+        device=device,
+        dtype="bfloat16" if device.startswith("cuda") else "float32",
+        max_batch_tokens=args.max_batch_tokens,
+        dump_root=str(dumps),
+        health_timeout_s=900,
+        idle_timeout_s=120,
+    )
+    handoff_free = shutil.disk_usage(dumps if dumps.exists() else run_dir).free
+    config["extract"].update(
+        max_inflight_requests=args.inflight_requests,
+        max_inflight_bytes=int(max(64 << 20, min(8 << 30, handoff_free // 4))),
+    )
+    return validate_config(config)
+
+
+def warm_up_server(url: str, rows, count: int) -> None:
+    """Forward passes with unprefixed ids (not dumped) so kernels are chosen before timing."""
+
+    def post(i: int) -> None:
+        body = {
+            "input_ids": rows[i].tolist(),
+            "rid": f"warmup{i}",
+            "sampling_params": {"max_new_tokens": 0},
+        }
+        request = urllib.request.Request(
+            f"{url}/generate", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=600) as response:
+            response.read()
+
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(post, range(min(count, len(rows)))))
+
+
+def run_server(run_dir: Path, config: dict, rows) -> dict:
+    from eaglepipe.extract import extract_shard
+    from eaglepipe.server.lifecycle import start_server, stop_server
+    from eaglepipe.workflow import shards
+
+    total = sum(len(r) for r in rows)
+    result: dict = {"tokens": total}
+    with working_directory(run_dir):
+        try:
+            with timed() as start:
+                handle = start_server(config)
+            result["server_start_s"] = round(start["seconds"], 1)
+            warm_up_server(handle.url, rows, 2 * config["extract"]["max_inflight_requests"])
+            names = shards(config)
+            seconds, written, bytes_written, chunks = 0.0, 0, 0, 0
+            for name in names:
+                with timed() as t:
+                    manifest = extract_shard(config, name)
+                seconds += t["seconds"]
+                written += manifest["num_tokens"]
+                bytes_written += manifest["num_bytes"]
+                chunks += len(manifest["chunks"])
+                log(f"server: {name} {manifest['num_tokens']} tokens in {t['seconds']:.1f}s")
+                shutil.rmtree(run_dir / "hidden_states" / name)  # the disk holds one shard
+            if written != total:
+                raise RuntimeError(f"the shards hold {written} tokens, the rows {total}")
+            result.update(
+                seconds=round(seconds, 3),
+                tokens_per_s=round(rate(total, seconds), 1),
+                shards=len(names),
+                chunks=chunks,
+                bytes_written=bytes_written,
+                chunk_gb_per_s=round(rate(bytes_written, seconds) / 1e9, 3),
+                max_batch_tokens=config["server"]["max_batch_tokens"],
+                max_inflight_requests=config["extract"]["max_inflight_requests"],
+                max_inflight_bytes=config["extract"]["max_inflight_bytes"],
+                chunk_max_bytes=config["shards"]["chunk_max_bytes"],
+                rows_per_shard=config["shards"]["rows_per_shard"],
+                dump_root=config["server"]["dump_root"],
+            )
+        finally:
+            stop_server()
+            logs = sorted((run_dir / "logs" / "server").glob("*.log"))
+            if logs:
+                result["server_log_tail"] = logs[-1].read_text(errors="replace").splitlines()[-12:]
+            shutil.rmtree(config["server"]["dump_root"], ignore_errors=True)
+    return result
+
+
+# ----------------------------------------------------------------------------- (c) per sample
+
+
+def run_per_sample(model, rows, subset, aux_ids, device, out_dir: Path) -> dict:
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    def one(i: int, save: bool) -> None:
+        ids = torch.from_numpy(rows[i]).long()[None].to(device)
+        out = model(input_ids=ids, output_hidden_states=True, use_cache=False)
+        hidden = out.hidden_states
+        sample = {
+            "input_ids": ids[0].cpu(),
+            "aux_hidden_states": torch.cat([hidden[k + 1][0] for k in aux_ids], dim=-1).cpu(),
+            "final_hidden_states": hidden[-1][0].cpu(),
+        }
+        if save:
+            torch.save(sample, out_dir / f"row_{i}.pt")
+
+    tokens = sum(len(rows[i]) for i in subset)
+    with torch.inference_mode():
+        one(subset[0], save=False)  # warm-up
+        with timed(device) as t:
+            for i in subset:
+                one(i, save=True)
+    written = sum(p.stat().st_size for p in out_dir.glob("*.pt"))
+    shutil.rmtree(out_dir)
+    return {
+        "rows": len(subset),
+        "tokens": tokens,
+        "seconds": round(t["seconds"], 3),
+        "tokens_per_s": round(rate(tokens, t["seconds"]), 1),
+        "bytes_written": written,
+    }
+
+
+# ----------------------------------------------------------------------------- (d) packed flex
+
+
+def packed_inputs(rows, bin_rows: list[int], capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One packed row: the rows end to end, each with positions from 0, and the tail padded to
+    `capacity` as its own segment (a fixed shape keeps flex_attention from recompiling)."""
+    ids = [torch.from_numpy(rows[i]).long() for i in bin_rows]
+    positions = [torch.arange(len(rows[i])) for i in bin_rows]
+    pad = capacity - sum(len(rows[i]) for i in bin_rows)
+    if pad > 0:
+        ids.append(torch.zeros(pad, dtype=torch.long))
+        positions.append(torch.arange(pad))
+    return torch.cat(ids)[None], torch.cat(positions)[None]
+
+
+def set_attention(model, name: str) -> None:
+    setter = getattr(model, "set_attn_implementation", None)
+    if callable(setter):
+        setter(name)
+    else:
+        model.config._attn_implementation = name
+
+
+def run_packed(model, rows, capacity: int, device) -> dict:
+    lengths = [len(r) for r in rows]
+    bins = pack_rows(lengths, capacity)
+    previous = model.config._attn_implementation
+    set_attention(model, "flex_attention")
+    try:
+        with torch.inference_mode():
+            first_ids, first_pos = packed_inputs(rows, bins[0], capacity)
+            with timed(device) as compile_t:  # the first call compiles the kernels
+                model(
+                    input_ids=first_ids.to(device),
+                    position_ids=first_pos.to(device),
+                    use_cache=False,
+                    logits_to_keep=1,
+                )
+            check = packed_isolation_error(model, rows, bins[0], first_ids, first_pos, device)
+            with timed(device) as t:
+                for bin_rows in bins:
+                    ids, positions = packed_inputs(rows, bin_rows, capacity)
+                    model(
+                        input_ids=ids.to(device, non_blocking=True),
+                        position_ids=positions.to(device, non_blocking=True),
+                        use_cache=False,
+                        logits_to_keep=1,
+                    )
+    finally:
+        set_attention(model, previous)
+    real = sum(lengths)
+    return {
+        "tokens": real,
+        "seconds": round(t["seconds"], 3),
+        "tokens_per_s": round(rate(real, t["seconds"]), 1),
+        "packed_rows": len(bins),
+        "fill": round(real / (len(bins) * capacity), 4),
+        "compile_s": round(compile_t["seconds"], 1),
+        "isolation_rel_err": check,
+    }
+
+
+def packed_isolation_error(model, rows, bin_rows, ids, positions, device) -> float:
+    """Relative L2 error of one packed row's final hidden states against the row alone: a mask
+    that let rows see each other would show as an error near 1, not bf16 noise."""
+    if len(bin_rows) < 2:
+        return 0.0
+    start = len(rows[bin_rows[0]])
+    end = start + len(rows[bin_rows[1]])
+    packed = model.model(input_ids=ids.to(device), position_ids=positions.to(device))
+    alone = model.model(input_ids=torch.from_numpy(rows[bin_rows[1]]).long()[None].to(device))
+    got = packed.last_hidden_state[0, start:end].float()
+    want = alone.last_hidden_state[0].float()
+    return round(float((got - want).norm() / want.norm()), 5)
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def report(results: dict) -> str:
+    paths = results["paths"]
+    bare = paths["bare_prefill"].get("tokens_per_s")
+    names = {
+        "bare_prefill": "(a) bare prefill, server batches, no capture",
+        "server_end_to_end": "(b) reference server + client -> checksummed chunks",
+        "per_sample_baseline": "(c) per-sample, output_hidden_states, torch.save",
+        "packed_flex": "(d) packed rows, block-diagonal flex_attention",
+    }
+    rows = []
+    for key in PATHS:
+        entry = paths.get(key, {})
+        note = entry.get("skipped") or entry.get("error") or ""
+        rows.append(
+            [
+                names[key],
+                entry.get("tokens"),
+                entry.get("seconds"),
+                entry.get("tokens_per_s"),
+                ratio(entry.get("tokens_per_s"), bare),
+                note[:120],
+            ]
+        )
+    ratios = results["ratios"]
+    goal_rows = [
+        ["b/a (server / bare)", ratios["server_vs_bare"], f">= {GOALS['server_vs_bare']}"],
+        ["b/c (server / per-sample)", ratios["server_vs_per_sample"], ">= 3.2"],
+        ["d/a (packed / bare)", ratios["packed_vs_bare"], "> 1 (stretch)"],
+    ]
+    setup = results["setup"]
+    return (
+        f"### Extraction throughput ({setup['shape']} shape, {setup['rows']} rows, "
+        f"{setup['tokens']:,} tokens, lengths {setup['min_len']}-{setup['max_len']}, "
+        f"mean {setup['mean_len']:.0f}, {setup['max_batch_tokens']}-token batches)\n\n"
+        + markdown_table(["path", "tokens", "s", "tok/s", "x bare", "note"], rows)
+        + "\n"
+        + markdown_table(["ratio", "measured", "goal"], goal_rows)
+        + f"\nMachine: {machine_line(results['machine'])}.  \n"
+        f"Command: `{results['command']}`\n"
+    )
+
+
+def guarded(name: str, paths: dict, work) -> None:
+    """Run one path; a failure is recorded and the others still run (one GPU run, four paths)."""
+    log(f"--- {name}")
+    try:
+        paths[name] = work()
+    except Exception as exc:  # the benchmark reports every path it could measure
+        traceback.print_exc()
+        paths[name] = {"error": f"{type(exc).__name__}: {exc}"}
+    log(f"{name}: {json.dumps(paths[name])}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    # A SIGTERM (a timeout) unwinds like Ctrl-C, so the server started here is stopped.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    shape_name = "tiny" if args.tiny else "8b"
+    shape = SHAPES[shape_name]
+    aux_ids = default_aux_layer_ids(shape["layers"])
+    work = Path(tempfile.mkdtemp(prefix="eaglepipe-bench-extraction-", dir=args.work_root))
+    rows = make_rows(args, shape["vocab"])
+    lengths = [len(r) for r in rows]
+    results: dict = {
+        "benchmark": "extraction",
+        "command": command_line(),
+        "machine": machine_info(device),
+        "setup": {
+            "shape": shape_name,
+            **shape,
+            "dtype": str(dtype).removeprefix("torch."),
+            "aux_layer_ids": aux_ids,
+            "device": str(device),
+            "rows": len(rows),
+            "tokens": sum(lengths),
+            "min_len": args.min_len,
+            "max_len": args.max_len,
+            "mean_len": round(float(np.mean(lengths)), 1),
+            "max_batch_tokens": args.max_batch_tokens,
+            "seed": args.seed,
+        },
+        "paths": {},
+    }
+    paths = results["paths"]
+    log(
+        f"{len(rows)} rows, {sum(lengths):,} tokens (mean {np.mean(lengths):.0f}) on {device}; "
+        f"scratch {work}"
+    )
+    try:
+        with timed(device) as t:
+            model = build_target(shape, device, dtype, args.seed)
+        results["setup"]["model_build_s"] = round(t["seconds"], 1)
+        results["setup"]["attn_implementation"] = model.config._attn_implementation
+        model_dir = work / "target"
+        with timed() as t:
+            save_target(model, model_dir)
+        results["setup"]["model_save_s"] = round(t["seconds"], 1)
+        log(f"target built and saved to {model_dir} ({results['setup']['model_save_s']}s)")
+
+        batches = server_batches(lengths, args.max_batch_tokens)
+        guarded("bare_prefill", paths, lambda: run_bare(model, rows, batches, device))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # leave the memory to the server process
+
+        run_dir = work / "run"
+        config = make_run_dir(run_dir, model_dir, rows, args, shape, str(device))
+        guarded("server_end_to_end", paths, lambda: run_server(run_dir, config, rows))
+
+        rng = np.random.default_rng(args.seed + 1)
+        count = max(2, int(len(rows) * args.baseline_fraction))
+        subset = sorted(int(i) for i in rng.choice(len(rows), size=count, replace=False))
+        guarded(
+            "per_sample_baseline",
+            paths,
+            lambda: run_per_sample(model, rows, subset, aux_ids, device, work / "per_sample"),
+        )
+
+        flex = args.flex == "on" or (args.flex == "auto" and device.type == "cuda")
+        if flex:
+            guarded(
+                "packed_flex", paths, lambda: run_packed(model, rows, args.max_batch_tokens, device)
+            )
+        else:
+            reason = (
+                "off (--flex off)"
+                if args.flex == "off"
+                else "skipped on CPU: flex_attention compiles its kernels with inductor "
+                "(minutes on a small CPU); --flex on runs it"
+            )
+            paths["packed_flex"] = {"skipped": reason}
+            log(f"packed_flex: {reason}")
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+    tps = {key: paths.get(key, {}).get("tokens_per_s") for key in PATHS}
+    results["ratios"] = {
+        "server_vs_bare": ratio(tps["server_end_to_end"], tps["bare_prefill"]),
+        "server_vs_per_sample": ratio(tps["server_end_to_end"], tps["per_sample_baseline"]),
+        "packed_vs_bare": ratio(tps["packed_flex"], tps["bare_prefill"]),
+    }
+    results["goals"] = {
+        key: {
+            "goal": goal,
+            "measured": results["ratios"][key],
+            "met": results["ratios"][key] is not None and results["ratios"][key] >= goal,
+        }
+        for key, goal in GOALS.items()
+    }
+    markdown = report(results)
+    print("\n" + markdown, flush=True)
+    write_results(args.out, results, markdown)
+    failed = [key for key in PATHS if "error" in paths.get(key, {})]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
