@@ -424,3 +424,10 @@ def test_weights_fingerprint_tells_a_fine_tune_from_its_base(tiny_llama_dir, tmp
     save_file(weights, tuned / "model.safetensors", metadata={"format": "pt"})
     assert (tuned / "config.json").read_bytes() == (tiny_llama_dir / "config.json").read_bytes()
     assert weights_fingerprint(tuned) != weights_fingerprint(tiny_llama_dir)
+
+
+def test_a_shard_outside_the_plan_is_refused_before_any_work(tmp_path, tiny_llama_dir, in_dir):
+    workdir = in_dir(make_workdir(tmp_path / "run", tiny_llama_dir))
+    with pytest.raises(PipelineError, match=r"shard rows_0-5 is not in the plan"):
+        extract_shard(run_config(workdir), "rows_0-5", log=lambda line: None)
+    assert not (workdir / "hidden_states").exists()
