@@ -12,7 +12,6 @@ import getpass
 import json
 import os
 from pathlib import Path
-from typing import Any
 
 import jsonschema
 import yaml

@@ -47,7 +47,7 @@ from .config import (
     text_config,
 )
 from .errors import PipelineError
-from .fingerprint import model_config_hash, tokenizer_fingerprint
+from .fingerprint import model_config_hash, tokenizer_fingerprint, weights_fingerprint
 from .layers import CONVENTION, FINAL_CONVENTION
 from .shard_plan import parse_shard_name
 from .shard_store import (
@@ -72,8 +72,6 @@ from .workflow import shard_provenance
 
 PROGRESS_INTERVAL_S = 2.0
 ENGINE_KEYS = ("engine", "engine_version")
-WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
-WEIGHT_SAMPLE_BYTES = 1 << 20
 
 
 def _log(line: str) -> None:
@@ -113,25 +111,6 @@ def shard_inputs_hash(rows: ShardRows) -> str:
         hasher.update(np.ascontiguousarray(ids, dtype=np.int32).tobytes())
         hasher.update(np.ascontiguousarray(mask, dtype=np.uint8).tobytes())
     return hasher.hexdigest()
-
-
-def weights_fingerprint(directory: Path) -> str:
-    """A cheap identity of the model weights: each weight file's name, size, first and last MiB.
-
-    config.json alone cannot tell a base model from its fine-tune (same architecture, same
-    config), and hashing a terabyte of weights is out of the question; sampled bytes of every
-    file tell them apart. Chunks journalled under other weights are never reused.
-    """
-    parts = []
-    files = sorted({p for pattern in WEIGHT_PATTERNS for p in Path(directory).glob(pattern)})
-    for path in files:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(WEIGHT_SAMPLE_BYTES)
-            f.seek(max(0, size - WEIGHT_SAMPLE_BYTES))
-            tail = f.read(WEIGHT_SAMPLE_BYTES)
-        parts.append([path.name, size, xxhash.xxh3_128_hexdigest(head + tail)])
-    return xxhash.xxh3_128_hexdigest(json.dumps(parts).encode())
 
 
 def _summary_provenance(summary_path: Path) -> dict:

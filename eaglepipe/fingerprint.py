@@ -29,6 +29,10 @@ TOKENIZER_FILE_PATTERNS = (
 )
 
 
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
+WEIGHT_SAMPLE_BYTES = 1 << 20
+
+
 def hash_bytes(data: bytes | memoryview) -> str:
     return xxhash.xxh3_128_hexdigest(data)
 
@@ -68,3 +72,22 @@ def tokenizer_fingerprint(model_dir: str | os.PathLike) -> str:
     if not files:
         raise PipelineError(f"model directory {model_dir} holds no tokenizer files")
     return hash_json({p.name: hash_file(p) for p in files})
+
+
+def weights_fingerprint(directory: Path) -> str:
+    """A cheap identity of the model weights: each weight file's name, size, first and last MiB.
+
+    config.json alone cannot tell a base model from its fine-tune (same architecture, same
+    config), and hashing a terabyte of weights is out of the question; sampled bytes of every
+    file tell them apart. Chunks journalled under other weights are never reused.
+    """
+    parts = []
+    files = sorted({p for pattern in WEIGHT_PATTERNS for p in Path(directory).glob(pattern)})
+    for path in files:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(WEIGHT_SAMPLE_BYTES)
+            f.seek(max(0, size - WEIGHT_SAMPLE_BYTES))
+            tail = f.read(WEIGHT_SAMPLE_BYTES)
+        parts.append([path.name, size, hash_bytes(head + tail)])
+    return hash_json(parts)

@@ -37,7 +37,13 @@ from .config import (
     write_resolved,
 )
 from .errors import PipelineError
-from .fingerprint import hash_file, hash_json, model_config_hash, tokenizer_fingerprint
+from .fingerprint import (
+    hash_file,
+    hash_json,
+    model_config_hash,
+    tokenizer_fingerprint,
+    weights_fingerprint,
+)
 from .shard_plan import count_source_rows, plan_shards, shard_source_digests
 
 RUN_TOKEN_ENV = "EAGLEPIPE_RUN_TOKEN"
@@ -108,7 +114,12 @@ def model_fingerprint(config: dict) -> str:
         return hash_json({"toy": config["model"]["toy"]})
     directory = model_dir(config)
     return hash_json(
-        {"config": model_config_hash(directory), "tokenizer": tokenizer_fingerprint(directory)}
+        {
+            "config": model_config_hash(directory),
+            "tokenizer": tokenizer_fingerprint(directory),
+            # config.json alone cannot tell a base model from its fine-tune.
+            "weights": weights_fingerprint(directory),
+        }
     )
 
 
