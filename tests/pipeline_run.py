@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import yaml
-
 from conftest import REPO_ROOT
 
 SNAKEMAKE = str(Path(sys.executable).parent / "snakemake")

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from pipeline_run import (
     dry_run_jobs,
     isolate,
