@@ -58,8 +58,10 @@ class Target:
     def __init__(self, path, aux_layers: list[int], device: torch.device, trust_remote_code=False):
         from transformers import AutoModelForCausalLM
 
+        # fp32 on CPU (the toy target); bf16 on a GPU, as the engines would serve it.
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         self.model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.float32, trust_remote_code=trust_remote_code
+            path, dtype=dtype, trust_remote_code=trust_remote_code
         ).to(device)
         self.model.eval()
         self.aux_layers = aux_layers
@@ -73,7 +75,7 @@ class Target:
         )
         # Our aux id k is the output of decoder layer k = hidden_states[k + 1] (layers.py).
         aux = torch.cat([out.hidden_states[k + 1][0] for k in self.aux_layers], dim=-1)
-        return out.logits[0].argmax(-1), aux
+        return out.logits[0].argmax(-1), aux.float()
 
     @torch.no_grad()
     def greedy(self, ids: list[int], new_tokens: int) -> list[int]:
