@@ -1,0 +1,86 @@
+"""The CPU quick-check paths of the benchmarks run end to end and write their result files.
+
+Only the shape of the results is checked (keys, token counts, job counts), never a time.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_benchmark(script: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [sys.executable, "-u", str(REPO_ROOT / "benchmarks" / script), *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_extraction_quick_check_measures_every_path(tmp_path):
+    out = tmp_path / "results" / "extraction.json"
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    proc = run_benchmark(
+        "bench_extraction.py",
+        "--tiny",
+        "--device",
+        "cpu",
+        "--tokens",
+        "600",
+        "--work-root",
+        str(scratch),
+        "--out",
+        str(out),
+    )
+    results = json.loads(out.read_text())
+    assert results["benchmark"] == "extraction"
+    for key in ("torch", "transformers", "cpu_count", "python"):
+        assert results["machine"][key]
+    setup = results["setup"]
+    assert setup["shape"] == "tiny" and setup["tokens"] >= 600
+    assert setup["min_len"] <= setup["mean_len"] <= setup["max_len"]
+    paths = results["paths"]
+    for name in ("bare_prefill", "server_end_to_end", "per_sample_baseline"):
+        assert {"tokens", "seconds", "tokens_per_s"} <= paths[name].keys(), paths[name]
+        assert "error" not in paths[name]
+    # The server path wrote every row's tokens into real chunks, the same rows as the bare path.
+    assert paths["server_end_to_end"]["tokens"] == paths["bare_prefill"]["tokens"]
+    assert paths["server_end_to_end"]["shards"] >= 2
+    assert paths["server_end_to_end"]["bytes_written"] >= setup["tokens"] * 4 * setup["hidden"] * 2
+    assert 0 < paths["per_sample_baseline"]["tokens"] <= setup["tokens"]
+    assert "CPU" in paths["packed_flex"]["skipped"]
+    assert set(results["ratios"]) == {"server_vs_bare", "server_vs_per_sample", "packed_vs_bare"}
+    assert results["ratios"]["server_vs_bare"] is not None
+    assert results["ratios"]["packed_vs_bare"] is None
+    assert set(results["goals"]) == {"server_vs_bare", "server_vs_per_sample"}
+    markdown = out.with_suffix(".md").read_text()
+    assert "| (b) reference server" in markdown and "b/a (server / bare)" in markdown
+    assert "b/a (server / bare)" in proc.stdout
+    # The scratch directory (checkpoint, shards, dumps) is gone afterwards.
+    assert list(scratch.iterdir()) == []
+
+
+def test_dryrun_quick_check_plans_every_shard(tmp_path):
+    out = tmp_path / "dryrun.json"
+    run_benchmark(
+        "bench_dryrun.py", "--rows", "40", "--work-root", str(tmp_path), "--out", str(out)
+    )
+    results = json.loads(out.read_text())
+    assert results["setup"] == {"rows": 40, "rows_per_shard": 2, "shards": 20}
+    for run in ("cold", "warm"):
+        assert results[run]["seconds"] > 0
+        # An extract and a validate job per shard, plus the stages around them.
+        assert results[run]["jobs"] >= 2 * 20
+    assert results["goal_s"] == 10.0 and isinstance(results["goal_met"], bool)
+    assert "jobs planned" in out.with_suffix(".md").read_text()
+    # The scratch run directory is gone afterwards.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dryrun.json", "dryrun.md"]
