@@ -4,8 +4,9 @@
 Writes, in a scratch directory, a JSONL dataset of --rows small conversations and a config
 (the embedded default with that dataset and `shards.rows_per_shard` = --rows-per-shard; the
 toy target is left unbuilt: parse time must not need it), then times the real Snakefile's dry
-run twice: cold (no cached row count, shard digests or provenance stamps) and warm (the second
-run, what a user sees on every `snakemake -n` after the first). CPU only.
+run: cold (no cached row count, shard digests or provenance stamps), warm (the second run,
+what a user sees on every `snakemake -n` after the first), and warm with `--quiet all` (the
+same DAG without the per-job listing). CPU only.
 
     python -u benchmarks/bench_dryrun.py                     # 10,000 rows -> 5,000 shards
     python -u benchmarks/bench_dryrun.py --rows 200 --out /tmp/dryrun.json   # quick check
@@ -57,7 +58,7 @@ def write_config(path: Path, dataset: Path, rows_per_shard: int) -> None:
     path.write_text(yaml.safe_dump(config, sort_keys=False))
 
 
-def dry_run(work: Path, log_path: Path) -> dict:
+def dry_run(work: Path, log_path: Path, *extra: str) -> dict:
     """One `snakemake -n` through the repository's Snakefile; its output goes to `log_path`."""
     command = [
         sys.executable,
@@ -70,6 +71,7 @@ def dry_run(work: Path, log_path: Path) -> dict:
         str(work / "config.yaml"),
         "-s",
         str(REPO_ROOT / "Snakefile"),
+        *extra,
     ]
     with timed() as t, open(log_path, "w") as out:
         proc = subprocess.run(command, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)
@@ -100,6 +102,9 @@ def main(argv=None) -> int:
         log(f"cold: {cold['seconds']}s, {cold['jobs']} jobs")
         warm = dry_run(work, work / "warm.log")
         log(f"warm: {warm['seconds']}s, {warm['jobs']} jobs")
+        # Without printing every job: how much of the dry run is the per-job listing.
+        quiet = dry_run(work, work / "quiet.log", "--quiet", "all")
+        log(f"warm, --quiet all: {quiet['seconds']}s")
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -111,6 +116,7 @@ def main(argv=None) -> int:
         "setup": {"rows": args.rows, "rows_per_shard": args.rows_per_shard, "shards": shards},
         "cold": cold,
         "warm": warm,
+        "warm_quiet": quiet,
         "goal_s": GOAL_S,
         "goal_met": cold["seconds"] <= GOAL_S,
     }
@@ -121,6 +127,7 @@ def main(argv=None) -> int:
             [
                 ["cold (first `snakemake -n`)", cold["seconds"], cold["jobs"], f"<= {GOAL_S:g} s"],
                 ["warm (caches and stamps present)", warm["seconds"], warm["jobs"], ""],
+                ["warm, `--quiet all` (no per-job listing)", quiet["seconds"], None, ""],
             ],
         )
         + f"\nMachine: {machine_line(results['machine'])}.  \nCommand: `{results['command']}`\n"

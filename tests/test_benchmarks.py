@@ -80,6 +80,7 @@ def test_dryrun_quick_check_plans_every_shard(tmp_path):
         assert results[run]["seconds"] > 0
         # An extract and a validate job per shard, plus the stages around them.
         assert results[run]["jobs"] >= 2 * 20
+    assert results["warm_quiet"]["seconds"] > 0
     assert results["goal_s"] == 10.0 and isinstance(results["goal_met"], bool)
     assert "jobs planned" in out.with_suffix(".md").read_text()
     # The scratch run directory is gone afterwards.
