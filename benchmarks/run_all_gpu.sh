@@ -65,17 +65,17 @@ step() {
     [ "$rc" -ne 0 ] && FAILED+=("$name(rc=$rc)")
 }
 
-step extraction 300 python3 -u benchmarks/bench_extraction.py \
-    --tokens 1200000 --work-root "$SCRATCH" --out "$OUT/extraction.json"
+step extraction 290 python3 -u benchmarks/bench_extraction.py \
+    --tokens 1000000 --work-root "$SCRATCH" --out "$OUT/extraction.json"
 step dump_gpu 50 python3 -u benchmarks/bench_dump_gpu.py \
     --batches 12 --repeats 3 --out "$OUT/dump_gpu.json"
-step sglang_hook 50 python3 -u benchmarks/bench_sglang_hook.py \
-    --batches 6 --out "$OUT/sglang_hook.json"
+step sglang_hook 60 python3 -u benchmarks/bench_sglang_hook.py \
+    --tokens 8192 32768 --batches 6 --out "$OUT/sglang_hook.json"
 step ingest 30 python3 -u benchmarks/bench_ingest.py \
-    --hidden-size 4096 --rows 32 --tokens 2048 --chunk-mb 1024 --repeat 2 --out-dir "$SCRATCH"
+    --hidden-size 4096 --rows 24 --tokens 2048 --chunk-mb 1024 --repeat 2 --out-dir "$SCRATCH"
 step validate 30 python3 -u benchmarks/bench_validate.py \
-    --gb 2 --hidden 4096 --repeat 2 --dir "$SCRATCH"
-step train 80 python3 -u benchmarks/bench_train.py \
+    --gb 1.5 --hidden 4096 --repeat 2 --dir "$SCRATCH"
+step train 70 python3 -u benchmarks/bench_train.py \
     --steps 16 --work-dir "$SCRATCH/train" --out "$OUT/train.json"
 
 if [ ${#FAILED[@]} -eq 0 ]; then
