@@ -28,25 +28,28 @@ def _umask() -> int:
     return mask
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, durable: bool = True) -> None:
+    """Write via a temp file and rename; `durable=False` skips the fsyncs (for derivable files)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
         # mkstemp creates 0600; outputs get the usual permissions of a created file.
         os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
+    if durable:
+        fsync_dir(path.parent)
 
 
-def write_if_changed(path: str | os.PathLike, data: bytes) -> bool:
+def write_if_changed(path: str | os.PathLike, data: bytes, *, durable: bool = True) -> bool:
     """Atomically write `data` unless the file already holds exactly it. Returns True if written."""
     path = Path(path)
     try:
@@ -54,7 +57,7 @@ def write_if_changed(path: str | os.PathLike, data: bytes) -> bool:
             return False
     except FileNotFoundError:
         pass
-    atomic_write_bytes(path, data)
+    atomic_write_bytes(path, data, durable=durable)
     return True
 
 
@@ -67,5 +70,5 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
     atomic_write_bytes(path, dumps_json(obj))
 
 
-def write_json_if_changed(path: str | os.PathLike, obj: Any) -> bool:
-    return write_if_changed(path, dumps_json(obj))
+def write_json_if_changed(path: str | os.PathLike, obj: Any, *, durable: bool = True) -> bool:
+    return write_if_changed(path, dumps_json(obj), durable=durable)

@@ -198,10 +198,14 @@ def write_stamps(config: dict) -> None:
     """Rewrite each provenance stamp whose content changed (mtime moves only then)."""
     from .atomic import write_json_if_changed
 
-    write_json_if_changed(TOY_STAMP, {"toy": config["model"]["toy"]})
-    write_json_if_changed(PREPARE_STAMP, {"provenance": prepare_provenance(config)})
+    # No fsync: a stamp lost in a crash is rewritten at the next parse, and freshness is
+    # decided by the hash the outputs record, not by the stamp surviving.
+    write_json_if_changed(TOY_STAMP, {"toy": config["model"]["toy"]}, durable=False)
+    write_json_if_changed(PREPARE_STAMP, {"provenance": prepare_provenance(config)}, durable=False)
     for shard in shards(config):
-        write_json_if_changed(shard_stamp(shard), {"provenance": shard_provenance(config, shard)})
+        write_json_if_changed(
+            shard_stamp(shard), {"provenance": shard_provenance(config, shard)}, durable=False
+        )
 
 
 def _recorded_provenance(path: Path) -> str | None:
