@@ -29,6 +29,7 @@ from .config import (
     HIDDEN_STATES_DIR,
     PREPARED_TABLE,
     TOY_MODEL_DIR,
+    VALIDATED_DIR,
     aux_layer_ids,
     is_toy_model,
     model_dir,
@@ -229,6 +230,15 @@ def shard_is_fresh(config: dict, shard: str) -> bool:
 
 def manifest_path(shard: str) -> str:
     return str(HIDDEN_STATES_DIR / shard / "manifest.json")
+
+
+def planned_manifests(config: dict) -> list[str]:
+    """Every shard's manifest, for steps that read all shards (too many for a command line)."""
+    return [manifest_path(shard) for shard in shards(config)]
+
+
+def planned_validations(config: dict) -> list[str]:
+    return [str(VALIDATED_DIR / f"{shard}.json") for shard in shards(config)]
 
 
 def remaining_shards(config: dict) -> list[str]:

@@ -39,8 +39,7 @@ rule train:
         checkpoints="drafter/checkpoints",
     shell:
         "python -u {params.script} --config {params.config} --vocab {input.vocab}"
-        " --table {input.table} --manifests {input.manifests}"
-        " --validated {input.validated} --out {output.model} --log {output.log}"
+        " --table {input.table} --out {output.model} --log {output.log}"
         " --checkpoint-dir {params.checkpoints} 2>&1 | tee {log}"
 
 
@@ -63,8 +62,7 @@ rule evaluate:
         config=RESOLVED,
     shell:
         "python -u {params.script} --config {params.config} --model {input.model}"
-        " --vocab {input.vocab} --table {input.table} --manifests {input.manifests}"
-        " --out {output.json} --plot {output.plot} 2>&1 | tee {log}"
+        " --vocab {input.vocab} --table {input.table} --out {output.json} --plot {output.plot} 2>&1 | tee {log}"
 
 
 rule export:
@@ -105,5 +103,6 @@ rule live_acceptance:
         export_dir=input_dir("export"),
     shell:
         "python -u {params.script} --config {params.config}"
-        " --export-dir {params.export_dir} --table {input.table} --out {output}"
+        " --export-dir {params.export_dir} --table {input.table} --eval {input.offline}"
+        " --out {output}"
         " 2>&1 | tee {log}"

@@ -7,6 +7,7 @@ import sys
 from eaglepipe.config import config_from_arg
 from eaglepipe.drafter.evaluate import evaluate
 from eaglepipe.errors import PipelineError
+from eaglepipe.workflow import planned_manifests
 
 
 def main() -> None:
@@ -15,17 +16,18 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--vocab", required=True)
     parser.add_argument("--table", required=True)
-    parser.add_argument("--manifests", nargs="+", required=True)
+    parser.add_argument("--manifests", nargs="+", help="default: every planned shard")
     parser.add_argument("--out", required=True)
     parser.add_argument("--plot")
     args = parser.parse_args()
     try:
+        config = config_from_arg(args.config)
         evaluate(
-            config_from_arg(args.config),
+            config,
             model_path=args.model,
             vocab_path=args.vocab,
             table_path=args.table,
-            manifests=args.manifests,
+            manifests=args.manifests or planned_manifests(config),
             out_path=args.out,
             plot_path=args.plot,
         )

@@ -9,6 +9,7 @@ import torch
 from eaglepipe.config import config_from_arg
 from eaglepipe.drafter.train import train
 from eaglepipe.errors import PipelineError
+from eaglepipe.workflow import planned_manifests, planned_validations
 
 
 def main() -> None:
@@ -16,20 +17,21 @@ def main() -> None:
     parser.add_argument("--config", required=True)
     parser.add_argument("--vocab", required=True)
     parser.add_argument("--table", required=True)
-    parser.add_argument("--manifests", nargs="+", required=True)
-    parser.add_argument("--validated", nargs="*", default=[])
+    parser.add_argument("--manifests", nargs="+", help="default: every planned shard")
+    parser.add_argument("--validated", nargs="*", help="default: every planned shard's report")
     parser.add_argument("--out", required=True)
     # torchrun reads an abbreviated "--log" as its own --log-dir: use --train-log under torchrun.
     parser.add_argument("--log", "--train-log", dest="log", required=True)
     parser.add_argument("--checkpoint-dir", required=True)
     args = parser.parse_args()
     try:
+        config = config_from_arg(args.config)
         train(
-            config_from_arg(args.config),
+            config,
             vocab_path=args.vocab,
             table_path=args.table,
-            manifests=args.manifests,
-            validated=args.validated,
+            manifests=args.manifests or planned_manifests(config),
+            validated=planned_validations(config) if args.validated is None else args.validated,
             out_path=args.out,
             log_path=args.log,
             checkpoint_dir=args.checkpoint_dir,
