@@ -17,8 +17,8 @@ it), so a changed shard would silently survive a run that also re-prepares the t
 
 from __future__ import annotations
 
+import json
 import os
-import shutil
 import sys
 import uuid
 from functools import cache
@@ -27,7 +27,6 @@ from pathlib import Path
 from . import __version__
 from .config import (
     HIDDEN_STATES_DIR,
-    PREPARED_TABLE,
     TOY_MODEL_DIR,
     VALIDATED_DIR,
     aux_layer_ids,
@@ -210,8 +209,6 @@ def write_stamps(config: dict) -> None:
 
 
 def _recorded_provenance(path: Path) -> str | None:
-    import json
-
     try:
         return json.loads(path.read_text()).get("provenance", {}).get("workflow")
     except (FileNotFoundError, ValueError, AttributeError):
@@ -246,30 +243,21 @@ def remaining_shards(config: dict) -> list[str]:
 
 
 def print_space_plan(config: dict) -> None:
-    """At workflow start: will the remaining shards fit on the output filesystem?"""
-    if not PREPARED_TABLE.exists() or not (Path(model_config_file(config))).exists():
-        return
-    from .prepare import load_prepared
-    from .shard_plan import parse_shard_name
+    """At workflow start: will the shards still to extract fit on the output filesystem?"""
+    from .config import PREPARED_SUMMARY
+    from .shard_store import plan_bytes, space_summary
 
-    remaining = remaining_shards(config)
+    if not PREPARED_SUMMARY.exists() or not Path(model_config_file(config)).exists():
+        return
+    remaining = set(remaining_shards(config))
     if not remaining:
         return
-    table = load_prepared(PREPARED_TABLE)
-    hidden = _hidden_size(config)
-    tokens = 0
-    for name in remaining:
-        shard = parse_shard_name(name)
-        in_range = (table["row_id"] >= shard.start) & (table["row_id"] < shard.end)
-        tokens += int(table.loc[in_range, "num_tokens"].sum())
-    needed = tokens * 4 * hidden * 2
-    HIDDEN_STATES_DIR.mkdir(exist_ok=True)
-    free = shutil.disk_usage(HIDDEN_STATES_DIR).free
-    verdict = "fits" if needed <= free else "DOES NOT FIT"
+    summary = json.loads(PREPARED_SUMMARY.read_text())
+    tokens = [s["tokens"] for s in summary.get("shards", []) if s["shard"] in remaining]
+    needed = plan_bytes(tokens, _hidden_size(config))
     print(
-        f"eaglepipe {__version__}: {len(remaining)} shard(s) to extract, {tokens:,} tokens, "
-        f"about {needed / 2**30:.2f} GiB of hidden states; {free / 2**30:.1f} GiB free in "
-        f"{HIDDEN_STATES_DIR}/: {verdict}",
+        f"eaglepipe {__version__}: {len(remaining)} shard(s) to extract, {sum(tokens):,} tokens; "
+        + space_summary(needed, HIDDEN_STATES_DIR),
         flush=True,
     )
 
