@@ -19,6 +19,7 @@ import contextlib
 import secrets
 import shutil
 import sys
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +37,21 @@ HEALTH_PROBE_TIMEOUT_S = 4.0
 HEALTH_FAILURES_FATAL = 3
 BACKOFF_BASE_S = 0.25
 BACKOFF_MAX_S = 8.0
+
+
+# The reference server answers after the dump is renamed into place; SGLang's forward hook
+# writes from a background thread, so its dump may land shortly after the HTTP answer.
+DUMP_WAIT_S = 60.0
+DUMP_POLL_S = 0.005
+
+
+async def _appears(path: Path, within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(DUMP_POLL_S)
+    return True
 
 
 @dataclass(frozen=True)
@@ -306,8 +322,10 @@ class ExtractionClient:
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise TransientError(f"request {rid} failed: {type(exc).__name__} {exc}") from exc
         path = self.dump_dir / f"{rid}.safetensors"
-        if not path.exists():
-            raise TransientError(f"server answered request {rid} but wrote no dump {path}")
+        if not await _appears(path, DUMP_WAIT_S):
+            raise TransientError(
+                f"server answered request {rid} but wrote no dump {path} within {DUMP_WAIT_S:g}s"
+            )
         try:
             aux, final, _meta = await asyncio.to_thread(read_dump, path)
             check_dump(aux, final, row, rid, self.settings)
