@@ -199,7 +199,13 @@ def launch(tmp_path_factory):
     """launch_command for a 61-layer DeepSeek-V3 config with tp 8 (the motivating shape)."""
     model = tmp_path_factory.mktemp("dsv3")
     (model / "config.json").write_text(
-        json.dumps({"architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 61})
+        json.dumps(
+            {
+                "architectures": ["DeepseekV3ForCausalLM"],
+                "num_hidden_layers": 61,
+                "hidden_size": 7168,
+            }
+        )
     )
     config = _config(model, tp_size=8)
     argv, env = recipe.launch_command(
@@ -905,3 +911,37 @@ def test_version_pin_agrees_everywhere():
 def test_launch_server_module_exists(src):
     text = (src / "launch_server.py").read_text()
     assert "prepare_server_args" in text
+
+
+# ---------------------------------------------------------------- /server_info
+
+
+def test_server_info_echoes_the_hook_config_clients_check(src, launch):
+    """SGLang's /server_info is `build_server_info` = `server_args.resolved_dict()` plus
+    `version`; `forward_hooks` is a field holding the parsed JSON list, so our hook's config
+    (layers, hidden size, dump dir, instance) comes back to the pipeline's clients."""
+    http = (src / "srt/entrypoints/http_server.py").read_text()
+    assert '@app.get("/server_info")' in http and "build_server_info(server_args" in http
+    assert '"version": __version__' in http
+    common = (src / "srt/utils/common.py").read_text()
+    assert "result = server_args.resolved_dict()" in common
+    fields = (src / "srt/arg_groups/fields/observability.py").read_text()
+    assert re.search(r"forward_hooks: A\[\s*Optional\[List\[dict\[str, Any\]\]\]", fields)
+
+    argv, _env, config = launch
+    hooks = json.loads(argv[argv.index("--forward-hooks") + 1])
+    raw = {"forward_hooks": hooks, "version": "0.5.23", "model_path": config["model"]["path"]}
+    info = recipe.pipeline_server_info(raw)
+    assert info["engine"] == "sglang" and info["engine_version"] == "0.5.23"
+    assert info["instance_id"] == "inst1" and info["dump_dir"] == "/dev/shm/x/inst1"
+    assert info["hidden_size"] == 7168
+
+    from eaglepipe.config import aux_layer_ids
+    from eaglepipe.extract import check_server_info
+
+    check_server_info(info, aux_layer_ids(config), 7168, "http://127.0.0.1:31555")
+
+
+def test_an_sglang_server_without_our_hook_is_refused():
+    with pytest.raises(PipelineError, match="without the eaglepipe forward hook"):
+        recipe.pipeline_server_info({"forward_hooks": None, "version": "0.5.23"})

@@ -314,6 +314,10 @@ def _server_info_if_healthy(state: dict) -> dict | None:
         info = http_get_json(f"{state['url']}/server_info", PROBE_TIMEOUT_S)
     except (urllib.error.URLError, OSError, json.JSONDecodeError):
         return None
+    if state.get("engine") == "sglang":
+        from .sglang import pipeline_server_info
+
+        info = pipeline_server_info(info)
     if info.get("instance_id", state["instance_id"]) != state["instance_id"]:
         return None
     return info

@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 from ..errors import PipelineError
+from ..layers import CONVENTION
 
 # The checkout's patch/ (the project runs from its repository, installed editable).
 PATCH_DIR = Path(__file__).resolve().parents[2] / "patch"
@@ -106,8 +107,13 @@ def hook_spec(
     request_prefix: str,
     aux_layer_ids: list[int],
     instance_id: str,
+    hidden_size: int | None = None,
 ) -> dict:
-    """The `--forward-hooks` entry: SGLang calls `make_dump_hook(spec["config"])` per rank."""
+    """The `--forward-hooks` entry: SGLang calls `make_dump_hook(spec["config"])` per rank.
+
+    The config also carries what the pipeline's clients check (hidden size, instance): SGLang
+    echoes it in `/server_info`, which `pipeline_server_info` reads back.
+    """
     return {
         "name": HOOK_NAME,
         "target_modules": list(HOOK_TARGET_MODULES),
@@ -117,7 +123,35 @@ def hook_spec(
             "request_prefix": request_prefix,
             "aux_layer_ids": list(aux_layer_ids),
             "instance_id": instance_id,
+            "hidden_size": hidden_size,
         },
+    }
+
+
+def pipeline_server_info(raw: dict) -> dict:
+    """SGLang's `/server_info` in the reference server's terms (docs/CONTRACTS.md, "Server").
+
+    SGLang reports its resolved arguments; our hook's config among them names the layers (our
+    convention), the dump dir and the instance. Clients check these before sending a request.
+    """
+    hooks = [h for h in raw.get("forward_hooks") or [] if h.get("name") == HOOK_NAME]
+    if not hooks:
+        raise PipelineError(
+            f"SGLang at {raw.get('host')}:{raw.get('port')} runs without the eaglepipe forward "
+            "hook: it was not started by this pipeline; stop it or use another server.port"
+        )
+    hook = hooks[0]["config"]
+    return {
+        "engine": "sglang",
+        "engine_version": raw.get("version"),
+        "model_path": raw.get("model_path"),
+        "aux_layer_ids": hook["aux_layer_ids"],
+        "layer_convention": CONVENTION,
+        "hidden_size": hook.get("hidden_size"),
+        "dump_dir": hook["dump_dir"],
+        "request_prefix": hook["request_prefix"],
+        "instance_id": hook["instance_id"],
+        "sglang_capture_layer_ids": raw.get("return_aux_hidden_state_layer_ids"),
     }
 
 
@@ -253,6 +287,7 @@ def launch_command(
         request_prefix=config["extract"]["request_prefix"],
         aux_layer_ids=our_ids,
         instance_id=instance_id,
+        hidden_size=cfg.text_config(model_config).get("hidden_size"),
     )
 
     argv = [
