@@ -2,13 +2,18 @@
 
 One clean run over 20 shards (40 rows, 2 rows per shard, every row its own chunk) is shared
 by the module: it is itself the "starts the server once" test and the reference the faulted
-runs must reproduce. Each fault test works in its own working directory that starts from a
-copy of that run's toy target and prepared table (so only extract jobs run), on its own port.
+runs must reproduce. Each fault test works in a copy of that run taken before extraction (toy
+target, prepared table, Snakemake metadata), on its own port, so only extract jobs run.
+
+Runs that are killed or interrupted are first caught mid-extraction deterministically: their
+server answers one request and then stalls (the reference server's test-only fault switch),
+leaving one shard with one journalled chunk and a job waiting for the next.
 
 What "kill -9 of the snakemake process" means here: SIGKILL to snakemake's process group,
 i.e. snakemake and the extract jobs it runs, as when the terminal, tmux pane or batch
 allocation holding the run is killed. The server is not in that group (the lifecycle starts
 it in a session of its own), which is exactly the orphan its idle timeout exists for.
+Ctrl-C is SIGINT to the same group, as a terminal sends it to its foreground job.
 """
 
 from __future__ import annotations
@@ -56,6 +61,8 @@ ORPHAN_IDLE_S = 10
 RUN_WAIT_S = 600
 STOP_WAIT_S = 120
 LOCK_REFUSED = "Directory cannot be locked"
+# See start_stalled_run.
+STALL_AFTER_ONE = {"EAGLEPIPE_FAULT": "hang_after:1"}
 # What a copy of the reference run leaves out: its extraction, logs, server state, handoff dir.
 NOT_COPIED = ("hidden_states", "logs", "server", "dumps", "locks", "incomplete")
 # Hidden states of the same rows from two runs: bf16 rounding of batch-dependent fp32 bits.
@@ -79,13 +86,15 @@ def manifest_targets(shards: list[str]) -> list[str]:
     return [f"hidden_states/{shard}/manifest.json" for shard in shards]
 
 
-def start_run(workdir: Path, *args: str, log: Path) -> subprocess.Popen:
+def start_run(
+    workdir: Path, *args: str, log: Path, extra_env: dict | None = None
+) -> subprocess.Popen:
     """Snakemake in its own process group, with Ctrl-C's default action restored.
 
     A shell starts background commands with SIGINT ignored, and exec keeps that: a test session
     started with `&` or nohup would otherwise hand the ignoring on to the snakemake under test.
     """
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(extra_env or {}))
     env.pop("EAGLEPIPE_RUN_TOKEN", None)
     return subprocess.Popen(
         snakemake_argv(workdir, *args),
@@ -154,6 +163,45 @@ def tail(path: Path, chars: int = 4000) -> str:
 
 def first_chunk_journalled(workdir: Path) -> bool:
     return any(j.stat().st_size > 0 for j in (workdir / "hidden_states").glob("*/journal.jsonl"))
+
+
+def journalled_chunks(workdir: Path, shard: str) -> int:
+    try:
+        return len((workdir / "hidden_states" / shard / "journal.jsonl").read_text().splitlines())
+    except FileNotFoundError:
+        return 0
+
+
+def start_stalled_run(
+    workdir: Path, shards: list[str], log: Path, procs: list[subprocess.Popen]
+) -> tuple[subprocess.Popen, str]:
+    """A run caught mid-extraction: one shard has one journalled chunk and waits for the next.
+
+    Its server answers one request and then never again (the reference server's test-only
+    fault switch), so the run is certainly still extracting when the test kills or interrupts
+    it. The stalled server holds back a whole batch, so the answered request must be alone in
+    its batch: one job at a time (`--cores 1`) sending one request at a time (a `serial`
+    working directory). Returns the run and the half-written shard.
+    """
+    proc = start_run(
+        workdir, "--cores", "1", *manifest_targets(shards), log=log, extra_env=STALL_AFTER_ONE
+    )
+    procs.append(proc)
+    wait_for(
+        lambda: first_chunk_journalled(workdir) or proc.poll() is not None,
+        RUN_WAIT_S,
+        lambda: "no chunk journalled yet; snakemake output:\n" + tail(log),
+    )
+    assert proc.poll() is None, "snakemake ended while its server hung:\n" + tail(log)
+    partial = [s for s in shards if journalled_chunks(workdir, s)]
+    assert len(partial) == 1 and journalled_chunks(workdir, partial[0]) == 1, partial
+    assert not (workdir / "hidden_states" / partial[0] / "manifest.json").exists()
+    return proc, partial[0]
+
+
+def assert_resumed(workdir: Path, shard: str) -> None:
+    log = tail(workdir / "logs" / "extract" / f"{shard}.log")
+    assert "1/2 chunk(s) verified from an earlier run" in log, log
 
 
 def chunk_table(workdir: Path, shards: list[str]) -> dict[str, list[tuple]]:
@@ -271,13 +319,22 @@ def run_dir(reference, tmp_path) -> Iterator[Callable[..., tuple[Path, dict]]]:
     """
     made: list[tuple[Path, list]] = []
 
-    def make(name: str, idle_timeout_s: float = REFERENCE_IDLE_S, procs: list | None = None):
+    def make(
+        name: str,
+        idle_timeout_s: float = REFERENCE_IDLE_S,
+        procs: list | None = None,
+        serial: bool = False,
+    ):
         workdir = tmp_path / name
         shutil.copytree(reference, workdir, ignore=shutil.ignore_patterns(*NOT_COPIED))
         config = yaml.safe_load((reference / "config.yaml").read_text())
         config["dataset"]["path"] = str(workdir / "conversations.jsonl")
         config = isolate(config, workdir)
         config["server"]["idle_timeout_s"] = idle_timeout_s
+        if serial:
+            # One request in flight per job (so the stalled server's one answer is a batch of
+            # one); the hidden states still match the reference within bf16 rounding.
+            config["extract"]["max_inflight_requests"] = 1
         write_config(workdir, config)
         made.append((workdir, procs if procs is not None else []))
         return workdir, config
@@ -316,26 +373,14 @@ def test_twenty_shards_on_two_cores_start_the_server_once(reference):
 @pytest.mark.slow
 def test_kill9_mid_extraction_needs_unlock_then_reruns_to_identical_output(reference, run_dir):
     procs: list[subprocess.Popen] = []
-    workdir, config = run_dir("killed", idle_timeout_s=ORPHAN_IDLE_S, procs=procs)
+    workdir, config = run_dir("killed", idle_timeout_s=ORPHAN_IDLE_S, procs=procs, serial=True)
     shards = SHARDS[:6]
-    log = workdir / "first-run.log"
-    proc = start_run(workdir, "--cores", "2", *manifest_targets(shards), log=log)
-    procs.append(proc)
-    wait_for(
-        lambda: first_chunk_journalled(workdir) or proc.poll() is not None,
-        RUN_WAIT_S,
-        lambda: "no chunk journalled yet; snakemake output:\n" + tail(log),
-    )
-    assert proc.poll() is None, "snakemake ended before the kill:\n" + tail(log)
+    proc, partial = start_stalled_run(workdir, shards, workdir / "first-run.log", procs)
     orphan = read_json(server_paths(workdir).state)
     assert orphan is not None, "a chunk was written, so a server must be recorded"
 
     kill_group(proc, signal.SIGKILL)
     proc.wait(timeout=60)
-    unfinished = [
-        s for s in shards if not (workdir / "hidden_states" / s / "manifest.json").exists()
-    ]
-    assert unfinished, "every shard finished before the kill: nothing was interrupted"
     # Snakemake's traces of a killed run: its lock, and the killed jobs marked incomplete.
     assert any((workdir / ".snakemake" / "locks").iterdir())
     assert any((workdir / ".snakemake" / "incomplete").iterdir())
@@ -363,6 +408,7 @@ def test_kill9_mid_extraction_needs_unlock_then_reruns_to_identical_output(refer
 
     run_snakemake(workdir, "--unlock")
     rerun = run_snakemake(workdir, "--cores", "2", "--rerun-incomplete", *manifest_targets(shards))
+    assert_resumed(workdir, partial)
     assert_same_chunks(workdir, reference, shards)
     assert_no_server_left(workdir, config["server"]["port"])
     assert not processes_in(workdir), rerun.stdout[-3000:]
@@ -430,17 +476,10 @@ def test_disk_full_while_writing_a_chunk_fails_cleanly_and_resumes(reference, ru
 @pytest.mark.slow
 def test_ctrl_c_mid_extraction_stops_jobs_and_server_and_releases_the_lock(reference, run_dir):
     procs: list[subprocess.Popen] = []
-    workdir, config = run_dir("interrupted", procs=procs)
+    workdir, config = run_dir("interrupted", procs=procs, serial=True)
     shards = SHARDS[:4]
     log = workdir / "first-run.log"
-    proc = start_run(workdir, "--cores", "2", *manifest_targets(shards), log=log)
-    procs.append(proc)
-    wait_for(
-        lambda: first_chunk_journalled(workdir) or proc.poll() is not None,
-        RUN_WAIT_S,
-        lambda: "no chunk journalled yet; snakemake output:\n" + tail(log),
-    )
-    assert proc.poll() is None, "snakemake ended before Ctrl-C:\n" + tail(log)
+    proc, partial = start_stalled_run(workdir, shards, log, procs)
     assert read_json(server_paths(workdir).state) is not None
 
     # Ctrl-C in a terminal signals the whole foreground process group: snakemake and its jobs.
@@ -453,9 +492,12 @@ def test_ctrl_c_mid_extraction_stops_jobs_and_server_and_releases_the_lock(refer
     # onerror handler (which stops the server this run started), releases its lock, exits 1.
     assert code == 1, tail(log)
     assert "Terminating processes on user request" in tail(log, 100_000), tail(log)
-    assert [s for s in shards if not (workdir / "hidden_states" / s / "manifest.json").exists()], (
-        "every shard finished before Ctrl-C: nothing was interrupted"
-    )
+    # The stalled job reports the interrupt (exit 130 from Python's KeyboardInterrupt, or death
+    # by SIGINT when the signal lands outside Python code).
+    assert any(
+        f"--shard {partial}" in line and ("exit status 130" in line or "SIGINT" in line)
+        for line in tail(log, 100_000).splitlines()
+    ), tail(log)
     wait_for(
         lambda: not processes_in(workdir),
         STOP_WAIT_S,
@@ -467,6 +509,7 @@ def test_ctrl_c_mid_extraction_stops_jobs_and_server_and_releases_the_lock(refer
 
     # The next run needs no --unlock, resumes, and matches the uninterrupted run.
     run_snakemake(workdir, "--cores", "2", *manifest_targets(shards))
+    assert_resumed(workdir, partial)
     assert_same_chunks(workdir, reference, shards)
     assert_no_server_left(workdir, config["server"]["port"])
 
