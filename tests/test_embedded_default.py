@@ -1,0 +1,82 @@
+"""The README's first command, on the embedded default, end to end (the slowest test).
+
+The whole pipeline runs once in a scratch directory with the shipped config.yaml (only the
+port and handoff dir are private to the test), then Snakemake's report is built from it.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+from pipeline_run import SAMPLE, default_config, isolate, run_snakemake, write_config
+
+FIGURES = ["dataset.png", "extraction.png", "validation.png", "training.png", "acceptance.png"]
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory) -> Path:
+    workdir = tmp_path_factory.mktemp("embedded-default")
+    config = default_config()
+    config["dataset"]["path"] = str(SAMPLE)
+    config = isolate(config, workdir)
+    write_config(workdir, config)
+    run_snakemake(workdir, "--cores", "2", timeout=2400)
+    run_snakemake(workdir, "--report", "report.html")
+    return workdir
+
+
+@pytest.mark.slow
+def test_everything_is_built_and_nothing_is_left_to_do(default_run):
+    for path in [
+        "drafter/export/sglang/config.json",
+        "drafter/export/sglang/model.safetensors",
+        "drafter/export/vllm/config.json",
+        "drafter/export/vllm/model.safetensors",
+        "drafter/live.json",
+    ]:
+        assert (default_run / path).is_file(), path
+    reports = sorted((default_run / "validated").glob("rows_*.json"))
+    assert [p.stem for p in reports] == [
+        "rows_0-64",
+        "rows_128-192",
+        "rows_192-256",
+        "rows_256-300",
+        "rows_64-128",
+    ]
+    assert "Nothing to be done" in run_snakemake(default_run, "-n").stdout
+
+
+@pytest.mark.slow
+def test_the_run_started_one_server_and_left_none(default_run):
+    (history,) = (default_run / ".eaglepipe" / "server").glob("*/history.jsonl")
+    events = [json.loads(line) for line in history.read_text().splitlines()]
+    assert [e["event"] for e in events].count("start") >= 1
+    assert events[-1]["event"] in {"stop", "exit"}
+    config = json.loads((default_run / ".eaglepipe" / "config.json").read_text())
+    with socket.socket() as s:  # the port is free again
+        s.bind(("127.0.0.1", config["server"]["port"]))
+
+
+@pytest.mark.slow
+def test_the_drafter_learns_and_is_accepted_live(default_run):
+    log = [json.loads(line) for line in (default_run / "drafter/train_log.jsonl").open()]
+    first, last = log[0]["loss"], sum(e["loss"] for e in log[-10:]) / 10
+    assert last < 0.8 * first
+    offline = json.loads((default_run / "drafter/eval.json").read_text())
+    live = json.loads((default_run / "drafter/live.json").read_text())
+    assert offline["acceptance_length"] > 1.2
+    assert live["acceptance_length"] > 1.2
+    # Teacher-forced and live drafting measure the same thing; a layer-id or export bug
+    # would collapse the live figure to about 1.
+    assert abs(live["acceptance_length"] - offline["acceptance_length"]) < 0.6
+
+
+@pytest.mark.slow
+def test_the_report_holds_every_figure(default_run):
+    html = (default_run / "report.html").read_text(errors="replace")
+    for figure in FIGURES:
+        assert (default_run / "report" / figure).stat().st_size > 5000, figure
+        assert figure in html, f"{figure} missing from report.html"
