@@ -17,6 +17,7 @@ include: "rules/report.smk"
 
 
 onstart:
+    workflow_lib.warn_about_rerun_triggers(workflow)
     workflow_lib.print_space_plan(CONFIG)
 
 

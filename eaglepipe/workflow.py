@@ -60,6 +60,22 @@ def setup(config: dict) -> dict:
     return resolved
 
 
+def warn_about_rerun_triggers(snakemake_workflow) -> None:
+    """The rerun policy assumes mtime-only triggers (profiles/default sets them)."""
+    settings = getattr(snakemake_workflow, "dag_settings", None)
+    if settings is None:  # settings are only known once the run starts
+        return
+    extra = sorted(t.name.lower() for t in settings.rerun_triggers if t.name != "MTIME")
+    if extra:
+        print(
+            f"eaglepipe: warning: rerun triggers {', '.join(extra)} are on (no default profile?):"
+            " a moved script, an edited rule or a new input path can then rerun prepare and"
+            " hide stale shards from this run; use --rerun-triggers mtime (profiles/default)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 def use_project_python() -> None:
     """Make `python` in rule shell commands the interpreter running snakemake.
 
