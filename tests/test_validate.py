@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 from dataclasses import dataclass
@@ -490,6 +491,26 @@ def free_port() -> int:
 def served(workspace):
     """The workspace set up for the real lifecycle and reference server; server stopped after."""
     config = workspace.config
+    # Extraction records the workflow's provenance of the shard: the target needs its
+    # tokenizer files and the prepared table a source whose plan holds the shard.
+    from tokenizers import Tokenizer, models
+
+    from eaglepipe.fingerprint import tokenizer_fingerprint
+
+    target = workspace.root / "target"
+    shutil.copytree(config["model"]["path"], target)
+    Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]")).save(
+        str(target / "tokenizer.json")
+    )
+    config["model"]["path"] = str(target)
+    summary_path = workspace.root / "prepared" / "summary.json"
+    summary = json.loads(summary_path.read_text())
+    summary["tokenizer_fingerprint"] = tokenizer_fingerprint(target)
+    summary_path.write_text(json.dumps(summary))
+    sample = (REPO_ROOT / "data" / "sample" / "conversations.jsonl").read_text().splitlines()
+    (workspace.root / "source.jsonl").write_text("\n".join(sample[:32]) + "\n")
+    config["dataset"]["path"] = str(workspace.root / "source.jsonl")
+    config["shards"]["rows_per_shard"] = 16
     config["server"].update(
         port=free_port(),
         dump_root=str(workspace.root / "dumps"),
