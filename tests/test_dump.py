@@ -283,12 +283,12 @@ def test_dump_is_invisible_until_complete(tmp_path, monkeypatch):
     monkeypatch.setattr(dump_module, "save_file", spying_save)
     with DumpWriter(dump_dir, "eaglepipe", aux_layer_ids=IDS) as writer:
         writer.submit([rid(1), rid(2)], [3, 4], *packed_batch([3, 4]))
-    assert [name for name, _, _ in observed] == [
+    # File threads write concurrently: the order of the two writes is not fixed.
+    assert sorted(name for name, _, _ in observed) == [
         f".{rid(1)}.safetensors.tmp",
         f".{rid(2)}.safetensors.tmp",
     ]
     assert [present for _, present, _ in observed] == [False, False]
-    assert observed[1][2] == [f"{rid(1)}.safetensors"]
     assert sorted(p.name for p in dump_dir.iterdir()) == [
         f"{rid(1)}.safetensors",
         f"{rid(2)}.safetensors",
