@@ -150,6 +150,10 @@ def run(tmp_path, monkeypatch, tiny_llama_dir):
             member.kill()
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Run:
     def __init__(self, workdir: Path, config: dict):
         self.workdir = workdir
@@ -184,7 +188,13 @@ class Run:
 
     def spawn(self, argv: list[str], env: dict | None = None) -> subprocess.Popen:
         proc = subprocess.Popen(
-            argv, env={**os.environ, **(env or {})}, start_new_session=True, cwd=self.workdir
+            argv,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+            cwd=self.workdir,
+            # A test run started in the background inherits an ignored SIGINT, and Python then
+            # never raises KeyboardInterrupt: give jobs the default, as a terminal would.
+            preexec_fn=_default_sigint,
         )
         self.processes.append(proc)
         return proc
