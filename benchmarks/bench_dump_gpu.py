@@ -37,6 +37,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from common import random_model_on  # noqa: E402
+
 from eaglepipe.dump import DumpWriter, dump_path, make_rid, prepare_dump_dir, read_dump  # noqa: E402
 from eaglepipe.layers import default_aux_layer_ids  # noqa: E402
 from eaglepipe.server.capture import HiddenStateCapture  # noqa: E402
@@ -81,7 +83,7 @@ def parse_args(argv=None):
 
 
 def build_model(args, device: torch.device, dtype: torch.dtype):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig
 
     config = LlamaConfig(
         vocab_size=args.vocab,
@@ -93,14 +95,7 @@ def build_model(args, device: torch.device, dtype: torch.dtype):
         max_position_embeddings=max(4096, args.seq_len),
     )
     torch.manual_seed(0)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(previous)
-    return model.eval()
+    return random_model_on(config, device, dtype)
 
 
 def make_batches(args, count: int, seed: int) -> list[list[list[int]]]:

@@ -52,6 +52,7 @@ from common import (  # noqa: E402
     machine_info,
     machine_line,
     markdown_table,
+    random_model_on,
     rate,
     ratio,
     timed,
@@ -120,7 +121,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def build_target(shape: dict, device: torch.device, dtype: torch.dtype, seed: int):
     """A random-weight Llama, created directly on the device in the target dtype."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig
 
     torch.manual_seed(seed)
     config = LlamaConfig(
@@ -133,14 +134,7 @@ def build_target(shape: dict, device: torch.device, dtype: torch.dtype, seed: in
         max_position_embeddings=shape["max_pos"],
         tie_word_embeddings=False,
     )
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(previous)
-    return model.eval()
+    return random_model_on(config, device, dtype)
 
 
 def save_target(model, model_dir: Path) -> None:

@@ -148,3 +148,18 @@ def write_results(json_path: str | os.PathLike | None, results: dict, markdown: 
     if markdown:
         atomic_write_bytes(json_path.with_suffix(".md"), markdown.encode())
     log(f"results: {json_path}" + (f" and {json_path.with_suffix('.md')}" if markdown else ""))
+
+
+def random_model_on(config, device, dtype):
+    """A random-weight causal LM made directly on `device` in `dtype` (no download, no copy)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval()
