@@ -92,6 +92,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--chunk-mb", type=float, default=None, help="chunk bound (8B: 2048)")
     parser.add_argument("--shard-gb", type=float, default=10.0, help="bound on one shard's size")
     parser.add_argument("--inflight-requests", type=int, default=64)
+    parser.add_argument(
+        "--parallel-shards",
+        type=int,
+        default=1,
+        help="shard jobs at once against the one server, as `snakemake --cores N` runs them",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work-root", default=None, help="scratch parent dir (default: /tmp)")
     parser.add_argument("--keep", action="store_true", help="keep the scratch dir")
@@ -332,7 +338,27 @@ def warm_up_server(url: str, rows, count: int) -> None:
         list(pool.map(post, range(min(count, len(rows)))))
 
 
-def run_server(run_dir: Path, config: dict, rows) -> dict:
+def extract_in_parallel(run_dir: Path, config: dict, names: list[str], jobs: int) -> list[dict]:
+    """Each shard as its own `scripts/extract.py` process, `jobs` at a time (Snakemake's way)."""
+    import subprocess
+
+    from eaglepipe.config import write_resolved
+
+    resolved = write_resolved(config, run_dir / ".eaglepipe" / "config.json")
+
+    def one(name: str) -> dict:
+        argv = [sys.executable, "-u", str(REPO_ROOT / "scripts" / "extract.py")]
+        argv += ["--config", str(resolved), "--shard", name]
+        done = subprocess.run(argv, cwd=run_dir, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{name} failed: {done.stderr[-2000:]}")
+        return json.loads((run_dir / "hidden_states" / name / "manifest.json").read_text())
+
+    with ThreadPoolExecutor(jobs) as pool:
+        return list(pool.map(one, names))
+
+
+def run_server(run_dir: Path, config: dict, rows, parallel_shards: int = 1) -> dict:
     from eaglepipe.extract import extract_shard
     from eaglepipe.server.lifecycle import start_server, stop_server
     from eaglepipe.workflow import shards
@@ -347,6 +373,15 @@ def run_server(run_dir: Path, config: dict, rows) -> dict:
             warm_up_server(handle.url, rows, WARMUP_REQUESTS)
             names = shards(config)
             seconds, written, bytes_written, chunks = 0.0, 0, 0, 0
+            if parallel_shards > 1:
+                with timed() as t:
+                    manifests = extract_in_parallel(run_dir, config, names, parallel_shards)
+                seconds = t["seconds"]
+                written = sum(m["num_tokens"] for m in manifests)
+                bytes_written = sum(m["num_bytes"] for m in manifests)
+                chunks = sum(len(m["chunks"]) for m in manifests)
+                log(f"server: {len(names)} shards, {parallel_shards} at a time, in {seconds:.1f}s")
+                names = []  # measured above
             for name in names:
                 with timed() as t:
                     manifest = extract_shard(config, name)
@@ -361,7 +396,8 @@ def run_server(run_dir: Path, config: dict, rows) -> dict:
             result.update(
                 seconds=round(seconds, 3),
                 tokens_per_s=round(rate(total, seconds), 1),
-                shards=len(names),
+                shards=len(shards(config)),
+                parallel_shards=parallel_shards,
                 chunks=chunks,
                 bytes_written=bytes_written,
                 chunk_gb_per_s=round(rate(bytes_written, seconds) / 1e9, 3),
@@ -632,7 +668,12 @@ def main(argv=None) -> int:
 
         run_dir = work / "run"
         config = make_run_dir(run_dir, model_dir, rows, args, shape, str(device))
-        guarded("server_end_to_end", results, args.out, lambda: run_server(run_dir, config, rows))
+        guarded(
+            "server_end_to_end",
+            results,
+            args.out,
+            lambda: run_server(run_dir, config, rows, args.parallel_shards),
+        )
 
         rng = np.random.default_rng(args.seed + 1)
         count = max(2, int(len(rows) * args.baseline_fraction))

@@ -65,7 +65,7 @@ step() {
     [ "$rc" -ne 0 ] && FAILED+=("$name(rc=$rc)")
 }
 
-step extraction 290 python3 -u benchmarks/bench_extraction.py \
+step extraction 290 python3 -u benchmarks/bench_extraction.py --parallel-shards 3 \
     --tokens 1000000 --work-root "$SCRATCH" --out "$OUT/extraction.json"
 step dump_gpu 50 python3 -u benchmarks/bench_dump_gpu.py \
     --batches 12 --repeats 3 --out "$OUT/dump_gpu.json"

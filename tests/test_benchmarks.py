@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -25,7 +27,8 @@ def run_benchmark(script: str, *args: str, timeout: float = 600) -> subprocess.C
     return proc
 
 
-def test_extraction_quick_check_measures_every_path(tmp_path):
+@pytest.mark.parametrize("parallel_shards", ["1", "2"])
+def test_extraction_quick_check_measures_every_path(tmp_path, parallel_shards):
     out = tmp_path / "results" / "extraction.json"
     scratch = tmp_path / "scratch"
     scratch.mkdir()
@@ -40,6 +43,8 @@ def test_extraction_quick_check_measures_every_path(tmp_path):
         str(scratch),
         "--out",
         str(out),
+        "--parallel-shards",
+        parallel_shards,
     )
     results = json.loads(out.read_text())
     assert results["benchmark"] == "extraction"
@@ -55,6 +60,7 @@ def test_extraction_quick_check_measures_every_path(tmp_path):
     # The server path wrote every row's tokens into real chunks, the same rows as the bare path.
     assert paths["server_end_to_end"]["tokens"] == paths["bare_prefill"]["tokens"]
     assert paths["server_end_to_end"]["shards"] >= 2
+    assert paths["server_end_to_end"]["parallel_shards"] == int(parallel_shards)
     assert paths["server_end_to_end"]["bytes_written"] >= setup["tokens"] * 4 * setup["hidden"] * 2
     assert 0 < paths["per_sample_baseline"]["tokens"] <= setup["tokens"]
     assert "CPU" in paths["packed_flex"]["skipped"]
