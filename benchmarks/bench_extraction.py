@@ -352,7 +352,10 @@ def extract_in_parallel(run_dir: Path, config: dict, names: list[str], jobs: int
         done = subprocess.run(argv, cwd=run_dir, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{name} failed: {done.stderr[-2000:]}")
-        return json.loads((run_dir / "hidden_states" / name / "manifest.json").read_text())
+        shard_dir = run_dir / "hidden_states" / name
+        manifest = json.loads((shard_dir / "manifest.json").read_text())
+        shutil.rmtree(shard_dir)  # the disk holds only the shards in progress
+        return manifest
 
     with ThreadPoolExecutor(jobs) as pool:
         return list(pool.map(one, names))
