@@ -27,6 +27,7 @@ machine, to --out (JSON) and the .md beside it.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -97,6 +98,21 @@ def parse_args(argv=None) -> argparse.Namespace:
         type=int,
         default=1,
         help="shard jobs at once against the one server, as `snakemake --cores N` runs them",
+    )
+    parser.add_argument(
+        "--server-attention",
+        choices=["auto", "packed", "padded"],
+        default="auto",
+        help="the reference server's batch layout (config server.attention)",
+    )
+    parser.add_argument(
+        "--variants",
+        nargs="*",
+        default=[],
+        metavar="LAYOUT:SHARDS:STORAGE",
+        help="more runs of path (b), e.g. padded:1:disk auto:3:shm (storage disk = the scratch "
+        "dir, shm = chunks on /dev/shm): the headline (b) uses --server-attention, "
+        "--parallel-shards and disk",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work-root", default=None, help="scratch parent dir (default: /tmp)")
@@ -319,6 +335,18 @@ def make_run_dir(run_dir: Path, model_dir: Path, rows, args, shape, device: str)
     return validate_config(config)
 
 
+def parse_variant(spec: str) -> tuple[str, int, str]:
+    try:
+        layout, jobs, storage = spec.split(":")
+        if layout not in ("auto", "packed", "padded") or storage not in ("disk", "shm"):
+            raise ValueError
+        return layout, int(jobs), storage
+    except ValueError:
+        raise SystemExit(
+            f"--variants {spec!r}: expected LAYOUT:SHARDS:STORAGE, e.g. padded:1:disk"
+        ) from None
+
+
 def warm_up_server(url: str, rows, count: int) -> None:
     """Forward passes with unprefixed ids (not dumped) so kernels are chosen before timing."""
 
@@ -361,41 +389,136 @@ def extract_in_parallel(run_dir: Path, config: dict, names: list[str], jobs: int
         return list(pool.map(one, names))
 
 
-def run_server(run_dir: Path, config: dict, rows, parallel_shards: int = 1) -> dict:
+class GpuUtilisation:
+    """Samples `nvidia-smi` GPU utilisation every 200 ms while in use (mean and samples)."""
+
+    def __init__(self):
+        self.samples: list[int] = []
+        self._proc = None
+
+    def __enter__(self) -> GpuUtilisation:
+        import subprocess
+
+        if shutil.which("nvidia-smi"):
+            self._proc = subprocess.Popen(
+                ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
+                 "-lms", "200", "-i", "0"],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            )  # fmt: skip
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._proc is None:
+            return
+        self._proc.terminate()
+        out, _ = self._proc.communicate(timeout=10)
+        self.samples = [int(x) for x in out.split() if x.strip().isdigit()]
+
+    def summary(self) -> dict:
+        if not self.samples:
+            return {}
+        return {
+            "gpu_util_mean_pct": round(sum(self.samples) / len(self.samples), 1),
+            "gpu_util_samples": len(self.samples),
+        }
+
+
+def server_stats(url: str) -> dict:
+    with urllib.request.urlopen(f"{url}/stats", timeout=30) as response:
+        return json.loads(response.read())
+
+
+def stats_delta(before: dict, after: dict) -> dict:
+    keys = ("tokens", "batches", "busy_s", "idle_s", "computed_tokens")
+    delta = {key: round(after[key] - before[key], 3) for key in keys if key in after}
+    if delta.get("busy_s", 0) + delta.get("idle_s", 0) > 0:
+        delta["busy_share"] = round(delta["busy_s"] / (delta["busy_s"] + delta["idle_s"]), 4)
+    if delta.get("computed_tokens"):
+        delta["fill"] = round(delta["tokens"] / delta["computed_tokens"], 4)
+    return delta
+
+
+BREAKDOWN_KEYS = (
+    "budget_wait_s",
+    "dump_wait_s",
+    "read_dump_s",
+    "lookahead_wait_s",
+    "chunk_write_s",
+)
+
+
+def chunk_storage(run_dir: Path, storage: str) -> Path | None:
+    """Point run_dir/hidden_states at the storage under test; returns a dir to remove after."""
+    target = run_dir / "hidden_states"
+    if target.is_symlink():
+        target.unlink()
+    else:
+        shutil.rmtree(target, ignore_errors=True)
+    if storage == "disk":
+        return None
+    if storage != "shm":
+        raise ValueError(f"storage {storage!r}: choose disk or shm")
+    shm_dir = Path(tempfile.mkdtemp(prefix="eaglepipe-bench-chunks-", dir="/dev/shm"))
+    target.symlink_to(shm_dir)
+    return shm_dir
+
+
+def run_server(
+    run_dir: Path,
+    config: dict,
+    rows,
+    parallel_shards: int = 1,
+    attention: str = "auto",
+    storage: str = "disk",
+) -> dict:
     from eaglepipe.extract import extract_shard
     from eaglepipe.server.lifecycle import start_server, stop_server
     from eaglepipe.workflow import shards
 
+    config = json.loads(json.dumps(config))
+    config["server"].update(attention=attention, port=free_port())
     total = sum(len(r) for r in rows)
-    result: dict = {"tokens": total}
+    result: dict = {"tokens": total, "attention": attention, "storage": storage}
     with working_directory(run_dir):
+        shm_dir = chunk_storage(run_dir, storage)
         try:
             with timed() as start:
                 handle = start_server(config)
             result["server_start_s"] = round(start["seconds"], 1)
+            result["batch_layout"] = handle.info.get("batch_layout")
+            result["attn_implementation"] = handle.info.get("attn_implementation")
             warm_up_server(handle.url, rows, WARMUP_REQUESTS)
             names = shards(config)
-            seconds, written, bytes_written, chunks = 0.0, 0, 0, 0
-            if parallel_shards > 1:
-                with timed() as t:
-                    manifests = extract_in_parallel(run_dir, config, names, parallel_shards)
-                seconds = t["seconds"]
-                written = sum(m["num_tokens"] for m in manifests)
-                bytes_written = sum(m["num_bytes"] for m in manifests)
-                chunks = sum(len(m["chunks"]) for m in manifests)
-                log(f"server: {len(names)} shards, {parallel_shards} at a time, in {seconds:.1f}s")
-                names = []  # measured above
-            for name in names:
-                with timed() as t:
-                    manifest = extract_shard(config, name)
-                seconds += t["seconds"]
-                written += manifest["num_tokens"]
-                bytes_written += manifest["num_bytes"]
-                chunks += len(manifest["chunks"])
-                log(f"server: {name} {manifest['num_tokens']} tokens in {t['seconds']:.1f}s")
-                shutil.rmtree(run_dir / "hidden_states" / name)  # the disk holds one shard
+            seconds, manifests = 0.0, []
+            stats_before = server_stats(handle.url)
+            with GpuUtilisation() as gpu:
+                if parallel_shards > 1:
+                    with timed() as t:
+                        manifests = extract_in_parallel(run_dir, config, names, parallel_shards)
+                    seconds = t["seconds"]
+                    log(
+                        f"server: {len(names)} shards, {parallel_shards} at a time, "
+                        f"in {seconds:.1f}s"
+                    )
+                    names = []  # measured above
+                for name in names:
+                    with timed() as t:
+                        manifest = extract_shard(config, name)
+                    seconds += t["seconds"]
+                    manifests.append(manifest)
+                    log(f"server: {name} {manifest['num_tokens']} tokens in {t['seconds']:.1f}s")
+                    shutil.rmtree(run_dir / "hidden_states" / name)  # the disk holds one shard
+            written = sum(m["num_tokens"] for m in manifests)
+            bytes_written = sum(m["num_bytes"] for m in manifests)
+            chunks = sum(len(m["chunks"]) for m in manifests)
             if written != total:
                 raise RuntimeError(f"the shards hold {written} tokens, the rows {total}")
+            result["server_stats"] = stats_delta(stats_before, server_stats(handle.url))
+            result.update(gpu.summary())
+            result["client_breakdown_s"] = {
+                key: round(sum(m["timing"].get(key, 0.0) for m in manifests), 3)
+                for key in BREAKDOWN_KEYS
+            }
             result.update(
                 seconds=round(seconds, 3),
                 tokens_per_s=round(rate(total, seconds), 1),
@@ -413,6 +536,8 @@ def run_server(run_dir: Path, config: dict, rows, parallel_shards: int = 1) -> d
             )
         finally:
             stop_server()
+            if shm_dir is not None:
+                shutil.rmtree(shm_dir, ignore_errors=True)
             logs = sorted((run_dir / "logs" / "server").glob("*.log"))
             if logs:
                 result["server_log_tail"] = logs[-1].read_text(errors="replace").splitlines()[-12:]
@@ -539,6 +664,24 @@ def packed_isolation_error(model, rows, bin_rows, ids, positions, device) -> flo
 # ----------------------------------------------------------------------------- report
 
 
+def server_note(entry: dict) -> str:
+    """Layout, shards at once, storage, server busy share, GPU use: where (b)'s time went."""
+    if "batch_layout" not in entry:
+        return ""
+    stats = entry.get("server_stats", {})
+    parts = [
+        f"{entry['batch_layout']} ({entry.get('attn_implementation')})",
+        f"{entry.get('parallel_shards')} shard(s) at once",
+        f"chunks on {entry.get('storage')}",
+        f"{entry.get('chunk_gb_per_s')} GB/s",
+    ]
+    if "busy_share" in stats:
+        parts.append(f"forward busy {stats['busy_share']:.0%}")
+    if "gpu_util_mean_pct" in entry:
+        parts.append(f"GPU util {entry['gpu_util_mean_pct']:.0f}%")
+    return ", ".join(parts)
+
+
 def report(results: dict) -> str:
     paths = results["paths"]
     bare = paths["bare_prefill"].get("tokens_per_s")
@@ -549,12 +692,14 @@ def report(results: dict) -> str:
         "packed_flex": "(d) packed rows, block-diagonal flex_attention",
     }
     rows = []
-    for key in PATHS:
+    variants = [key for key in paths if key.startswith("server_end_to_end:")]
+    for key in (*PATHS, *variants):
         entry = paths.get(key, {})
-        note = entry.get("skipped") or entry.get("error") or ""
+        note = entry.get("skipped") or entry.get("error") or server_note(entry)
+        label = names.get(key) or f"(b) variant {key.split(':', 1)[1]} (layout:shards:storage)"
         rows.append(
             [
-                names[key],
+                label,
                 entry.get("tokens"),
                 entry.get("seconds"),
                 entry.get("tokens_per_s"),
@@ -567,6 +712,7 @@ def report(results: dict) -> str:
         ["b/a (server / bare)", ratios["server_vs_bare"], f">= {GOALS['server_vs_bare']}"],
         ["b/c (server / per-sample)", ratios["server_vs_per_sample"], ">= 3.2"],
         ["d/a (packed / bare)", ratios["packed_vs_bare"], "> 1 (stretch)"],
+        ["b/d (server / packed bare, when the server packs)", ratios["server_vs_packed"], ""],
     ]
     setup = results["setup"]
     return (
@@ -589,6 +735,7 @@ def summarise(results: dict) -> None:
         "server_vs_bare": ratio(tps["server_end_to_end"], tps["bare_prefill"]),
         "server_vs_per_sample": ratio(tps["server_end_to_end"], tps["per_sample_baseline"]),
         "packed_vs_bare": ratio(tps["packed_flex"], tps["bare_prefill"]),
+        "server_vs_packed": ratio(tps["server_end_to_end"], tps["packed_flex"]),
     }
     results["goals"] = {
         key: {
@@ -675,8 +822,16 @@ def main(argv=None) -> int:
             "server_end_to_end",
             results,
             args.out,
-            lambda: run_server(run_dir, config, rows, args.parallel_shards),
+            lambda: run_server(run_dir, config, rows, args.parallel_shards, args.server_attention),
         )
+        for spec in args.variants:
+            layout, jobs, storage = parse_variant(spec)
+            guarded(
+                f"server_end_to_end:{spec}",
+                results,
+                args.out,
+                functools.partial(run_server, run_dir, config, rows, jobs, layout, storage),
+            )
 
         rng = np.random.default_rng(args.seed + 1)
         count = max(2, int(len(rows) * args.baseline_fraction))

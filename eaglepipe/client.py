@@ -102,6 +102,19 @@ class ClientStats:
     stale_dumps_swept: int = 0
     dump_bytes_ingested: int = 0
     failures: list[str] = field(default_factory=list)
+    # Where the client's time goes (summed over concurrent requests where they overlap):
+    # waiting for room in the in-flight bounds, for a dump to appear after the answer, and
+    # reading dumps (in worker threads).
+    budget_wait_s: float = 0.0
+    dump_wait_s: float = 0.0
+    read_dump_s: float = 0.0
+
+    def timing(self) -> dict:
+        return {
+            "budget_wait_s": round(self.budget_wait_s, 3),
+            "dump_wait_s": round(self.dump_wait_s, 3),
+            "read_dump_s": round(self.read_dump_s, 3),
+        }
 
 
 class TransientError(Exception):
@@ -238,8 +251,10 @@ class ExtractionClient:
                             await may_send(row.row_id)
                         await self._yield_to_exclusive_user()
                         size = expected_dump_bytes(len(row.input_ids), s.hidden_size)
+                        waiting_since = time.monotonic()
                         await budget.acquire(size)
                         await slots.acquire()
+                        self.stats.budget_wait_s += time.monotonic() - waiting_since
                         row_tasks.append(
                             group.create_task(
                                 self._one_row(session, row, size, budget, slots, on_row)
@@ -322,12 +337,17 @@ class ExtractionClient:
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise TransientError(f"request {rid} failed: {type(exc).__name__} {exc}") from exc
         path = self.dump_dir / f"{rid}.safetensors"
-        if not await _appears(path, DUMP_WAIT_S):
+        answered = time.monotonic()
+        appeared = await _appears(path, DUMP_WAIT_S)
+        self.stats.dump_wait_s += time.monotonic() - answered
+        if not appeared:
             raise TransientError(
                 f"server answered request {rid} but wrote no dump {path} within {DUMP_WAIT_S:g}s"
             )
         try:
+            reading_since = time.monotonic()
             aux, final, _meta = await asyncio.to_thread(read_dump, path)
+            self.stats.read_dump_s += time.monotonic() - reading_since
             check_dump(aux, final, row, rid, self.settings)
         except PipelineError as exc:
             message = str(exc)

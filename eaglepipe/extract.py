@@ -8,9 +8,10 @@
 3. takes the shard's writer lock and keeps every chunk the journal vouches for and that still
    re-hashes; everything else in the shard directory is cleared;
 4. holds a server lease and requests only the rows of unfinished chunks; arriving rows are
-   buffered and each chunk is written, in row order, as soon as all its rows are in. A row is
-   only requested while its chunk is at most one unfinished chunk ahead of the next chunk to
-   write, so memory stays near two chunks plus the dumps in flight;
+   buffered and each chunk is written, in row order, as soon as all its rows are in. Rows are
+   requested ahead of the chunk being written up to `extract.lookahead_bytes` (rows of the
+   next two chunks always), so the server keeps computing while chunks are written, and
+   memory stays bounded by the look-ahead plus the dumps in flight;
 5. writes `manifest.json` last, with provenance and timing.
 """
 
@@ -35,6 +36,7 @@ from .client import (
     ExtractedRow,
     ExtractionClient,
     RowRequest,
+    expected_dump_bytes,
     liveness_check,
 )
 from .config import (
@@ -195,8 +197,10 @@ class ChunkAssembler:
         engine: dict,
         progress: Progress,
         log: Callable[[str], None],
+        lookahead_bytes: int,
     ):
         self.engine = engine
+        self.lookahead_bytes = lookahead_bytes
         self.shard_dir = shard_dir
         self.chunks = chunks
         self.todo = todo
@@ -210,17 +214,34 @@ class ChunkAssembler:
             r: (ids, mask)
             for r, ids, mask in zip(rows.row_ids, rows.input_ids, rows.loss_masks, strict=True)
         }
+        self.row_bytes = {
+            r: expected_dump_bytes(len(ids), hidden_size)
+            for r, ids in zip(rows.row_ids, rows.input_ids, strict=True)
+        }
+        self.outstanding_bytes = 0  # rows requested whose chunk is not written yet
         self.buffer: dict[int, ExtractedRow] = {}
         self.next_pos = 0  # index into `todo` of the next chunk to write
         self.records: dict[int, ChunkRecord] = {}
+        # Seconds requests were held back by the look-ahead bound, and spent writing chunks.
+        self.lookahead_wait_s = 0.0
+        self.write_s = 0.0
         self._write_lock = asyncio.Lock()
         self._advanced = asyncio.Condition()
 
-    async def may_send(self, row_id: int) -> None:
-        """Hold back rows more than one unfinished chunk ahead of the next chunk to write."""
+    def _may_send_now(self, row_id: int) -> bool:
         pos = self.position[self.chunk_of[row_id]]
-        async with self._advanced:
-            await self._advanced.wait_for(lambda: pos <= self.next_pos + 1)
+        within = self.outstanding_bytes + self.row_bytes[row_id] <= self.lookahead_bytes
+        return pos <= self.next_pos + 1 or within
+
+    async def may_send(self, row_id: int) -> None:
+        """Hold back a row while the rows requested for unwritten chunks exceed the look-ahead
+        bytes, unless its chunk is the next to write or the one after (progress is certain)."""
+        if not self._may_send_now(row_id):
+            waiting_since = time.monotonic()
+            async with self._advanced:
+                await self._advanced.wait_for(lambda: self._may_send_now(row_id))
+            self.lookahead_wait_s += time.monotonic() - waiting_since
+        self.outstanding_bytes += self.row_bytes[row_id]
 
     async def on_row(self, row: ExtractedRow) -> None:
         self.buffer[row.row_id] = row
@@ -231,9 +252,12 @@ class ChunkAssembler:
                 if any(r not in self.buffer for r in self.chunks[index]):
                     return
                 rows = [self._row_tensors(self.buffer.pop(r)) for r in self.chunks[index]]
+                writing_since = time.monotonic()
                 record = await asyncio.to_thread(self._write, index, rows)
+                self.write_s += time.monotonic() - writing_since
                 self.records[index] = record
                 async with self._advanced:
+                    self.outstanding_bytes -= sum(self.row_bytes[r] for r in self.chunks[index])
                     self.next_pos += 1
                     self._advanced.notify_all()
 
@@ -289,8 +313,11 @@ def _extract_chunks(
             f"{settings.max_inflight_requests} requests and "
             f"{format_bytes(settings.max_inflight_bytes)} of dumps in flight"
         )
+        lookahead = config["extract"].get("lookahead_bytes") or 4 * int(
+            config["shards"]["chunk_max_bytes"]
+        )
         assembler = ChunkAssembler(
-            shard_dir, chunks, todo, rows, digest, hidden_size, engine, progress, log
+            shard_dir, chunks, todo, rows, digest, hidden_size, engine, progress, log, lookahead
         )
         client = ExtractionClient(
             handle.url,
@@ -309,7 +336,12 @@ def _extract_chunks(
                 f"{len(assembler.records)} new chunk(s) kept for the rerun"
             )
             raise
-    return assembler.records, client.stats.requests_sent, engine
+    breakdown = {
+        **client.stats.timing(),
+        "lookahead_wait_s": round(assembler.lookahead_wait_s, 3),
+        "chunk_write_s": round(assembler.write_s, 3),
+    }
+    return assembler.records, client.stats.requests_sent, engine, breakdown
 
 
 def extract_shard(
@@ -368,6 +400,7 @@ def extract_shard(
                 f"({done_rows} rows), {len(todo)} to extract"
             )
         requests_sent = 0
+        breakdown: dict = {}
         progress = Progress(
             shard_name,
             len(rows.row_ids),
@@ -377,7 +410,7 @@ def extract_shard(
         )
         records = dict(done)
         if todo:
-            new_records, requests_sent, engine = _extract_chunks(
+            new_records, requests_sent, engine, breakdown = _extract_chunks(
                 config, shard_dir, chunks, todo, rows, digest, hidden_size, aux_ids, progress, log
             )
             records.update(new_records)
@@ -416,6 +449,8 @@ def extract_shard(
                 "tokens_per_s": round(progress.tokens / seconds, 1),
                 "mb_per_s": round(progress.bytes / seconds / 1e6, 3),
                 "requests_sent": requests_sent,
+                # Where the time went: see ClientStats and ChunkAssembler.
+                **breakdown,
             },
         )
         write_manifest(shard_dir, manifest)

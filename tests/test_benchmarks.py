@@ -27,8 +27,10 @@ def run_benchmark(script: str, *args: str, timeout: float = 600) -> subprocess.C
     return proc
 
 
-@pytest.mark.parametrize("parallel_shards", ["1", "2"])
-def test_extraction_quick_check_measures_every_path(tmp_path, parallel_shards):
+@pytest.mark.parametrize(
+    ("parallel_shards", "variants"), [("1", []), ("2", ["--variants", "packed:1:shm"])]
+)
+def test_extraction_quick_check_measures_every_path(tmp_path, parallel_shards, variants):
     out = tmp_path / "results" / "extraction.json"
     scratch = tmp_path / "scratch"
     scratch.mkdir()
@@ -45,6 +47,7 @@ def test_extraction_quick_check_measures_every_path(tmp_path, parallel_shards):
         str(out),
         "--parallel-shards",
         parallel_shards,
+        *variants,
     )
     results = json.loads(out.read_text())
     assert results["benchmark"] == "extraction"
@@ -64,7 +67,25 @@ def test_extraction_quick_check_measures_every_path(tmp_path, parallel_shards):
     assert paths["server_end_to_end"]["bytes_written"] >= setup["tokens"] * 4 * setup["hidden"] * 2
     assert 0 < paths["per_sample_baseline"]["tokens"] <= setup["tokens"]
     assert "CPU" in paths["packed_flex"]["skipped"]
-    assert set(results["ratios"]) == {"server_vs_bare", "server_vs_per_sample", "packed_vs_bare"}
+    server = paths["server_end_to_end"]
+    assert (server["batch_layout"], server["storage"]) == ("padded", "disk")  # auto on CPU
+    # Where the time went: the server's busy share and the clients' waits, from real counters.
+    assert 0 < server["server_stats"]["busy_share"] <= 1
+    assert server["server_stats"]["tokens"] == setup["tokens"]
+    assert server["client_breakdown_s"]["chunk_write_s"] > 0
+    assert server["client_breakdown_s"]["read_dump_s"] > 0
+    if variants:
+        variant = paths["server_end_to_end:packed:1:shm"]
+        assert "error" not in variant, variant
+        assert (variant["batch_layout"], variant["storage"]) == ("packed", "shm")
+        assert variant["tokens"] == setup["tokens"] and variant["parallel_shards"] == 1
+        assert "(b) variant packed:1:shm" in out.with_suffix(".md").read_text()
+    assert set(results["ratios"]) == {
+        "server_vs_bare",
+        "server_vs_per_sample",
+        "packed_vs_bare",
+        "server_vs_packed",
+    }
     assert results["ratios"]["server_vs_bare"] is not None
     assert results["ratios"]["packed_vs_bare"] is None
     assert set(results["goals"]) == {"server_vs_bare", "server_vs_per_sample"}

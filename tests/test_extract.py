@@ -431,3 +431,64 @@ def test_a_shard_outside_the_plan_is_refused_before_any_work(tmp_path, tiny_llam
     with pytest.raises(PipelineError, match=r"shard rows_0-5 is not in the plan"):
         extract_shard(run_config(workdir), "rows_0-5", log=lambda line: None)
     assert not (workdir / "hidden_states").exists()
+
+
+def _assembler(shard_dir: Path, lookahead_bytes: int):
+    """Four chunks of two 4-token rows each, hidden size 8: each row is 256 bytes of dumps."""
+    from eaglepipe.extract import ChunkAssembler, Progress, ShardRows
+
+    row_ids = list(range(8))
+    rows = ShardRows(
+        row_ids=row_ids,
+        input_ids=[np.arange(4, dtype=np.int32) for _ in row_ids],
+        loss_masks=[np.ones(4, dtype=np.uint8) for _ in row_ids],
+    )
+    chunks = [[0, 1], [2, 3], [4, 5], [6, 7]]
+    progress = Progress("rows_0-8", 8, 0, 32, log=lambda line: None)
+    shard_dir.mkdir(parents=True, exist_ok=True)
+    return ChunkAssembler(
+        shard_dir, chunks, [0, 1, 2, 3], rows, "digest", 8, {}, progress, lambda line: None,
+        lookahead_bytes,
+    )  # fmt: skip
+
+
+def _extracted(row_id: int):
+    from eaglepipe.client import ExtractedRow
+
+    return ExtractedRow(
+        row_id=row_id,
+        aux_hidden_states=torch.zeros(4, 24, dtype=torch.bfloat16),
+        final_hidden_states=torch.zeros(4, 8, dtype=torch.bfloat16),
+        dump_bytes=256,
+    )
+
+
+def test_lookahead_bytes_bound_the_rows_requested_ahead_of_the_written_chunks(tmp_path):
+    """With room for three rows, the rows of chunk 2 wait until chunk 0 is written; the next
+    two chunks are always allowed; with room for every row nothing waits at all."""
+    import asyncio
+
+    async def scenario() -> None:
+        tight = _assembler(tmp_path / "tight", lookahead_bytes=3 * 256)
+        for row in range(4):  # chunks 0 and 1: always allowed, whatever the bound
+            await asyncio.wait_for(tight.may_send(row), 5)
+        held = asyncio.create_task(tight.may_send(4))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not held.done(), "a row beyond the look-ahead was let through"
+        await tight.on_row(_extracted(0))
+        assert not held.done()
+        await tight.on_row(_extracted(1))  # chunk 0 complete: written, room again
+        await asyncio.wait_for(held, 5)
+        assert (tmp_path / "tight" / "chunk-00000.safetensors").is_file()
+        assert tight.outstanding_bytes == 3 * 256  # rows 2, 3 and 4
+
+        roomy = _assembler(tmp_path / "roomy", lookahead_bytes=8 * 256)
+        for row in range(8):
+            await asyncio.wait_for(roomy.may_send(row), 5)
+        assert roomy.lookahead_wait_s == 0.0
+        for row in range(8):
+            await roomy.on_row(_extracted(row))
+        assert roomy.outstanding_bytes == 0 and len(roomy.records) == 4
+
+    asyncio.run(scenario())

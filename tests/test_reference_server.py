@@ -101,7 +101,9 @@ class ServerProc:
             self.proc.wait()
 
 
-def launch(name, model_dir, root: Path, *, fault=None, aux_ids=AUX_IDS, port=None) -> ServerProc:
+def launch(
+    name, model_dir, root: Path, *, fault=None, aux_ids=AUX_IDS, port=None, attention="auto"
+) -> ServerProc:
     port = port or free_port()
     dump_dir = root / "dumps" / name
     log_path = root / f"{name}.log"
@@ -118,6 +120,7 @@ def launch(name, model_dir, root: Path, *, fault=None, aux_ids=AUX_IDS, port=Non
         "--request-prefix", "eaglepipe",
         "--device", "cpu", "--dtype", "auto",
         "--max-batch-tokens", "4096",
+        "--attention", attention,
         "--instance-id", name,
         "--batch-window-ms", "30",
     ]  # fmt: skip
@@ -141,6 +144,7 @@ def fleet(tmp_path_factory, tiny_llama_dir, tiny_deepseek_dir):
     held.listen()
     servers = {
         "llama": launch("llama", tiny_llama_dir, root),
+        "packed": launch("packed", tiny_llama_dir, root, attention="packed"),
         "deepseek": launch("deepseek", tiny_deepseek_dir, root),
         "skewed": launch("skewed", tiny_llama_dir, root, fault=SKEW_FAULTS),
         # Serves 1 request, stalls on the 2nd, dies when the 4th arrives.
@@ -244,6 +248,63 @@ def test_in_process_batched_forward_matches_transformers_fp32(tiny_llama_dir, ti
             torch.testing.assert_close(final[start:end], states[len(states) - 1], **TIGHT)
             start = end
         engine.capture.remove()
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_packed_forward_matches_transformers_fp32(tiny_llama_dir, tiny_deepseek_dir, drop_last):
+    """Requests packed end to end in one row (positions restart per request, padding segment
+    at the end) give each request exactly its unbatched hidden states: no attention crosses
+    from one request into another."""
+    for model_dir in (tiny_llama_dir, tiny_deepseek_dir):
+        engine = ReferenceEngine(
+            model_dir, AUX_IDS, device=torch.device("cpu"), dtype=torch.float32, attention="packed"
+        )
+        assert (engine.layout, engine.attn_implementation) == ("packed", "sdpa")
+        sequences = [token_ids(n, seed=n) for n in (9, 1, 30, 4)]
+        aux, final, counts = engine.forward(sequences, capacity=64, drop_last=drop_last)
+        lengths = [len(s) for s in sequences]
+        assert counts == ([max(n - 1, 1) for n in lengths] if drop_last else lengths)
+        assert aux.shape == (sum(counts), 3 * 32) and final.shape == (sum(counts), 32)
+        start = 0
+        for seq, kept in zip(sequences, counts, strict=True):
+            states = reference_states(model_dir, seq)
+            end = start + kept
+            torch.testing.assert_close(
+                aux[start:end], expected_aux(states, AUX_IDS)[:kept], **TIGHT
+            )
+            torch.testing.assert_close(final[start:end], states[len(states) - 1][:kept], **TIGHT)
+            start = end
+        # One request that fills the row exactly: no padding segment, plain causal attention.
+        [seq] = [token_ids(16, seed=3)]
+        aux, final, counts = engine.forward([seq], capacity=16)
+        states = reference_states(model_dir, seq)
+        torch.testing.assert_close(final, states[len(states) - 1], **TIGHT)
+        engine.capture.remove()
+
+
+def test_packed_server_batches_requests_into_one_row(fleet):
+    """The packed server dumps what transformers computes per request, batches a concurrent
+    wave into rows of at most --max-batch-tokens real tokens, and reports its layout and
+    where its forward thread's time went."""
+    server = fleet["packed"].wait_healthy()
+    sequences = {300 + i: token_ids(n, seed=50 + i) for i, n in enumerate(WAVE_LENGTHS)}
+    answers = generate(server, [body(rid(row), ids) for row, ids in sequences.items()])
+    assert all(status == 200 for status, _ in answers), answers
+    sizes = [answer["meta_info"]["batch_size"] for _, answer in answers]
+    assert max(sizes) > 1, f"concurrent requests were never batched: {sizes}"
+    for row, ids in sequences.items():
+        aux, final, meta = read_row(server, rid(row))
+        assert meta["num_tokens"] == len(ids)
+        states = reference_states(server.model_dir, ids)
+        assert_bf16_of(aux, expected_aux(states, AUX_IDS))
+        assert_bf16_of(final, states[len(states) - 1])
+    info = asyncio.run(_get_json(server.url + "/server_info"))
+    assert (info["batch_layout"], info["attn_implementation"]) == ("packed", "sdpa")
+    stats = asyncio.run(_get_json(server.url + "/stats"))
+    assert stats["requests"] >= len(sequences) and stats["batches"] >= 1
+    assert stats["busy_s"] > 0 and stats["idle_s"] > 0
+    # Packed rows are computed at full width: the padding segment counts, nothing else.
+    assert stats["computed_tokens"] == 4096 * stats["batches"]
 
 
 def test_server_info_model_info_and_dump_dir(fleet, tiny_llama_dir):

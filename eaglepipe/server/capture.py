@@ -147,6 +147,50 @@ class HiddenStateCapture:
             aux = self.aux(aux_ids)
         return aux, self.final, kept
 
+    def run_packed(
+        self,
+        sequences: Sequence[Sequence[int]],
+        aux_ids: Sequence[int],
+        *,
+        capacity: int | None = None,
+        drop_last: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """One forward over `sequences` packed end to end in a single row, each with positions
+        from 0: same results as `run`, without computing any padding between requests.
+
+        transformers reads the packing from `position_ids` (no attention mask, no cache) and
+        restricts attention to each request's own tokens (block-diagonal causal), with
+        flex_attention as a block mask and with sdpa as a dense mask. The row is padded to
+        `capacity` as a segment of its own, so every batch has one shape and a compiled
+        attention kernel is reused rather than rebuilt per batch."""
+        device = next(self.model.parameters()).device
+        lengths = [len(s) for s in sequences]
+        total = sum(lengths)
+        width = max(total, capacity or 0)
+        input_ids = torch.zeros(width, dtype=torch.long)
+        position_ids = torch.empty(width, dtype=torch.long)
+        kept, pieces, start = [], [], 0
+        for seq, n in zip(sequences, lengths, strict=True):
+            input_ids[start : start + n] = torch.as_tensor(seq, dtype=torch.long)
+            position_ids[start : start + n] = torch.arange(n)
+            keep = n - 1 if drop_last and n > 1 else n
+            kept.append(keep)
+            pieces.append(torch.arange(start, start + keep))
+            start += n
+        # The padding segment's positions wrap so they stay within the model's position range.
+        limit = getattr(text_config(self.model), "max_position_embeddings", None) or width
+        position_ids[total:] = torch.arange(width - total) % limit
+        index = None if sum(kept) == width else torch.cat(pieces).to(device, non_blocking=True)
+        with torch.inference_mode(), self.capturing(index):
+            self.model(
+                input_ids=input_ids[None].to(device, non_blocking=True),
+                position_ids=position_ids[None].to(device, non_blocking=True),
+                use_cache=False,
+                **self._forward_extra,
+            )
+            aux = self.aux(aux_ids)
+        return aux, self.final, kept
+
     def aux(self, ids: Sequence[int]) -> torch.Tensor:
         missing = [i for i in ids if i not in self.layers]
         if missing or self.final is None:

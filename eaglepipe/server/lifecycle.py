@@ -127,6 +127,7 @@ def launch_settings(config: dict) -> dict:
         "dtype": server["dtype"],
         "device": server["device"],
         "max_batch_tokens": server["max_batch_tokens"],
+        "attention": server["attention"],
         "trust_remote_code": config["model"]["trust_remote_code"],
         "request_prefix": config["extract"]["request_prefix"],
         "host": server["host"],
@@ -183,6 +184,8 @@ def engine_command(
         server["dtype"],
         "--max-batch-tokens",
         str(server["max_batch_tokens"]),
+        "--attention",
+        server["attention"],
         "--instance-id",
         instance_id,
     ]

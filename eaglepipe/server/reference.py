@@ -3,13 +3,19 @@
 It speaks the subset of SGLang's API the client uses (`/health`, `/health_generate`,
 `/generate` with `max_new_tokens = 0`, `/model_info`, `/server_info`) and writes each prefixed
 request's hidden states through the same `DumpWriter` as the SGLang hook. Concurrent requests
-are batched by a padded-token budget: the oldest waiting request plus those closest to it in
-length, right-padded with an attention mask (causal attention keeps padding out of every real
-token's result). One worker thread runs the forward passes; the writer thread writes the files.
+are batched by a token budget in one of two layouts (`--attention`):
+
+- packed: the requests end to end in one row of `--max-batch-tokens` tokens, each with its own
+  positions, attention block-diagonal (flex_attention on CUDA): no padding is computed;
+- padded: the oldest waiting request plus those closest to it in length, right-padded with an
+  attention mask (causal attention keeps padding out of every real token's result).
+
+`auto` packs on CUDA when torch has flex_attention and pads elsewhere (a CPU would spend minutes
+compiling flex kernels). One worker thread runs the forward passes; writer threads write files.
 
     python -u -m eaglepipe.server.reference --model DIR --aux-layer-ids 1,3,4 --host H \
         --port P --dump-dir DIR --request-prefix eaglepipe --device auto --dtype auto \
-        --max-batch-tokens N --instance-id ID [--trust-remote-code]
+        --max-batch-tokens N --attention auto --instance-id ID [--trust-remote-code]
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ PROGRESS_INTERVAL_S = 5.0
 DEFAULT_BATCH_WINDOW_MS = 10.0
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+ATTENTION_LAYOUTS = ("auto", "packed", "padded")
 
 
 def log(message: str) -> None:
@@ -78,6 +85,28 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+def flex_attention_available() -> bool:
+    try:
+        import torch.nn.attention.flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_attention(layout: str, device: torch.device) -> tuple[str, str | None]:
+    """(batch layout, transformers attention implementation or None for the model's default)."""
+    if layout not in ATTENTION_LAYOUTS:
+        raise PipelineError(f"--attention {layout!r}: choose {', '.join(ATTENTION_LAYOUTS)}")
+    if layout == "auto":
+        layout = "packed" if device.type == "cuda" and flex_attention_available() else "padded"
+    if layout == "padded":
+        return layout, None
+    if device.type == "cuda" and flex_attention_available():
+        return layout, "flex_attention"
+    # sdpa packs too: transformers then builds a dense [T, T] block-diagonal mask.
+    return layout, "sdpa"
+
+
 def engine_version() -> str:
     import transformers
 
@@ -96,6 +125,7 @@ class ReferenceEngine:
         dtype: torch.dtype,
         trust_remote_code: bool = False,
         hook_shifted_layers: bool = False,
+        attention: str = "padded",
     ):
         from transformers import AutoModelForCausalLM
 
@@ -103,7 +133,10 @@ class ReferenceEngine:
         if not (self.model_dir / "config.json").is_file():
             raise PipelineError(f"--model {model_dir}: no config.json (a local HF model dir)")
         self.device, self.dtype = device, dtype
+        self.layout, self.attn_implementation = resolve_attention(attention, device)
         load_kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code}
+        if self.attn_implementation is not None:
+            load_kwargs["attn_implementation"] = self.attn_implementation
         if device.type == "cuda":
             load_kwargs["device_map"] = str(device)
         try:
@@ -124,11 +157,28 @@ class ReferenceEngine:
         self.capture = HiddenStateCapture(self.model, hooked)
 
     def forward(
-        self, sequences: list[list[int]], *, shift_layers: bool = False, drop_last: bool = False
+        self,
+        sequences: list[list[int]],
+        *,
+        capacity: int | None = None,
+        shift_layers: bool = False,
+        drop_last: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """Packed aux [T, 3H], final [T, H] (real tokens, on the model's device), counts."""
+        """Packed aux [T, 3H], final [T, H] (real tokens, on the model's device), counts.
+
+        `capacity` is the packed row's width (the batch token budget)."""
         ids = self.shifted_layer_ids if shift_layers else self.aux_layer_ids
+        if self.layout == "packed":
+            return self.capture.run_packed(sequences, ids, capacity=capacity, drop_last=drop_last)
         return self.capture.run(sequences, ids, drop_last=drop_last)
+
+    def warm_up(self, capacity: int) -> float:
+        """One full-width forward, so kernels are compiled before the first request; seconds."""
+        started = time.monotonic()
+        self.forward([[0]], capacity=capacity)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.monotonic() - started
 
 
 @dataclass
@@ -150,6 +200,25 @@ class _Stats:
     batches: int = 0
     last_tokens: int = 0
     last_time: float = field(default_factory=time.monotonic)
+    # Where the forward thread's time goes: in forward passes (incl. handing the batch to the
+    # dump writer), and idle for want of requests. Idle time means the clients starve the GPU.
+    busy_s: float = 0.0
+    idle_s: float = 0.0
+    padded_tokens: int = 0  # tokens computed, padding included
+    last_busy_s: float = 0.0
+    last_idle_s: float = 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "requests": self.requests,
+            "dumped": self.dumped,
+            "failed": self.failed,
+            "tokens": self.tokens,
+            "batches": self.batches,
+            "busy_s": round(self.busy_s, 3),
+            "idle_s": round(self.idle_s, 3),
+            "computed_tokens": self.padded_tokens,
+        }
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -192,6 +261,7 @@ class ReferenceServer:
         app.router.add_get("/get_model_info", self.model_info)
         app.router.add_get("/server_info", self.server_info)
         app.router.add_get("/get_server_info", self.server_info)
+        app.router.add_get("/stats", self.server_stats)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app
@@ -231,6 +301,9 @@ class ReferenceServer:
 
     async def server_info(self, _request: web.Request) -> web.Response:
         return web.json_response(self.info)
+
+    async def server_stats(self, _request: web.Request) -> web.Response:
+        return web.json_response(self.stats.as_dict())
 
     async def generate(self, request: web.Request) -> web.Response:
         try:
@@ -321,8 +394,25 @@ class ReferenceServer:
     # -- batching
 
     def _select_batch(self, pending: list[_Request]) -> tuple[list[_Request], list[_Request]]:
+        """The requests of the next forward pass, and the rest (which wait for the next one)."""
+        if self.engine.layout == "packed":
+            return self._select_packed(pending)
+        return self._select_padded(pending)
+
+    def _select_packed(self, pending: list[_Request]) -> tuple[list[_Request], list[_Request]]:
+        """Oldest first, each request that still fits the row's token budget (first fit)."""
+        batch, rest, used = [], [], 0
+        for item in pending:
+            if not batch or used + len(item.input_ids) <= self.max_batch_tokens:
+                batch.append(item)
+                used += len(item.input_ids)
+            else:
+                rest.append(item)
+        return batch, rest
+
+    def _select_padded(self, pending: list[_Request]) -> tuple[list[_Request], list[_Request]]:
         """The oldest request plus the waiting ones closest to it in length, within the budget
-        of padded tokens; the rest wait for the next pass."""
+        of padded tokens."""
         oldest, others = pending[0], pending[1:]
         others.sort(key=lambda r: (abs(len(r.input_ids) - len(oldest.input_ids)), r.started))
         batch, longest = [oldest], len(oldest.input_ids)
@@ -342,9 +432,11 @@ class ReferenceServer:
         pending: list[_Request] = []
         while True:
             if not pending:
+                waiting_since = time.monotonic()
                 pending.append(await self._queue.get())
                 if self.batch_window_s > 0:
                     await asyncio.sleep(self.batch_window_s)
+                self.stats.idle_s += time.monotonic() - waiting_since
             while not self._queue.empty():
                 pending.append(self._queue.get_nowait())
             # Requests whose client went away are dropped before they cost a forward pass.
@@ -358,6 +450,7 @@ class ReferenceServer:
                 await asyncio.Event().wait()
             for item in batch:
                 item.batch_size = len(batch)
+            started = time.monotonic()
             try:
                 await loop.run_in_executor(self._executor, self._run_batch, batch, loop)
             except Exception as exc:
@@ -369,13 +462,20 @@ class ReferenceServer:
                 for item in batch:
                     if not item.future.done():
                         item.future.set_exception(error)
+            self.stats.busy_s += time.monotonic() - started
             self.stats.batches += 1
 
     def _run_batch(self, batch: list[_Request], loop: asyncio.AbstractEventLoop) -> None:
         """Forward thread: one forward, then hand the tensors to the writer (may block on
         backpressure, which stalls only this thread)."""
+        lengths = [len(r.input_ids) for r in batch]
+        packed = self.engine.layout == "packed"
+        self.stats.padded_tokens += (
+            max(sum(lengths), self.max_batch_tokens) if packed else max(lengths) * len(lengths)
+        )
         aux, final, counts = self.engine.forward(
             [r.input_ids for r in batch],
+            capacity=self.max_batch_tokens,
             shift_layers=self.faults.shift_layer_batched and len(batch) > 1,
             drop_last=self.faults.wrong_token_count,
         )
@@ -407,11 +507,15 @@ class ReferenceServer:
             if stats.tokens == stats.last_tokens:
                 continue
             rate = (stats.tokens - stats.last_tokens) / (now - stats.last_time)
+            busy = stats.busy_s - stats.last_busy_s
+            idle = stats.idle_s - stats.last_idle_s
+            share = busy / (busy + idle) if busy + idle > 0 else 0.0
             stats.last_tokens, stats.last_time = stats.tokens, now
+            stats.last_busy_s, stats.last_idle_s = stats.busy_s, stats.idle_s
             log(
                 f"{stats.requests} requests done ({stats.dumped} dumped, {stats.failed} failed), "
                 f"{stats.tokens} tokens, {rate:.0f} tokens/s, {stats.batches} batches, "
-                f"{self._queue.qsize() + self._waiting} waiting"
+                f"forward busy {share:.0%}, {self._queue.qsize() + self._waiting} waiting"
             )
 
 
@@ -441,6 +545,8 @@ def server_info(args, engine: ReferenceEngine, dump_dir: Path) -> dict:
         ),
         "device": str(engine.device),
         "max_batch_tokens": args.max_batch_tokens,
+        "batch_layout": engine.layout,
+        "attn_implementation": engine.model.config._attn_implementation,
     }
 
 
@@ -464,6 +570,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="auto", choices=["auto", *_DTYPES])
     parser.add_argument("--max-batch-tokens", type=int, default=8192)
+    parser.add_argument(
+        "--attention",
+        default="auto",
+        choices=ATTENTION_LAYOUTS,
+        help="batch layout: packed (no padding computed), padded, auto (packed on CUDA)",
+    )
     parser.add_argument("--instance-id", default="")
     parser.add_argument("--trust-remote-code", action="store_true")
     parser.add_argument(
@@ -530,11 +642,17 @@ async def serve(args) -> None:
         dtype=dtype,
         trust_remote_code=args.trust_remote_code,
         hook_shifted_layers=faults.shift_layer_batched,
+        attention=args.attention,
     )
     log(
         f"loaded in {time.monotonic() - started:.1f}s: {engine.num_layers} layers, hidden "
-        f"{engine.hidden_size}, aux layers {engine.aux_layer_ids}, dumps to {dump_dir}"
+        f"{engine.hidden_size}, aux layers {engine.aux_layer_ids}, dumps to {dump_dir}, "
+        f"{engine.layout} batches of {args.max_batch_tokens} tokens "
+        f"({engine.model.config._attn_implementation} attention)"
     )
+    if engine.attn_implementation == "flex_attention":
+        seconds = await asyncio.to_thread(engine.warm_up, args.max_batch_tokens)
+        log(f"flex_attention kernels compiled by a warm-up forward in {seconds:.1f}s")
     if faults.active:
         log(f"FAULT INJECTION ACTIVE: {faults.describe()}")
     writer = DumpWriter(
