@@ -65,8 +65,9 @@ step() {
     [ "$rc" -ne 0 ] && FAILED+=("$name(rc=$rc)")
 }
 
-step extraction 290 python3 -u benchmarks/bench_extraction.py --parallel-shards 3 \
-    --tokens 1000000 --work-root "$SCRATCH" --out "$OUT/extraction.json"
+step extraction 290 python3 -u benchmarks/bench_extraction.py --tokens 600000 --chunk-mb 1024 \
+    --shard-gb 10 --parallel-shards 2 --variants auto:2:shm --work-root "$SCRATCH" \
+    --out "$OUT/extraction.json"
 step dump_gpu 50 python3 -u benchmarks/bench_dump_gpu.py \
     --batches 12 --repeats 3 --out "$OUT/dump_gpu.json"
 step sglang_hook 60 python3 -u benchmarks/bench_sglang_hook.py \

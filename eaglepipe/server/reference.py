@@ -441,10 +441,11 @@ class ReferenceServer:
                 pending.append(self._queue.get_nowait())
             # Requests whose client went away are dropped before they cost a forward pass.
             pending = [r for r in pending if not r.future.done()]
-            self._waiting = len(pending)
             if not pending:
+                self._waiting = 0
                 continue
             batch, pending = self._select_batch(pending)
+            self._waiting = len(pending)  # left for a later pass (new arrivals are queued)
             if any(r.generate_ordinal and self.faults.hangs_at(r.generate_ordinal) for r in batch):
                 log(f"fault hang_after:{self.faults.hang_after}: worker stalls")
                 await asyncio.Event().wait()
