@@ -96,7 +96,9 @@ class ShardRows:
 def load_shard_rows(table_path: Path, start: int, end: int) -> ShardRows:
     from .prepare import load_prepared, rows_in_range
 
-    rows = rows_in_range(load_prepared(table_path), start, end)
+    # Only this shard's row group is read: a job's start-up must not grow with the dataset.
+    columns = ["row_id", "input_ids", "loss_mask"]
+    rows = rows_in_range(load_prepared(table_path, start, end, columns=columns), start, end)
     rows = rows.sort_values("row_id")
     return ShardRows(
         row_ids=[int(r) for r in rows["row_id"]],

@@ -112,3 +112,20 @@ def test_dryrun_quick_check_plans_every_shard(tmp_path):
     assert "jobs planned" in out.with_suffix(".md").read_text()
     # The scratch run directory is gone afterwards.
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dryrun.json", "dryrun.md"]
+
+
+def test_job_start_quick_check_reads_the_same_rows_both_ways(tmp_path):
+    out = tmp_path / "job_start.json"
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    run_benchmark(
+        "bench_job_start.py",
+        *("--rows", "300", "--rows-per-shard", "50", "--mean-len", "64", "--repeat", "1"),
+        *("--dir", str(scratch), "--out", str(out)),
+    )
+    results = json.loads(out.read_text())
+    assert results["setup"]["shard"] == "rows_150-200"
+    assert results["setup"]["rows"] == 300 and results["setup"]["table_bytes"] > 0
+    assert results["shard_read_s"] > 0 and results["whole_table_read_s"] > 0
+    assert "whole / shard" in out.with_suffix(".md").read_text()
+    assert list(scratch.iterdir()) == []
