@@ -134,7 +134,10 @@ def prepare_dump_dir(path: str | os.PathLike) -> Path:
 
 
 def read_dump(path: str | os.PathLike) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """Load one dump: (aux bf16 [T, 3H], final bf16 [T, H], metadata dict with ints decoded)."""
+    """Load one dump: (aux bf16 [T, 3H], final bf16 [T, H], metadata dict with ints decoded).
+
+    The tensors map the file rather than copy it (safetensors), so no copy is made on the
+    client's hot path; deleting the file frees its space only once the tensors are gone."""
     path = Path(path)
     try:
         with safe_open(str(path), framework="pt") as f:

@@ -37,6 +37,7 @@ from .client import (
     ExtractionClient,
     RowRequest,
     expected_dump_bytes,
+    handoff_free_bytes,
     liveness_check,
 )
 from .config import (
@@ -315,8 +316,12 @@ def _extract_chunks(
             f"{settings.max_inflight_requests} requests and "
             f"{format_bytes(settings.max_inflight_bytes)} of dumps in flight"
         )
-        lookahead = config["extract"].get("lookahead_bytes") or 4 * int(
-            config["shards"]["chunk_max_bytes"]
+        # Dumps are mapped, not copied (eaglepipe.dump.read_dump), so rows held for the
+        # look-ahead keep their handoff space until their chunk is written: by default the
+        # look-ahead takes at most a quarter of the handoff's free space, as in-flight dumps do.
+        lookahead = config["extract"].get("lookahead_bytes") or min(
+            4 * int(config["shards"]["chunk_max_bytes"]),
+            max(1, handoff_free_bytes(Path(handle.dump_dir)) // 4),
         )
         assembler = ChunkAssembler(
             shard_dir, chunks, todo, rows, digest, hidden_size, engine, progress, log, lookahead
