@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -134,6 +135,33 @@ def test_single_shard_target_rebuilds_just_that_shard(run_copy):
     rebuilt = json.loads(manifest(run_copy, "rows_20-30").read_text())
     assert rebuilt["num_rows"] == 10
     assert {s: manifest(run_copy, s).stat().st_mtime_ns for s in others} == others
+
+
+def test_a_reextracted_shard_reruns_its_validation_training_and_evaluation(run_copy):
+    # train and evaluate list no manifests (5,000 more DAG edges each): a shard's new hidden
+    # states reach them through its validation, which takes the manifest as input.
+    downstream = [
+        "drafter/vocab.safetensors",
+        "drafter/model.safetensors",
+        "drafter/train_log.jsonl",
+        "drafter/eval.json",
+        "drafter/eval.png",
+    ]
+    for name in downstream:  # stand-ins for a finished training, newer than every shard
+        (run_copy / name).parent.mkdir(parents=True, exist_ok=True)
+        (run_copy / name).write_text("done\n")
+    assert dry_run_jobs(run_copy, "drafter/eval.json") == {}
+    # New bytes (a mere touch is not enough: Snakemake compares checksums of small inputs).
+    rewritten = manifest(run_copy, "rows_10-20")
+    time.sleep(0.01)
+    rewritten.write_text(rewritten.read_text() + "\n")
+    result = run_snakemake(run_copy, "-n", "drafter/eval.json")
+    assert dry_run_jobs(run_copy, "drafter/eval.json") == {
+        "validate": 1,
+        "train": 1,
+        "evaluate": 1,
+    }
+    assert "Updated input files: hidden_states/rows_10-20/manifest.json" in result.stdout
 
 
 def test_a_corrupt_shard_blocks_training(run_copy):
