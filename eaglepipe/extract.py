@@ -18,7 +18,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import sys
 import time
 from collections.abc import Callable
@@ -51,6 +50,7 @@ from .config import (
 )
 from .errors import PipelineError
 from .fingerprint import model_config_hash, tokenizer_fingerprint, weights_fingerprint
+from .jsonio import read_json_object
 from .layers import CONVENTION, FINAL_CONVENTION
 from .shard_plan import parse_shard_name
 from .shard_store import (
@@ -119,12 +119,7 @@ def shard_inputs_hash(rows: ShardRows) -> str:
 
 
 def _summary_provenance(summary_path: Path) -> dict:
-    try:
-        summary = json.loads(summary_path.read_text())
-    except FileNotFoundError:
-        raise PipelineError(f"{summary_path} is missing: run the prepare step first") from None
-    except json.JSONDecodeError as exc:
-        raise PipelineError(f"{summary_path} is not valid JSON: {exc}") from None
+    summary = read_json_object(summary_path, missing="is missing: run the prepare step first")
     return summary.get("provenance", summary)
 
 

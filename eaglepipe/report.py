@@ -25,6 +25,7 @@ import numpy as np  # noqa: E402
 
 from .atomic import atomic_write_bytes  # noqa: E402
 from .errors import PipelineError  # noqa: E402
+from .jsonio import read_json_object  # noqa: E402
 
 LAYER_NAMES = ("aux_0", "aux_1", "aux_2", "final")
 # Up to this many shards get one bar each; more are drawn as points so the figure stays legible.
@@ -36,16 +37,7 @@ DPI = 110
 
 
 def read_json(path: str | os.PathLike) -> dict:
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise PipelineError(f"report input {path} does not exist") from None
-    except json.JSONDecodeError as exc:
-        raise PipelineError(f"report input {path} is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise PipelineError(f"report input {path} must hold a JSON object")
-    return data
+    return read_json_object(path, what="report input")
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:

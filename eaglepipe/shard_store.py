@@ -34,6 +34,7 @@ from safetensors import safe_open
 from .atomic import atomic_write_bytes, atomic_write_json, fsync_dir
 from .errors import PipelineError
 from .fingerprint import hash_file, hash_json
+from .jsonio import read_json_object
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -594,16 +595,9 @@ def read_manifest(path: str | os.PathLike) -> dict:
     path = Path(path)
     if path.is_dir():
         path = path / MANIFEST_NAME
-    try:
-        manifest = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise PipelineError(
-            f"{path} does not exist: the shard has not finished extraction"
-        ) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise PipelineError(f"{path} is not valid JSON: {exc}") from None
-    if not isinstance(manifest, dict):
-        raise PipelineError(f"{path} must hold a JSON object")
+    manifest = read_json_object(
+        path, missing="does not exist: the shard has not finished extraction"
+    )
     missing = [k for k in _MANIFEST_KEYS if k not in manifest]
     if missing:
         raise PipelineError(f"{path} lacks key(s) {', '.join(missing)}")

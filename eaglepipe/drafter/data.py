@@ -9,7 +9,6 @@ tokens; a background thread reads the next batches while the GPU trains on the c
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 import threading
@@ -20,11 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 import torch
 from safetensors import safe_open
 
 from ..errors import PipelineError
+from ..jsonio import read_json_object
+from ..prepare import load_prepared
 
 SORT_WINDOW_BATCHES = 32
 OPEN_CHUNKS = 64
@@ -44,20 +44,12 @@ class RowRef:
 
 def split_row_ids(table_path: str | os.PathLike, split: str) -> set[int]:
     """Row ids of the prepared table whose `split` column equals `split`."""
-    try:
-        table = pd.read_parquet(table_path, columns=["row_id", "split"])
-    except FileNotFoundError:
-        raise PipelineError(f"prepared table {table_path} does not exist") from None
+    table = load_prepared(table_path, columns=["row_id", "split"])
     return set(table.loc[table["split"] == split, "row_id"].astype(int).tolist())
 
 
 def read_manifest_json(path: str | os.PathLike) -> dict:
-    try:
-        manifest = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise PipelineError(f"shard manifest {path} does not exist") from None
-    except json.JSONDecodeError as exc:
-        raise PipelineError(f"shard manifest {path} is not valid JSON: {exc}") from None
+    manifest = read_json_object(path, what="shard manifest")
     for key in ("chunks", "hidden_size", "aux_layer_ids"):
         if key not in manifest:
             raise PipelineError(f"shard manifest {path} lacks key {key}")

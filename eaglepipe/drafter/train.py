@@ -26,6 +26,7 @@ from ..atomic import atomic_write_bytes
 from ..config import aux_layer_ids, model_dir, read_model_config
 from ..errors import PipelineError
 from ..fingerprint import hash_file, hash_json
+from ..jsonio import read_json_object
 from .data import BatchStream, index_rows, plan_batches, split_row_ids
 from .loss import ttt_loss
 from .model import DrafterConfig, Eagle3Drafter
@@ -44,12 +45,7 @@ def check_validated(manifests: list[str], validated: list[str]) -> None:
     """Every manifest needs a validation report for the same shard and the same manifest bytes."""
     reports: dict[str, dict] = {}
     for path in validated:
-        try:
-            report = json.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise PipelineError(f"validation report {path} does not exist") from None
-        except json.JSONDecodeError as exc:
-            raise PipelineError(f"validation report {path} is not valid JSON: {exc}") from None
+        report = read_json_object(path, what="validation report")
         if "shard" not in report or "manifest_xxh3_128" not in report:
             raise PipelineError(f"validation report {path} lacks shard/manifest_xxh3_128")
         reports[report["shard"]] = report
