@@ -1,9 +1,26 @@
 """The one exception type for errors a user can cause.
 
-Scripts catch `PipelineError`, print its message on one line and exit non-zero, so every
-user-facing failure reads as a sentence naming the row, file, key, port or process involved.
+Scripts run their work inside `one_line_errors()`: a `PipelineError` is printed on one line and
+the process exits non-zero, so every user-facing failure reads as a sentence naming the row,
+file, key, port or process involved.
 """
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 
 class PipelineError(Exception):
     """An error the user can fix; the message names what is wrong and where."""
+
+
+@contextmanager
+def one_line_errors() -> Iterator[None]:
+    """Turn a PipelineError into `error: <message>` on stderr and exit status 1."""
+    try:
+        yield
+    except PipelineError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(1)

@@ -5,7 +5,7 @@ import argparse
 import sys
 
 from eaglepipe.config import config_from_arg
-from eaglepipe.errors import PipelineError
+from eaglepipe.errors import one_line_errors
 from eaglepipe.toy_target import build_toy_target
 
 
@@ -20,14 +20,11 @@ def main() -> int:
         help="torch threads (default: 1, fastest for the tiny model)",
     )
     args = parser.parse_args()
-    try:
+    with one_line_errors():
         config = config_from_arg(args.config)
         build_toy_target(
             args.out, config["model"]["toy"], config["dataset"]["path"], num_threads=args.threads
         )
-    except PipelineError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
     return 0
 
 

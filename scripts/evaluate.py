@@ -2,11 +2,10 @@
 """Evaluate the drafter on held-out rows: per-step accuracy and simulated acceptance length."""
 
 import argparse
-import sys
 
 from eaglepipe.config import config_from_arg
 from eaglepipe.drafter.evaluate import evaluate
-from eaglepipe.errors import PipelineError
+from eaglepipe.errors import one_line_errors
 from eaglepipe.workflow import planned_manifests
 
 
@@ -20,7 +19,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--plot")
     args = parser.parse_args()
-    try:
+    with one_line_errors():
         config = config_from_arg(args.config)
         evaluate(
             config,
@@ -31,9 +30,6 @@ def main() -> None:
             out_path=args.out,
             plot_path=args.plot,
         )
-    except PipelineError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(1)
 
 
 if __name__ == "__main__":

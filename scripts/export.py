@@ -2,11 +2,10 @@
 """Export the drafter for SGLang and vLLM (one directory per engine)."""
 
 import argparse
-import sys
 
 from eaglepipe.config import config_from_arg
 from eaglepipe.drafter.export import export
-from eaglepipe.errors import PipelineError
+from eaglepipe.errors import one_line_errors
 
 
 def main() -> None:
@@ -16,16 +15,13 @@ def main() -> None:
     parser.add_argument("--vocab", required=True)
     parser.add_argument("--out-dir", required=True)
     args = parser.parse_args()
-    try:
+    with one_line_errors():
         export(
             config_from_arg(args.config),
             model_path=args.model,
             vocab_path=args.vocab,
             out_dir=args.out_dir,
         )
-    except PipelineError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ import argparse
 import sys
 
 from eaglepipe.config import config_from_arg
-from eaglepipe.errors import PipelineError
+from eaglepipe.errors import one_line_errors
 from eaglepipe.extract import extract_shard
 
 
@@ -14,11 +14,8 @@ def main() -> int:
     parser.add_argument("--config", required=True, help="resolved config JSON or a YAML config")
     parser.add_argument("--shard", required=True, help="shard name, e.g. rows_0-64")
     args = parser.parse_args()
-    try:
+    with one_line_errors():
         extract_shard(config_from_arg(args.config), args.shard)
-    except PipelineError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
     return 0
 
 

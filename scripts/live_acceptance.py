@@ -2,12 +2,11 @@
 """Live speculative decoding with the exported SGLang drafter against the target."""
 
 import argparse
-import sys
 from pathlib import Path
 
 from eaglepipe.config import DRAFTER_DIR, config_from_arg
 from eaglepipe.drafter.live import live_acceptance
-from eaglepipe.errors import PipelineError
+from eaglepipe.errors import one_line_errors
 
 
 def main() -> None:
@@ -20,7 +19,7 @@ def main() -> None:
         "--eval", default=str(Path(DRAFTER_DIR) / "eval.json"), help="offline estimate to report"
     )
     args = parser.parse_args()
-    try:
+    with one_line_errors():
         live_acceptance(
             config_from_arg(args.config),
             export_dir=args.export_dir,
@@ -28,9 +27,6 @@ def main() -> None:
             out_path=args.out,
             eval_path=args.eval,
         )
-    except PipelineError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ import argparse
 import sys
 
 from eaglepipe.config import config_from_arg
-from eaglepipe.errors import PipelineError
+from eaglepipe.errors import one_line_errors
 from eaglepipe.prepare import run_prepare
 
 
@@ -13,11 +13,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--config", required=True, help="resolved config JSON or a YAML config")
     args = parser.parse_args()
-    try:
+    with one_line_errors():
         run_prepare(config_from_arg(args.config))
-    except PipelineError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
     return 0
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from eaglepipe import report
 from eaglepipe.config import HIDDEN_STATES_DIR, VALIDATED_DIR, config_from_arg
-from eaglepipe.errors import PipelineError
+from eaglepipe.errors import PipelineError, one_line_errors
 from eaglepipe.status import planned_shard_names
 
 
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--table", help="CSV of per-position figures to write")
 
     args = parser.parse_args(argv)
-    try:
+    with one_line_errors():
         if args.figure == "dataset":
             report.dataset_figure(args.table, args.summary, args.skipped, args.out)
         elif args.figure == "extraction":
@@ -74,9 +74,6 @@ def main(argv: list[str] | None = None) -> int:
             report.training_figure(args.log, args.out)
         else:
             report.acceptance_figure(args.eval, args.out, args.live, args.table)
-    except PipelineError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
     print(f"wrote {args.out}", flush=True)
     return 0
 

@@ -2,13 +2,12 @@
 """Train the EAGLE-3 drafter on validated shards (also under torchrun for DDP)."""
 
 import argparse
-import sys
 
 import torch
 
 from eaglepipe.config import config_from_arg
 from eaglepipe.drafter.train import train
-from eaglepipe.errors import PipelineError
+from eaglepipe.errors import one_line_errors
 from eaglepipe.workflow import planned_manifests, planned_validations
 
 
@@ -25,20 +24,18 @@ def main() -> None:
     parser.add_argument("--checkpoint-dir", required=True)
     args = parser.parse_args()
     try:
-        config = config_from_arg(args.config)
-        train(
-            config,
-            vocab_path=args.vocab,
-            table_path=args.table,
-            manifests=args.manifests or planned_manifests(config),
-            validated=planned_validations(config) if args.validated is None else args.validated,
-            out_path=args.out,
-            log_path=args.log,
-            checkpoint_dir=args.checkpoint_dir,
-        )
-    except PipelineError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(1)
+        with one_line_errors():
+            config = config_from_arg(args.config)
+            train(
+                config,
+                vocab_path=args.vocab,
+                table_path=args.table,
+                manifests=args.manifests or planned_manifests(config),
+                validated=planned_validations(config) if args.validated is None else args.validated,
+                out_path=args.out,
+                log_path=args.log,
+                checkpoint_dir=args.checkpoint_dir,
+            )
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from eaglepipe.config import VALIDATED_DIR, config_from_arg
-from eaglepipe.errors import PipelineError
+from eaglepipe.errors import one_line_errors
 from eaglepipe.validate import ShardPaths, validate_shard
 
 
@@ -23,12 +23,9 @@ def main() -> int:
         help=f"where the report goes (default {VALIDATED_DIR})",
     )
     args = parser.parse_args()
-    try:
+    with one_line_errors():
         config = config_from_arg(args.config)
         validate_shard(config, args.shard, ShardPaths(validated_dir=args.validated_dir))
-    except PipelineError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 1
     return 0
 
 

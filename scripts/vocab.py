@@ -2,13 +2,11 @@
 """Build the draft vocabulary (d2t/t2d) from the loss-masked tokens of the train rows."""
 
 import argparse
-import sys
-
-import pandas as pd
 
 from eaglepipe.config import config_from_arg, read_model_config, text_config
 from eaglepipe.drafter.vocab import build_draft_vocab, save_vocab
-from eaglepipe.errors import PipelineError
+from eaglepipe.errors import one_line_errors
+from eaglepipe.prepare import load_prepared
 
 
 def main() -> None:
@@ -17,15 +15,10 @@ def main() -> None:
     parser.add_argument("--table", required=True, help="prepared/tokenized.parquet")
     parser.add_argument("--out", required=True, help="drafter/vocab.safetensors")
     args = parser.parse_args()
-    try:
+    with one_line_errors():
         config = config_from_arg(args.config)
         vocab_size = int(text_config(read_model_config(config))["vocab_size"])
-        try:
-            table = pd.read_parquet(
-                args.table, columns=["row_id", "split", "input_ids", "loss_mask"]
-            )
-        except FileNotFoundError:
-            raise PipelineError(f"prepared table {args.table} does not exist") from None
+        table = load_prepared(args.table, columns=["row_id", "split", "input_ids", "loss_mask"])
         vocab, stats = build_draft_vocab(table, vocab_size, config["train"]["draft_vocab_size"])
         save_vocab(vocab, args.out, stats)
         print(
@@ -34,9 +27,6 @@ def main() -> None:
             f"-> {args.out}",
             flush=True,
         )
-    except PipelineError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(1)
 
 
 if __name__ == "__main__":

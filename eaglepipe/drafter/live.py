@@ -21,12 +21,12 @@ import json
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 import torch
 
 from ..atomic import atomic_write_json
 from ..config import model_dir, read_model_config
 from ..errors import PipelineError
+from ..prepare import load_prepared
 from .export import (
     drafter_from_sglang_params,
     engine_captured_layers,
@@ -38,7 +38,7 @@ from .model import Eagle3Drafter
 
 def held_out_prompts(table_path, count: int) -> list[tuple[int, list[int]]]:
     """(row id, prompt ids) of the first `count` eval rows that have an assistant turn."""
-    table = pd.read_parquet(table_path, columns=["row_id", "split", "input_ids", "loss_mask"])
+    table = load_prepared(table_path, columns=["row_id", "split", "input_ids", "loss_mask"])
     prompts = []
     for row in table[table["split"] == "eval"].sort_values("row_id").itertuples():
         mask = np.asarray(row.loss_mask, dtype=bool)
