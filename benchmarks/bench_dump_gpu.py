@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common import random_model_on  # noqa: E402
+from common import random_llama  # noqa: E402
 
 from eaglepipe.dump import DumpWriter, dump_path, make_rid, prepare_dump_dir, read_dump  # noqa: E402
 from eaglepipe.layers import default_aux_layer_ids  # noqa: E402
@@ -83,19 +83,18 @@ def parse_args(argv=None):
 
 
 def build_model(args, device: torch.device, dtype: torch.dtype):
-    from transformers import LlamaConfig
-
-    config = LlamaConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        max_position_embeddings=max(4096, args.seq_len),
+    return random_llama(
+        device,
+        dtype,
+        seed=0,
+        vocab=args.vocab,
+        hidden=args.hidden,
+        intermediate=args.intermediate,
+        layers=args.layers,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        max_pos=max(4096, args.seq_len),
     )
-    torch.manual_seed(0)
-    return random_model_on(config, device, dtype)
 
 
 def make_batches(args, count: int, seed: int) -> list[list[list[int]]]:

@@ -53,7 +53,7 @@ from common import (  # noqa: E402
     machine_info,
     machine_line,
     markdown_table,
-    random_model_on,
+    random_llama,
     rate,
     ratio,
     timed,
@@ -143,20 +143,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def build_target(shape: dict, device: torch.device, dtype: torch.dtype, seed: int):
     """A random-weight Llama, created directly on the device in the target dtype."""
-    from transformers import LlamaConfig
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=shape["vocab"],
-        hidden_size=shape["hidden"],
-        intermediate_size=shape["intermediate"],
-        num_hidden_layers=shape["layers"],
-        num_attention_heads=shape["heads"],
-        num_key_value_heads=shape["kv_heads"],
-        max_position_embeddings=shape["max_pos"],
-        tie_word_embeddings=False,
-    )
-    return random_model_on(config, device, dtype)
+    return random_llama(device, dtype, seed=seed, **shape)
 
 
 def save_target(model, model_dir: Path) -> None:

@@ -163,3 +163,34 @@ def random_model_on(config, device, dtype):
     finally:
         torch.set_default_dtype(previous)
     return model.eval()
+
+
+def random_llama(
+    device,
+    dtype,
+    *,
+    seed: int,
+    vocab: int,
+    hidden: int,
+    intermediate: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    max_pos: int,
+):
+    """A random-weight Llama of the given shape, made on `device` (see `random_model_on`)."""
+    import torch
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    return random_model_on(config, device, dtype)
