@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import sys
+import textwrap
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -73,3 +79,32 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_deepseek_dir(tmp_path_factory) -> Path:
     return build_tiny_deepseek_v3(tmp_path_factory.mktemp("tiny-deepseek-v3"))
+
+
+@contextmanager
+def shard_lock_held_elsewhere(shard_dir: Path) -> Iterator[subprocess.Popen]:
+    """Another process holds the shard's writer lock for the block; it is killed afterwards."""
+    holder = subprocess.Popen(
+        [
+            PYTHON,
+            "-c",
+            textwrap.dedent(
+                f"""
+                import time
+                from eaglepipe.shard_store import ShardLock
+                ShardLock({str(shard_dir)!r}).acquire()
+                print("locked", flush=True)
+                time.sleep(120)
+                """
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        yield holder
+    finally:
+        os.killpg(holder.pid, signal.SIGKILL)
+        holder.wait()

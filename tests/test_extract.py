@@ -12,7 +12,6 @@ import signal
 import socket
 import subprocess
 import sys
-import textwrap
 import time
 from collections import namedtuple
 from pathlib import Path
@@ -20,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import shard_lock_held_elsewhere
 
 from eaglepipe.config import load_config
 from eaglepipe.dump import DumpWriter, make_rid
@@ -370,31 +370,9 @@ def test_wrong_token_count_fails_naming_the_row(tiny_llama_dir, tmp_path, in_dir
 def test_second_writer_is_refused_naming_the_pid(main_run, tmp_path, tiny_llama_dir, in_dir):
     workdir = in_dir(make_workdir(tmp_path / "run", tiny_llama_dir))
     shard_dir = workdir / "hidden_states" / SHARD
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            textwrap.dedent(
-                f"""
-                import time
-                from eaglepipe.shard_store import ShardLock
-                ShardLock({str(shard_dir)!r}).acquire()
-                print("locked", flush=True)
-                time.sleep(120)
-                """
-            ),
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        assert holder.stdout.readline().strip() == "locked"
+    with shard_lock_held_elsewhere(shard_dir) as holder:
         with pytest.raises(PipelineError, match=rf"PID {holder.pid} on host"):
             extract_shard(run_config(workdir), SHARD, log=lambda line: None)
-    finally:
-        os.killpg(holder.pid, signal.SIGKILL)
-        holder.wait()
     assert not list(shard_dir.glob("chunk-*"))
 
 

@@ -4,15 +4,12 @@ per-shard writer lock, the free-space preflight and the manifest reader (synthet
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
-import textwrap
 from collections import namedtuple
 
 import pytest
 import torch
+from conftest import shard_lock_held_elsewhere
 from safetensors import safe_open
 
 from eaglepipe import shard_store
@@ -183,31 +180,9 @@ def test_read_manifest_errors_name_the_file(tmp_path):
 
 
 def test_second_writer_is_refused_naming_the_pid(tmp_path):
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            textwrap.dedent(
-                f"""
-                import sys, time
-                from eaglepipe.shard_store import ShardLock
-                lock = ShardLock({str(tmp_path)!r}).acquire()
-                print("locked", flush=True)
-                time.sleep(60)
-                """
-            ),
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        assert holder.stdout.readline().strip() == "locked"
+    with shard_lock_held_elsewhere(tmp_path) as holder:
         with pytest.raises(PipelineError, match=rf"PID {holder.pid} on host"):
             ShardLock(tmp_path).acquire()
-    finally:
-        os.killpg(holder.pid, 9)
-        holder.wait()
     # The kernel dropped the dead holder's flock: the next writer gets in.
     with ShardLock(tmp_path):
         pass
