@@ -105,6 +105,12 @@ class ValidationFailure(PipelineError):
         self.row = row
         self.detail = detail
 
+    @classmethod
+    def in_chunk(cls, shard: str, check: str, detail: str, entry: dict) -> ValidationFailure:
+        """A failure located at a manifest chunk entry (its file and first row)."""
+        row = entry["row_ids"][0] if entry["row_ids"] else None
+        return cls(shard, check, detail, chunk=entry["file"], row=row)
+
 
 # --- manifest -----------------------------------------------------------------------------
 
@@ -136,20 +142,18 @@ def check_chunk_file(shard_dir: Path, shard: str, entry: dict) -> Path:
     try:
         size = path.stat().st_size
     except FileNotFoundError:
-        raise ValidationFailure(
+        raise ValidationFailure.in_chunk(
             shard,
             "integrity",
             f"{path} is listed in the manifest ({_row_span(entry)}) but missing",
-            chunk=entry["file"],
-            row=entry["row_ids"][0] if entry["row_ids"] else None,
+            entry,
         ) from None
     if size != entry["bytes"]:
-        raise ValidationFailure(
+        raise ValidationFailure.in_chunk(
             shard,
             "integrity",
             f"{path} has {size} bytes, the manifest lists {entry['bytes']} ({_row_span(entry)})",
-            chunk=entry["file"],
-            row=entry["row_ids"][0] if entry["row_ids"] else None,
+            entry,
         )
     return path
 
@@ -159,13 +163,12 @@ def check_chunk_checksum(shard_dir: Path, shard: str, entry: dict) -> None:
     path = shard_dir / entry["file"]
     digest = hash_file(path)
     if digest != entry["xxh3_128"]:
-        raise ValidationFailure(
+        raise ValidationFailure.in_chunk(
             shard,
             "integrity",
             f"{path} re-hashes to xxh3-128 {digest}, the manifest lists {entry['xxh3_128']} "
             f"(corrupt chunk holding {_row_span(entry)})",
-            chunk=entry["file"],
-            row=entry["row_ids"][0] if entry["row_ids"] else None,
+            entry,
         )
 
 
@@ -192,12 +195,11 @@ def open_chunk(shard_dir: Path, shard: str, entry: dict):
     try:
         reader = safe_open(shard_dir / entry["file"], framework="pt")
     except Exception as exc:  # safetensors raises its own error types for corrupt headers
-        raise ValidationFailure(
+        raise ValidationFailure.in_chunk(
             shard,
             "schema",
             f"{shard_dir / entry['file']} is not a readable safetensors file: {exc}",
-            chunk=entry["file"],
-            row=entry["row_ids"][0] if entry["row_ids"] else None,
+            entry,
         ) from None
     with reader:
         yield reader
