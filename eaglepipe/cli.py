@@ -2,7 +2,7 @@
 
     eaglepipe server start|status|stop [--config PATH]
     eaglepipe status [--config PATH] [--all]
-    eaglepipe verify [--hidden-states DIR]
+    eaglepipe verify [--config PATH] [--hidden-states DIR] [--check-only]
 
 Each subcommand is registered by one `add_*_command(subparsers)` function listed in
 `SUBCOMMANDS`; it sets `run=<function(args) -> exit code>` on its parser. A new subcommand is
@@ -12,6 +12,7 @@ one more such function and one more entry in the list.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -156,23 +157,62 @@ def add_status_command(subparsers) -> None:
     parser.set_defaults(run=status_command)
 
 
-def verify_command(args: argparse.Namespace) -> int:
-    from .config import HIDDEN_STATES_DIR
-    from .validate import verify_all
+def _planned_shards(args: argparse.Namespace) -> list[str] | None:
+    """The run's shard plan, or None (with a note) when it cannot be computed here."""
+    from .status import planned_shard_names
 
-    problems = verify_all(hidden_states_dir=args.hidden_states or HIDDEN_STATES_DIR, progress=True)
-    for problem in problems:
+    try:
+        return planned_shard_names(load_config_arg(args))
+    except PipelineError as exc:
+        print(f"note: no shard plan ({exc}): every shard directory is checked", file=sys.stderr)
+        return None
+
+
+def verify_command(args: argparse.Namespace) -> int:
+    from .config import HIDDEN_STATES_DIR, VALIDATED_DIR
+    from .validate import invalidate_damaged, verify_shards
+
+    root = args.hidden_states or HIDDEN_STATES_DIR
+    report = verify_shards(root, planned=_planned_shards(args), progress=True)
+    for problem in report.problems:
         print(f"error: {problem}")
-    return 1 if problems else 0
+    for shard in report.unplanned:
+        print(
+            f"warning: {root / shard} is not in the current shard plan (an earlier plan's): "
+            f"training never reads it; remove it with `rm -r {root / shard} "
+            f"{VALIDATED_DIR / shard}.json`"
+        )
+    if report.damaged:
+        if args.check_only:
+            print(
+                "repair: `eaglepipe verify` (without --check-only) sets the damaged shards' "
+                "manifests aside, then `snakemake --cores N` re-extracts only their bad chunks"
+            )
+        else:
+            for shard in invalidate_damaged(report, root):
+                print(f"{shard}: manifest set aside ({root / shard}/manifest.invalid.json)")
+            print(
+                "repair: `snakemake --cores N` re-extracts the damaged chunks of "
+                f"{', '.join(sorted(report.damaged))} (intact chunks are kept) and revalidates "
+                "and retrains on them"
+            )
+    return 1 if report.problems else 0
 
 
 def add_verify_command(subparsers) -> None:
     parser = subparsers.add_parser(
         "verify",
-        help="re-check integrity and schema of every shard (e.g. after copying the data)",
+        help="re-check integrity and schema of every shard (e.g. after copying the data); "
+        "damaged shards are set aside for re-extraction",
     )
+    add_config_argument(parser)
     parser.add_argument(
         "--hidden-states", type=Path, default=None, help="shard root (default: hidden_states/)"
+    )
+    parser.add_argument(
+        "--check-only",
+        action="store_true",
+        help="only report; leave damaged shards' manifests in place",
     )
     parser.set_defaults(run=verify_command)
 
@@ -195,6 +235,11 @@ def main(argv: list[str] | None = None) -> int:
     except PipelineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        # The reader went away (`eaglepipe status | head`): not a failure. Point stdout at
+        # /dev/null so the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

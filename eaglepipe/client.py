@@ -28,7 +28,7 @@ import aiohttp
 import torch
 
 from .dump import is_pipeline_rid, make_rid, parse_rid, read_dump
-from .errors import PipelineError
+from .errors import PipelineError, ServerLost
 
 # How often the watchdog asks whether the server is alive, and how many consecutive failed
 # health probes (on top of the lifecycle's process check) count as "stopped answering".
@@ -301,9 +301,7 @@ class ExtractionClient:
                 self._remove_dump(rid)
                 # A dead server is not worth retrying; is_alive raises its detailed error.
                 if self.is_alive is not None and not await asyncio.to_thread(self.is_alive):
-                    raise PipelineError(
-                        f"the server at {self.url} died during extraction"
-                    ) from None
+                    raise ServerLost(f"the server at {self.url} died during extraction") from None
                 if attempt == s.retries:
                     break
                 self.stats.retries += 1
@@ -380,7 +378,7 @@ class ExtractionClient:
         while True:
             await asyncio.sleep(LIVENESS_INTERVAL_S)
             if self.is_alive is not None and not await asyncio.to_thread(self.is_alive):
-                raise PipelineError(f"the server at {self.url} died during extraction")
+                raise ServerLost(f"the server at {self.url} died during extraction")
             if self.gate is not None and hasattr(self.gate, "check"):
                 self.gate.check()  # the lifecycle's own watchdog verdict, if it has one
             try:
@@ -390,9 +388,9 @@ class ExtractionClient:
                 ok = False
             failures = 0 if ok else failures + 1
             if failures >= HEALTH_FAILURES_FATAL:
-                raise PipelineError(
+                raise ServerLost(
                     f"the server at {self.url} stopped answering /health "
-                    f"({failures} probes in a row failed)"
+                    f"({failures} probes in a row failed)" + _log_tail_of(self.gate)
                 )
 
     def _remove_dump(self, rid: str) -> None:
@@ -435,14 +433,23 @@ def liveness_check(handle) -> Callable[[], bool] | None:
             except psutil.NoSuchProcess:
                 gone = True
             if gone:
-                log = getattr(handle, "log_path", None)
-                raise PipelineError(
+                raise ServerLost(
                     f"the server engine (PID {engine_pid}) at {handle.url} exited during "
-                    f"extraction" + (f"; log: {log}" if log else "")
+                    f"extraction" + _log_tail_of(handle)
                 )
         return True
 
     return alive
+
+
+def _log_tail_of(handle) -> str:
+    """`; log: PATH; last lines: ...` for a lifecycle handle, else nothing."""
+    log = getattr(handle, "log_path", None)
+    if not log:
+        return ""
+    from .server.handle import log_tail
+
+    return f"; log: {log}; last lines:\n{log_tail(log)}"
 
 
 def _gate_of(handle):

@@ -43,6 +43,7 @@ EMPTY_CONVERSATION = "empty conversation"
 MALFORMED_MESSAGE = "malformed message"
 UNKNOWN_ROLE = "unknown role"
 NON_STRING_CONTENT = "non-string content"
+EMPTY_ASSISTANT_REPLY = "empty assistant reply"
 # Found while tokenizing (eaglepipe.chat_mask), listed here so all reasons live in one place.
 NO_ASSISTANT_TOKENS = "no assistant tokens"
 ASSISTANT_TRUNCATED = "assistant tokens truncated away"
@@ -187,7 +188,11 @@ def _normalize(
                 NON_STRING_CONTENT,
                 f"message {index} {content_key!r} is {type(content).__name__}, not a string",
             )
-        messages.append({"role": roles[role.lower()], "content": content})
+        role = roles[role.lower()]
+        if role == "assistant" and not content.strip():
+            # It would train on nothing but an end-of-turn token.
+            raise RowProblem(EMPTY_ASSISTANT_REPLY, f"message {index} (assistant) is empty")
+        messages.append({"role": role, "content": content})
     return messages
 
 

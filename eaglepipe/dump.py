@@ -18,6 +18,7 @@ falls behind by more than that bound.
 from __future__ import annotations
 
 import os
+import pwd
 import queue
 import re
 import stat
@@ -92,12 +93,16 @@ def temp_dump_path(dump_dir: str | os.PathLike, rid: str) -> Path:
 # ----------------------------------------------------------------------------- directory
 
 
-def prepare_dump_dir(path: str | os.PathLike) -> Path:
+def prepare_dump_dir(
+    path: str | os.PathLike, *, what: str = "dump directory", refuse_open_mode: bool = False
+) -> Path:
     """Create the dump directory with mode 0700 (missing parents too), or check an existing one.
 
-    An existing directory must be a real directory owned by this user; a wrong mode is fixed
-    (it is ours), a wrong owner or a symlink is refused, since the handoff dir usually lives
-    in a shared tmpfs where another user could otherwise read or plant dumps.
+    An existing directory must be a real directory owned by this user, since the handoff dir
+    usually lives in a shared tmpfs where another user could otherwise read or plant dumps: a
+    wrong owner or a symlink is refused. Any other mode than 0700 is fixed (the directory is
+    ours), except that with `refuse_open_mode` (the handoff root, a predictable path that may
+    have sat open for a while) one writable by group or others is refused.
     """
     path = Path(path).absolute()
     missing = []
@@ -111,23 +116,37 @@ def prepare_dump_dir(path: str | os.PathLike) -> Path:
         except FileExistsError:
             pass  # created concurrently by another process; checked below
         except OSError as exc:
-            raise PipelineError(f"cannot create dump directory {directory}: {exc}") from None
+            raise PipelineError(f"cannot create {what} {directory}: {exc}") from None
     info = os.lstat(path)
     if stat.S_ISLNK(info.st_mode):
-        raise PipelineError(f"dump directory {path} is a symlink; refusing to write through it")
+        raise PipelineError(f"{what} {path} is a symlink; refusing to write through it")
     if not stat.S_ISDIR(info.st_mode):
-        raise PipelineError(f"dump directory {path} exists but is not a directory")
+        raise PipelineError(f"{what} {path} exists but is not a directory")
     if info.st_uid != os.getuid():
         raise PipelineError(
-            f"dump directory {path} is owned by uid {info.st_uid}, not by this user "
-            f"(uid {os.getuid()}); choose another server.dump_root"
+            f"{what} {path} is owned by {_user_name(info.st_uid)}, not by this user "
+            f"({_user_name(os.getuid())}): another user could read or plant dumps there; remove "
+            "it or choose another server.dump_root"
         )
-    if stat.S_IMODE(info.st_mode) != 0o700:
+    mode = stat.S_IMODE(info.st_mode)
+    if mode & 0o022 and refuse_open_mode:
+        raise PipelineError(
+            f"{what} {path} has mode {mode:o} (writable by group or others): check what is in "
+            f"it, then `chmod 700 {path}`, or choose another server.dump_root"
+        )
+    if mode != 0o700:
         try:
             os.chmod(path, 0o700)
         except OSError as exc:
-            raise PipelineError(f"cannot set mode 0700 on dump directory {path}: {exc}") from None
+            raise PipelineError(f"cannot set mode 0700 on {what} {path}: {exc}") from None
     return path
+
+
+def _user_name(uid: int) -> str:
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
 
 
 # ----------------------------------------------------------------------------- reading

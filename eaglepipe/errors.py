@@ -16,6 +16,14 @@ class PipelineError(Exception):
     """An error the user can fix; the message names what is wrong and where."""
 
 
+class ServerLost(PipelineError):
+    """The shared server died or stopped answering while in use.
+
+    The one failure of a shard job that another attempt can fix (the next lease starts a fresh
+    server); every other PipelineError would fail the same way again, so it is not retried.
+    """
+
+
 @contextmanager
 def one_line_errors() -> Iterator[None]:
     """Turn a PipelineError into `error: <message>` on stderr and exit status 1."""

@@ -48,12 +48,15 @@ from .config import (
     read_model_config,
     text_config,
 )
-from .errors import PipelineError
-from .fingerprint import model_config_hash, tokenizer_fingerprint, weights_fingerprint
+from .errors import PipelineError, ServerLost
+from .fingerprint import model_config_hash, tokenizer_fingerprint
+from .identity import chunk_reuse_key, engine_identity
 from .jsonio import read_json_object
 from .layers import CONVENTION, FINAL_CONVENTION
 from .shard_plan import parse_shard_name
 from .shard_store import (
+    FAILURE_NAME,
+    INVALID_MANIFEST_NAME,
     MANIFEST_NAME,
     ChunkRecord,
     RowTensors,
@@ -66,7 +69,7 @@ from .shard_store import (
     journalled_bytes,
     plan_chunks,
     plan_digest,
-    read_journal,
+    record_failure,
     verified_chunks,
     write_chunk,
     write_manifest,
@@ -74,7 +77,9 @@ from .shard_store import (
 from .workflow import shard_provenance
 
 PROGRESS_INTERVAL_S = 2.0
-ENGINE_KEYS = ("engine", "engine_version")
+# Attempts per shard job when the server is lost mid-shard (the next lease starts a fresh one).
+# Nothing else is retried: every other error would fail the same way again.
+SERVER_ATTEMPTS = 2
 
 
 def _log(line: str) -> None:
@@ -142,6 +147,17 @@ def check_server_info(info: dict, aux_ids: list[int], hidden_size: int, url: str
             f"the server at {url} serves hidden size {served_hidden}, the model in the config "
             f"has {hidden_size}: it is serving another model"
         )
+
+
+def check_server_engine(info: dict, engine: dict, url: str) -> None:
+    """The leased server is the engine this job's chunks will be credited to."""
+    for key in ("engine", "engine_version"):
+        reported = info.get(key)
+        if reported is not None and reported != engine[key]:
+            raise PipelineError(
+                f"the server at {url} reports {key} {reported!r}, but this job's environment "
+                f"has {engine[key]!r}: run the workflow and the server in one environment"
+            )
 
 
 class Progress:
@@ -288,6 +304,7 @@ def _extract_chunks(
     digest: str,
     hidden_size: int,
     aux_ids: list[int],
+    engine: dict,
     progress: Progress,
     log: Callable[[str], None],
 ) -> tuple[dict[int, ChunkRecord], int, dict]:
@@ -303,7 +320,7 @@ def _extract_chunks(
     with server_lease(config) as handle:
         info = dict(handle.info)
         check_server_info(info, aux_ids, hidden_size, handle.url)
-        engine = {"engine": info.get("engine"), "engine_version": info.get("engine_version")}
+        check_server_engine(info, engine, handle.url)
         settings = ClientSettings.from_config(config, hidden_size, Path(handle.dump_dir))
         log(
             f"{progress.shard}: requesting {len(requests)} rows from {handle.url} "
@@ -343,7 +360,7 @@ def _extract_chunks(
         "lookahead_wait_s": round(assembler.lookahead_wait_s, 3),
         "chunk_write_s": round(assembler.write_s, 3),
     }
-    return assembler.records, client.stats.requests_sent, engine, breakdown
+    return assembler.records, client.stats.requests_sent, breakdown
 
 
 def extract_shard(
@@ -368,14 +385,10 @@ def extract_shard(
     aux_ids = aux_layer_ids(config)
     inputs_hash = shard_inputs_hash(rows)
     model_hash = model_config_hash(model_dir(config))
-    content_key = {
-        "shard_inputs_hash": inputs_hash,
-        "model_config_hash": model_hash,
-        "weights": weights_fingerprint(model_dir(config)),
-        "aux_layer_ids": aux_ids,
-        "hidden_size": hidden_size,
-        "dtype": "bfloat16",
-    }
+    engine = engine_identity(config)
+    content_key = chunk_reuse_key(
+        config, shard_inputs_hash=inputs_hash, hidden_size=hidden_size, engine=engine
+    )
     chunks = plan_chunks(
         rows.row_ids,
         rows.num_tokens,
@@ -391,8 +404,10 @@ def extract_shard(
     check_free_space(needed, shard_dir, f"shard {shard_name}")
 
     with ShardLock(shard_dir):
-        # A manifest left from an earlier run must not vouch for a shard being rewritten.
+        # A manifest left from an earlier run must not vouch for a shard being rewritten; a set
+        # aside one has done its job once the shard is being extracted again.
         (shard_dir / MANIFEST_NAME).unlink(missing_ok=True)
+        (shard_dir / INVALID_MANIFEST_NAME).unlink(missing_ok=True)
         done = verified_chunks(shard_dir, chunks, digest)
         todo = [i for i in range(len(chunks)) if i not in done]
         done_rows = sum(len(chunks[i]) for i in done)
@@ -411,17 +426,23 @@ def extract_shard(
             log,
         )
         records = dict(done)
+        # Kept chunks matched the reuse key, engine identity included: every chunk of the
+        # shard was computed by `engine`, whether requested now or in an earlier attempt.
         if todo:
-            new_records, requests_sent, engine, breakdown = _extract_chunks(
-                config, shard_dir, chunks, todo, rows, digest, hidden_size, aux_ids, progress, log
+            new_records, requests_sent, breakdown = _extract_chunks(
+                config,
+                shard_dir,
+                chunks,
+                todo,
+                rows,
+                digest,
+                hidden_size,
+                aux_ids,
+                engine,
+                progress,
+                log,
             )
             records.update(new_records)
-        else:
-            # Nothing to request: no server is started; the chunks' journal names their engine.
-            # (An empty shard, every row skipped by prepare, has no chunk and no engine.)
-            entries = read_journal(shard_dir)
-            first = entries.get(records[0].file, {}) if records else {}
-            engine = {key: first.get(key) for key in ENGINE_KEYS}
         seconds = time.monotonic() - t0
         manifest = build_manifest(
             shard=shard_name,
@@ -440,6 +461,8 @@ def extract_shard(
                 "final_convention": FINAL_CONVENTION,
                 "engine": engine["engine"],
                 "engine_version": engine["engine_version"],
+                # Device, dtype and layout too: what makes two shards' values comparable.
+                "engine_identity": engine,
                 "project_version": __version__,
                 # What the workflow's rerun decision compares (eaglepipe.workflow).
                 "workflow": workflow_stamp,
@@ -462,3 +485,39 @@ def extract_shard(
         f"{requests_sent} request(s) sent"
     )
     return manifest
+
+
+def run_extract_job(
+    config: dict,
+    shard_name: str,
+    *,
+    hidden_states_dir: Path = HIDDEN_STATES_DIR,
+    log: Callable[[str], None] = _log,
+) -> dict:
+    """A shard job: `extract_shard`, once more with a fresh server if the server was lost.
+
+    A failure is recorded in the shard directory (`failed.json`, what `eaglepipe status`
+    shows) until the next attempt starts or the directory is removed.
+    """
+    shard_dir = Path(hidden_states_dir) / shard_name
+    (shard_dir / FAILURE_NAME).unlink(missing_ok=True)
+    # Logs are appended to: this line separates the attempts of separate runs.
+    started = datetime.now(UTC).isoformat(timespec="seconds")
+    log(f"=== {shard_name}: extraction job started {started}")
+    attempt = 1
+    while True:
+        try:
+            return extract_shard(config, shard_name, hidden_states_dir=hidden_states_dir, log=log)
+        except ServerLost as exc:
+            if attempt == SERVER_ATTEMPTS:
+                record_failure(shard_dir, str(exc))
+                raise
+            log(f"error (attempt {attempt}/{SERVER_ATTEMPTS}): {exc}")
+            attempt += 1
+            log(
+                f"{shard_name}: attempt {attempt}/{SERVER_ATTEMPTS} with a fresh server; "
+                "finished chunks are kept"
+            )
+        except Exception as exc:
+            record_failure(shard_dir, str(exc) or type(exc).__name__)
+            raise

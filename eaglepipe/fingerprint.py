@@ -45,6 +45,17 @@ def hash_file(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
+def file_identity(path: str | os.PathLike) -> tuple[int, int, int, int, int]:
+    """What a cache of facts about a file is keyed on: device, inode, size, mtime and ctime.
+
+    mtime alone can be carried over by `cp -p`, `rsync -a` or `tar x` of an edited file of the
+    same size; ctime cannot be set by a user (every write, rename or copy moves it), so a file
+    whose identity is unchanged still has the content the cached facts were computed from.
+    """
+    stat = os.stat(path)
+    return (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+
+
 def hash_json(obj) -> str:
     return hash_bytes(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode())
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import io
 import os
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -69,6 +70,9 @@ def load_target_tokenizer(config: dict):
     except (OSError, ValueError) as exc:
         raise PipelineError(f"cannot load the tokenizer of {model_dir}: {exc}") from None
     require_chat_template(tokenizer, str(model_dir))
+    # prepare truncates to dataset.max_length itself; transformers would warn about every row
+    # longer than the model's maximum, truncated on purpose or not.
+    tokenizer.model_max_length = sys.maxsize
     return tokenizer
 
 
@@ -231,6 +235,7 @@ def run_prepare(
             f"dataset.path {source} changed while it was read ({total} rows counted, {done} read)"
         )
 
+    require_training_rows(source, total, splits, skipped)
     summary = _summary(
         config, source, model_dir, total, row_ids, splits, token_arrays, mask_arrays, truncated
     )
@@ -254,6 +259,25 @@ def run_prepare(
     }
     _print_outcome(summary, skipped_doc, prepared_dir, written)
     return summary
+
+
+def require_training_rows(
+    source: Path, total: int, splits: list[str], skipped: list[BadRow]
+) -> None:
+    """Stop here, before anything is written, when no row is left to train on."""
+    if not splits:
+        reasons = Counter(b.reason for b in skipped)
+        why = ", ".join(f"{reason}: {n}" for reason, n in sorted(reasons.items()))
+        raise PipelineError(
+            f"dataset.path {source}: no usable rows (kept 0 of {total}"
+            + (f"; skipped {why}" if why else "")
+            + "): nothing to extract or train on"
+        )
+    if "train" not in splits:
+        raise PipelineError(
+            f"dataset.path {source}: all {len(splits)} kept rows are held out (see "
+            "dataset.holdout): no rows left in the train split"
+        )
 
 
 def _summary(

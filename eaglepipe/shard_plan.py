@@ -7,7 +7,8 @@ leaves a gap in its shard and never shifts the shards after it.
 
 Counting a large JSONL file and hashing every shard's rows costs a full read, and the
 Snakefile is parsed by every job; both results are cached in a small JSON file per source,
-keyed by the source's absolute path, size and mtime_ns, so only the first parse pays.
+keyed by the source's absolute path and `fingerprint.file_identity` (inode, size, mtime and
+ctime: an edit cannot keep all of them), so only the first parse pays.
 
 `shard_source_digests` gives each shard an xxh3-128 digest of its raw source rows: editing
 one row changes only its shard's digest, which lets the workflow rerun exactly that shard.
@@ -26,9 +27,10 @@ import xxhash
 from .atomic import atomic_write_json
 from .dataset import iter_jsonl_lines, iter_parquet_records, source_kind
 from .errors import PipelineError
+from .fingerprint import file_identity
 
 DEFAULT_CACHE_DIR = ".eaglepipe/cache"
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2  # 2: keyed on file_identity (inode, ctime), not size + mtime
 _NAME_RE = re.compile(r"^rows_(\d+)-(\d+)$")
 
 
@@ -90,15 +92,10 @@ def _cache_path(path: Path, cache_dir: str | os.PathLike) -> Path:
 
 def _source_identity(path: Path) -> dict:
     try:
-        stat = path.stat()
+        identity = file_identity(path)
     except FileNotFoundError:
         raise PipelineError(f"dataset.path {path} does not exist") from None
-    return {
-        "version": _CACHE_VERSION,
-        "path": str(path),
-        "size": stat.st_size,
-        "mtime_ns": stat.st_mtime_ns,
-    }
+    return {"version": _CACHE_VERSION, "path": str(path), "identity": list(identity)}
 
 
 def _load_cache(path: Path, cache_dir: str | os.PathLike) -> tuple[dict, Path]:
@@ -139,7 +136,7 @@ def _count_rows(path: Path) -> int:
 def count_source_rows(
     path: str | os.PathLike, cache_dir: str | os.PathLike = DEFAULT_CACHE_DIR
 ) -> int:
-    """Number of data rows in the source (cached by path, size and mtime_ns)."""
+    """Number of data rows in the source (cached by path and file identity)."""
     path = Path(path).resolve()
     cached, cache_file = _load_cache(path, cache_dir)
     if "num_rows" not in cached:

@@ -33,11 +33,16 @@ from safetensors import safe_open
 
 from .atomic import atomic_write_bytes, atomic_write_json, fsync_dir
 from .errors import PipelineError
-from .fingerprint import hash_file, hash_json
-from .jsonio import read_json_object
+from .fingerprint import hash_bytes, hash_file, hash_json
+from .jsonio import read_json_object, read_json_object_bytes
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
+# A damaged shard's manifest, set aside by `invalidate_shard` (the shard is extracted again).
+INVALID_MANIFEST_NAME = "manifest.invalid.json"
+# Why the shard's last extraction attempt failed (read by `eaglepipe status`); removed when an
+# attempt starts, and with the shard directory.
+FAILURE_NAME = "failed.json"
 JOURNAL_NAME = "journal.jsonl"
 LOCK_NAME = "writer.lock"
 CHUNK_PATTERN = "chunk-*.safetensors"
@@ -590,12 +595,53 @@ def write_manifest(shard_dir: str | os.PathLike, manifest: dict) -> Path:
     return path
 
 
+def record_failure(shard_dir: str | os.PathLike, message: str) -> None:
+    """Record why this attempt at the shard failed (its first line; the log has the rest)."""
+    atomic_write_json(
+        Path(shard_dir) / FAILURE_NAME,
+        {"error": (message.splitlines() or [""])[0], "failed_at": datetime.now(UTC).isoformat()},
+    )
+
+
+def read_failure(shard_dir: str | os.PathLike) -> dict | None:
+    try:
+        return json.loads((Path(shard_dir) / FAILURE_NAME).read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def invalidate_shard(shard_dir: str | os.PathLike, reason: str) -> Path:
+    """Set a damaged shard's manifest aside, so that the workflow extracts the shard again.
+
+    A shard without `manifest.json` is not done: the next `snakemake --cores N` re-extracts it,
+    and the journal check keeps every chunk that still verifies, so only the damaged chunks are
+    computed again. The manifest is kept, with the reason, in `manifest.invalid.json` (written
+    first: a crash in between leaves the shard as it was).
+    """
+    shard_dir = Path(shard_dir)
+    manifest = read_json_object(shard_dir / MANIFEST_NAME, what="shard manifest")
+    record = shard_dir / INVALID_MANIFEST_NAME
+    atomic_write_json(
+        record,
+        {"reason": reason, "invalidated_at": datetime.now(UTC).isoformat(), "manifest": manifest},
+    )
+    (shard_dir / MANIFEST_NAME).unlink(missing_ok=True)
+    fsync_dir(shard_dir)
+    return record
+
+
 def read_manifest(path: str | os.PathLike) -> dict:
     """Load a shard manifest (the file, or its shard directory), checking its shape."""
+    return read_manifest_and_hash(path)[0]
+
+
+def read_manifest_and_hash(path: str | os.PathLike) -> tuple[dict, str]:
+    """`read_manifest` and the xxh3-128 of the very bytes it parsed (a report that records the
+    hash then describes exactly the manifest it checked, even if the file is replaced)."""
     path = Path(path)
     if path.is_dir():
         path = path / MANIFEST_NAME
-    manifest = read_json_object(
+    manifest, raw = read_json_object_bytes(
         path, missing="does not exist: the shard has not finished extraction"
     )
     missing = [k for k in _MANIFEST_KEYS if k not in manifest]
@@ -612,7 +658,7 @@ def read_manifest(path: str | os.PathLike) -> dict:
         ]
         if absent:
             raise PipelineError(f"{path}: chunks[{i}] lacks key(s) {', '.join(absent)}")
-    return manifest
+    return manifest, hash_bytes(raw)
 
 
 # ---------------------------------------------------------------------------------------------

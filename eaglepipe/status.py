@@ -1,15 +1,19 @@
 """Where a long extraction stands: per-shard state, totals, recent throughput and an ETA.
 
 Built for thousands of shards: it never opens a chunk file. Per shard it stats the shard
-directory and reads at most the small JSON files (manifest, journal, lock) and the tail of
-the shard's log, so `eaglepipe status` answers in seconds on a 5,000-shard run.
+directory and reads at most the small JSON files (manifest, journal, lock, failure record),
+so `eaglepipe status` answers in seconds on a 5,000-shard run.
 
 A shard is
 - done: `manifest.json` exists (the manifest is written last, atomically);
 - running: its lock file names a live process (chunks done of planned from `journal.jsonl`);
-- failed: not done, not running, and its extract log ends in an error;
-- partial: not done, not running, no error, but some chunks are journaled (a killed job);
+- failed: not done, not running, and its last attempt recorded why it failed (`failed.json`,
+  gone once another attempt starts or the shard directory is removed);
+- partial: not done, not running, no failure, but some chunks are journaled (a killed job, or
+  a damaged shard `eaglepipe verify` set aside);
 - remaining: nothing of it exists yet.
+
+Shard directories the plan does not contain (an earlier `rows_per_shard`) are listed apart.
 """
 
 from __future__ import annotations
@@ -28,26 +32,25 @@ from typing import TextIO
 import numpy as np
 import psutil
 
-from .config import HIDDEN_STATES_DIR, LOG_DIR, PREPARED_TABLE, TOY_MODEL_DIR, text_config
+from .config import HIDDEN_STATES_DIR, PREPARED_TABLE, TOY_MODEL_DIR, text_config
 from .errors import PipelineError
 from .shard_plan import parse_shard_name
 from .shard_store import (
+    INVALID_MANIFEST_NAME,
     JOURNAL_NAME,
     LOCK_NAME,
     MANIFEST_NAME,
     format_bytes,
     plan_bytes,
     plan_chunks,
+    read_failure,
     read_journal,
 )
 
-EXTRACT_LOG_DIR = LOG_DIR / "extract"
 # Throughput is measured over this trailing window, so an ETA reflects the current pace.
 RECENT_WINDOW_S = 3600.0
 # A running shard with no finished chunk for this long is flagged in the listing.
 QUIET_WARNING_S = 3600.0
-# Only the end of a log is read: the last error is what a person needs.
-LOG_TAIL_BYTES = 16384
 
 DONE, RUNNING, FAILED, PARTIAL, REMAINING = "done", "running", "failed", "partial", "remaining"
 STATES = (DONE, RUNNING, FAILED, PARTIAL, REMAINING)
@@ -70,6 +73,8 @@ class ShardStatus:
     lock_pid: int | None = None
     lock_host: str | None = None
     error: str | None = None
+    # Why `eaglepipe verify` set the shard's manifest aside (it is extracted again).
+    damage: str | None = None
 
     @property
     def planned_rows(self) -> int:
@@ -90,6 +95,8 @@ class StatusSummary:
     remaining_tokens: int | None
     eta_s: float | None
     remaining_bytes: int | None = None
+    # Shard directories on disk that the plan does not contain.
+    unplanned: list[str] = field(default_factory=list)
     generated_at: float = field(default_factory=time.time)
 
     @property
@@ -142,32 +149,6 @@ def lock_is_live(lock: dict, *, hostname: str | None = None) -> bool:
         return False
 
 
-def last_error_line(log_path: Path) -> str | None:
-    """The line a person needs from a failed job's log: the last `error:` line a script
-    printed, else the exception line of the last Python traceback."""
-    try:
-        with open(log_path, "rb") as f:
-            size = f.seek(0, os.SEEK_END)
-            f.seek(max(0, size - LOG_TAIL_BYTES))
-            tail = f.read().decode("utf-8", errors="replace")
-    except FileNotFoundError:
-        return None
-    lines = [line.rstrip() for line in tail.splitlines() if line.strip()]
-    # Scripts print `error: <message>` at column 0; a message may go on with a server's log
-    # tail, whose own lines (often "ERROR ...") must not be taken for it.
-    for line in reversed(lines):
-        if line.startswith("error:"):
-            return line.strip()
-    for index in range(len(lines) - 1, -1, -1):
-        if lines[index].startswith("Traceback (most recent call last)"):
-            # The exception line is the first unindented line after the traceback's frames.
-            for line in lines[index + 1 :]:
-                if not line.startswith((" ", "\t")):
-                    return line.strip()
-            return lines[-1].strip()
-    return None
-
-
 def _read_lock(path: Path) -> dict | None:
     try:
         return _read_json(path)
@@ -180,10 +161,10 @@ def inspect_shard(
     name: str,
     *,
     hidden_states_dir: Path = HIDDEN_STATES_DIR,
-    log_dir: Path = EXTRACT_LOG_DIR,
     hostname: str | None = None,
 ) -> ShardStatus:
-    """One shard's state from its manifest, journal, writer lock and log (no chunk is opened)."""
+    """One shard's state from its manifest, journal, writer lock and failure record (no chunk is
+    opened)."""
     shard = parse_shard_name(name)
     status = ShardStatus(name, shard.start, shard.end)
     shard_dir = Path(hidden_states_dir) / name
@@ -214,9 +195,13 @@ def inspect_shard(
             status.lock_pid, status.lock_host = lock.get("pid"), lock.get("host")
             status.started_at = _parse_time(lock.get("started_at"))
             return status
-    error = last_error_line(Path(log_dir) / f"{name}.log")
-    if error:
-        status.state, status.error = FAILED, error
+    failure = read_failure(shard_dir)
+    if failure is not None:
+        status.state, status.error = FAILED, failure.get("error", "(no reason recorded)")
+        return status
+    set_aside = _read_json(shard_dir / INVALID_MANIFEST_NAME)
+    if set_aside is not None:
+        status.state, status.damage = PARTIAL, set_aside.get("reason", "damaged")
     elif status.chunks_done:
         status.state = PARTIAL
     return status
@@ -347,7 +332,6 @@ def shard_status(
     workdir: str | os.PathLike,
     plan: Iterable[str],
     *,
-    log_dir: str | os.PathLike | None = None,
     hidden_size: int | None = None,
     chunk_max_bytes: int | None = None,
     now: float | None = None,
@@ -359,15 +343,10 @@ def shard_status(
     planned and the totals show the bytes still to write.
     """
     workdir = Path(workdir)
-    log_dir = workdir / EXTRACT_LOG_DIR if log_dir is None else Path(log_dir)
     hostname = socket.gethostname()
+    plan = list(plan)
     shards = [
-        inspect_shard(
-            name,
-            hidden_states_dir=workdir / HIDDEN_STATES_DIR,
-            log_dir=log_dir,
-            hostname=hostname,
-        )
+        inspect_shard(name, hidden_states_dir=workdir / HIDDEN_STATES_DIR, hostname=hostname)
         for name in plan
     ]
     prepared = PreparedRows.read(workdir / PREPARED_TABLE)
@@ -377,9 +356,28 @@ def shard_status(
         else None
     )
     summary = summarize(shards, planned_tokens=planned, now=now, window_s=window_s)
+    summary.unplanned = unplanned_shard_dirs(workdir / HIDDEN_STATES_DIR, plan)
     if hidden_size and summary.remaining_tokens is not None:
         summary.remaining_bytes = plan_bytes([summary.remaining_tokens], hidden_size)
     return summary
+
+
+def unplanned_shard_dirs(hidden_states_dir: Path, plan: list[str]) -> list[str]:
+    """Names of shard directories under `hidden_states_dir` that `plan` does not contain."""
+    planned = set(plan)
+    try:
+        names = [p.name for p in Path(hidden_states_dir).iterdir() if p.is_dir()]
+    except FileNotFoundError:
+        return []
+    found = []
+    for name in names:
+        try:
+            shard = parse_shard_name(name)
+        except PipelineError:
+            continue
+        if name not in planned:
+            found.append((shard.start, shard.end, name))
+    return [name for *_, name in sorted(found)]
 
 
 def human_count(n: float) -> str:
@@ -447,8 +445,16 @@ def format_status(summary: StatusSummary, *, list_all: bool = False, max_listed:
     for shard in shown(FAILED):
         lines.append(f"  FAILED   {shard.name}: {shard.error}")
     for shard in shown(PARTIAL):
+        damage = f", damaged ({shard.damage})" if shard.damage else ""
         lines.append(
-            f"  partial  {shard.name}: {shard.chunks_done} chunks kept, resumes on the next run"
+            f"  partial  {shard.name}: {shard.chunks_done} chunks kept{damage}, "
+            "resumes on the next run"
+        )
+    if summary.unplanned:
+        names = " ".join(f"{HIDDEN_STATES_DIR}/{name}" for name in summary.unplanned)
+        lines.append(
+            f"not in the plan: {len(summary.unplanned)} shard dir(s) of an earlier plan, never "
+            f"trained on; remove with `rm -r {names}`"
         )
     if list_all:
         for state in (DONE, REMAINING):

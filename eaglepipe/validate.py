@@ -3,8 +3,8 @@
 `validate_shard` runs six checks over one extracted shard and writes
 `validated/rows_{start}-{end}.json` only when all of them pass:
 
-- provenance: the manifest's model, tokenizer, dataset hashes, layer ids and conventions equal
-  the current configuration's;
+- provenance: the manifest's model and tokenizer hashes, layer ids and conventions equal the
+  current configuration's (its rows are checked by coverage);
 - integrity: every listed chunk exists, has its listed size and re-hashes to its listed
   xxh3-128; no unlisted chunk file is present;
 - schema: tensor names, dtypes and shapes agree with the offsets, the manifest's row ids,
@@ -57,6 +57,7 @@ from .errors import PipelineError
 from .fingerprint import hash_file, model_config_hash, tokenizer_files, tokenizer_fingerprint
 from .layers import CONVENTION, FINAL_CONVENTION, hf_hidden_state_index
 from .shard_plan import parse_shard_name
+from .workflow import validation_settings
 
 CHECKS = ("integrity", "schema", "coverage", "values", "provenance", "spot_check")
 LAYER_NAMES = ("aux_0", "aux_1", "aux_2", "final")
@@ -70,10 +71,12 @@ CHUNK_TENSORS = {
     "final_hidden_states": "BF16",
 }
 HIDDEN_DTYPES = {"bfloat16": "BF16"}
+# The dataset file's hash is not among them: a shard depends on its own rows only (the coverage
+# check compares them with the prepared table), as the rerun policy decides per shard; an
+# appended row must not fail the untouched shards that no command would re-extract.
 PROVENANCE_FIELDS = (
     "model_config_hash",
     "tokenizer_fingerprint",
-    "dataset_hash",
     "aux_layer_ids",
     "layer_convention",
     "final_convention",
@@ -117,15 +120,20 @@ class ValidationFailure(PipelineError):
 
 def read_manifest(shard_dir: Path, shard: str) -> dict:
     """The shard's manifest (shape checked by the shard store); a bad one fails `schema`."""
+    return read_manifest_and_hash(shard_dir, shard)[0]
+
+
+def read_manifest_and_hash(shard_dir: Path, shard: str) -> tuple[dict, str]:
+    """`read_manifest` and the hash of the bytes it parsed."""
     try:
-        manifest = shard_store.read_manifest(shard_dir / shard_store.MANIFEST_NAME)
+        manifest, digest = shard_store.read_manifest_and_hash(shard_dir / shard_store.MANIFEST_NAME)
     except PipelineError as exc:
         raise ValidationFailure(shard, "schema", str(exc)) from None
     if manifest["shard"] != shard:
         raise ValidationFailure(
             shard, "schema", f"{shard_dir}/manifest.json describes shard {manifest['shard']!r}"
         )
-    return manifest
+    return manifest, digest
 
 
 def _row_span(entry: dict) -> str:
@@ -701,7 +709,6 @@ def expected_provenance(config: dict, summary_path: Path = cfg.PREPARED_SUMMARY)
     return {
         "model_config_hash": model_config_hash(model_dir),
         "tokenizer_fingerprint": tokenizer,
-        "dataset_hash": summary_provenance.get("dataset_hash"),
         "aux_layer_ids": cfg.aux_layer_ids(config),
         "layer_convention": CONVENTION,
         "final_convention": FINAL_CONVENTION,
@@ -726,7 +733,7 @@ def check_provenance(shard: str, manifest: dict, expected: dict) -> dict:
                 "provenance",
                 f"field {name} is {recorded.get(name)!r} in the manifest but {expected[name]!r} "
                 "for the current configuration (the shard was made from another "
-                f"{'layer set' if name == 'aux_layer_ids' else 'model, tokenizer or dataset'}; "
+                f"{'layer set' if name == 'aux_layer_ids' else 'model or tokenizer'}; "
                 "re-extract it)",
             )
     return {"ok": True, "fields": list(PROVENANCE_FIELDS)}
@@ -1078,9 +1085,9 @@ def validate_shard(
     log = _printer(progress)
     began = time.monotonic()
 
-    manifest_path = shard_dir / shard_store.MANIFEST_NAME
-    manifest_hash = hash_file(manifest_path) if manifest_path.exists() else None
-    manifest = read_manifest(shard_dir, shard)
+    # The report records the hash of the very bytes checked: no window in which the manifest
+    # could be replaced between hashing and reading.
+    manifest, manifest_hash = read_manifest_and_hash(shard_dir, shard)
     checks: dict[str, dict] = {}
     checks["provenance"] = check_provenance(
         shard, manifest, expected_provenance(config, paths.prepared_summary)
@@ -1140,6 +1147,8 @@ def validate_shard(
     report = {
         "shard": shard,
         "manifest_xxh3_128": manifest_hash,
+        # What makes this report stale besides its manifest (eaglepipe.workflow).
+        "validation_settings": validation_settings(config),
         "provenance": provenance,
         "checks": {name: checks[name] for name in CHECKS},
         "layer_norms": stats.layer_means(),
@@ -1174,33 +1183,66 @@ def _shard_dirs(hidden_states_dir: Path) -> list[Path]:
     return [path for _, path in sorted(dirs)]
 
 
-def verify_all(
-    hidden_states_dir: str | os.PathLike = cfg.HIDDEN_STATES_DIR, progress: bool = True
-) -> list[str]:
-    """Integrity and schema of every shard under `hidden_states_dir`; returns the problems found.
+@dataclass
+class VerifyReport:
+    """What `verify_shards` found: problems by shard, and shards outside the plan."""
 
-    Keeps going past a bad chunk or shard, so one run lists every problem. A shard directory
-    without a manifest is reported as unfinished.
+    checked: int = 0
+    bytes: int = 0
+    # Shards with a manifest whose data fails integrity or schema: {shard: [problems]}.
+    damaged: dict[str, list[str]] = field(default_factory=dict)
+    # Planned shards that have no manifest yet (or an unreadable one): {shard: problem}.
+    unfinished: dict[str, str] = field(default_factory=dict)
+    # Shard directories the current plan does not contain (an earlier plan's).
+    unplanned: list[str] = field(default_factory=list)
+
+    @property
+    def problems(self) -> list[str]:
+        found = [p for problems in self.damaged.values() for p in problems]
+        return found + list(self.unfinished.values())
+
+
+def verify_shards(
+    hidden_states_dir: str | os.PathLike = cfg.HIDDEN_STATES_DIR,
+    planned: list[str] | None = None,
+    progress: bool = True,
+) -> VerifyReport:
+    """Integrity and schema of every shard under `hidden_states_dir`.
+
+    Keeps going past a bad chunk or shard, so one run lists every problem. With `planned`,
+    shard directories outside the plan are listed apart (training never reads them) and not
+    checked, and planned shards without a directory count as unfinished.
     """
-    problems: list[str] = []
-    # Each shard: its manifest, or the problem that stops it from being checked further.
-    shards: list[tuple[Path, dict | None, str | None]] = []
-    for shard_dir in _shard_dirs(Path(hidden_states_dir)):
-        if not (shard_dir / "manifest.json").exists():
+    report = VerifyReport()
+    # Each shard: its manifest, or None when it has no readable one (then `unfinished` says why).
+    shards: list[tuple[Path, dict | None]] = []
+    found = _shard_dirs(Path(hidden_states_dir))
+    if planned is not None:
+        plan = set(planned)
+        report.unplanned = [d.name for d in found if d.name not in plan]
+        found = [d for d in found if d.name in plan]
+        present = {d.name for d in found}
+        for shard in planned:
+            if shard not in present:
+                report.unfinished[shard] = f"shard {shard}: not extracted yet"
+    for shard_dir in found:
+        if not (shard_dir / shard_store.MANIFEST_NAME).exists():
             problem = f"shard {shard_dir.name}: no manifest.json (extraction not finished)"
-            shards.append((shard_dir, None, problem))
+            report.unfinished[shard_dir.name] = problem
+            shards.append((shard_dir, None))
             continue
         try:
             manifest = read_manifest(shard_dir, shard_dir.name)
             check_manifest_schema(shard_dir.name, manifest)
         except ValidationFailure as exc:
-            shards.append((shard_dir, None, str(exc)))
+            report.damaged[shard_dir.name] = [str(exc)]
             continue
-        shards.append((shard_dir, manifest, None))
-    total = sum(manifest["num_bytes"] for _, manifest, _ in shards if manifest)
+        shards.append((shard_dir, manifest))
+    report.bytes = sum(manifest["num_bytes"] for _, manifest in shards if manifest)
+    report.checked = len(shards)
     began = time.monotonic()
     with tqdm(
-        total=total,
+        total=report.bytes,
         unit="B",
         unit_scale=True,
         desc="verify",
@@ -1208,11 +1250,11 @@ def verify_all(
         file=sys.stderr,
         mininterval=1.0,
     ) as bar:
-        for shard_dir, manifest, problem in shards:
+        for shard_dir, manifest in shards:
             if manifest is None:
-                problems.append(problem)
                 continue
             shard = shard_dir.name
+            problems: list[str] = []
             try:
                 check_no_stray_chunks(shard_dir, shard, manifest)
             except ValidationFailure as exc:
@@ -1226,12 +1268,36 @@ def verify_all(
                 except ValidationFailure as exc:
                     problems.append(str(exc))
                 bar.update(entry["bytes"])
+            if problems:
+                report.damaged[shard] = problems
     if progress:
         seconds = time.monotonic() - began
         print(
-            f"verified {len(shards)} shard(s), {total / 1e9:.3f} GB in {seconds:.1f} s "
-            f"({total / 1e9 / max(seconds, 1e-9):.2f} GB/s): {len(problems)} problem(s)",
+            f"verified {report.checked} shard(s), {report.bytes / 1e9:.3f} GB in {seconds:.1f} s "
+            f"({report.bytes / 1e9 / max(seconds, 1e-9):.2f} GB/s): "
+            f"{len(report.problems)} problem(s)",
             file=sys.stderr,
             flush=True,
         )
-    return problems
+    return report
+
+
+def verify_all(
+    hidden_states_dir: str | os.PathLike = cfg.HIDDEN_STATES_DIR, progress: bool = True
+) -> list[str]:
+    """The problems `verify_shards` finds under `hidden_states_dir` (no plan: every shard)."""
+    return verify_shards(hidden_states_dir, progress=progress).problems
+
+
+def invalidate_damaged(
+    report: VerifyReport, hidden_states_dir: str | os.PathLike = cfg.HIDDEN_STATES_DIR
+) -> list[str]:
+    """Set aside the manifest of every damaged shard that still has one (see
+    `shard_store.invalidate_shard`); returns the shards invalidated."""
+    invalidated = []
+    for shard, problems in report.damaged.items():
+        shard_dir = Path(hidden_states_dir) / shard
+        if (shard_dir / shard_store.MANIFEST_NAME).exists():
+            shard_store.invalidate_shard(shard_dir, problems[0])
+            invalidated.append(shard)
+    return invalidated

@@ -41,6 +41,7 @@ from .config import (
 )
 from .errors import PipelineError
 from .fingerprint import (
+    file_identity,
     hash_file,
     hash_json,
     model_config_hash,
@@ -136,14 +137,13 @@ def _dataset_path(config: dict) -> Path:
 
 
 @cache
-def _cached_file_hash(path: str, size: int, mtime_ns: int) -> str:
+def _cached_file_hash(path: str, identity: tuple) -> str:
     return hash_file(path)
 
 
 def dataset_hash(config: dict) -> str:
     path = _dataset_path(config)
-    stat = path.stat()
-    return _cached_file_hash(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    return _cached_file_hash(str(path.resolve()), file_identity(path))
 
 
 def shards(config: dict) -> list[str]:
@@ -155,8 +155,9 @@ def shards(config: dict) -> list[str]:
 def model_fingerprint(config: dict) -> str:
     """Identity of the target model and tokenizer, computable before the toy target exists."""
     if is_toy_model(config):
-        # The toy build is seeded: its settings identify it (it is not rebuilt on data edits).
-        return hash_json({"toy": config["model"]["toy"]})
+        # The toy build is seeded: its settings and corpus path identify it (it is not rebuilt
+        # on data edits).
+        return hash_json(toy_target_settings(config))
     directory = model_dir(config)
     return hash_json(
         {
@@ -192,7 +193,7 @@ def prepare_provenance(config: dict) -> str:
 
 
 @cache
-def _shard_digests(path: str, rows_per_shard: int, size: int, mtime_ns: int) -> dict:
+def _shard_digests(path: str, rows_per_shard: int, identity: tuple) -> dict:
     return shard_source_digests(path, rows_per_shard)
 
 
@@ -214,10 +215,7 @@ def _shard_provenances(config_key: str, config: dict) -> dict[str, str]:
     # Parse time asks once per shard: fingerprint the model and read the source only once.
     if config_key not in _PROVENANCE_MEMO:
         path = _dataset_path(config)
-        stat = path.stat()
-        digests = _shard_digests(
-            str(path), config["shards"]["rows_per_shard"], stat.st_size, stat.st_mtime_ns
-        )
+        digests = _shard_digests(str(path), config["shards"]["rows_per_shard"], file_identity(path))
         shared = {
             "model": model_fingerprint(config),
             "aux_layer_ids": aux_layer_ids(config),
@@ -239,17 +237,156 @@ def shard_stamp(shard: str) -> Path:
     return PROVENANCE_DIR / f"{shard}.json"
 
 
+def toy_target_settings(config: dict) -> dict:
+    # The toy's tokenizer is trained on the dataset file: another file is another toy. (Edits
+    # of the same file are not: a rebuilt toy would make every shard stale.)
+    return {"toy": config["model"]["toy"], "corpus": str(Path(config["dataset"]["path"]))}
+
+
+def stage_settings(config: dict) -> dict[str, dict]:
+    """The settings each single-job stage's outputs depend on, besides its input files.
+
+    Each stage's stamp (`stage_stamp`) holds them and is a plain input of its rule: a changed
+    setting rewrites the stamp, which reruns exactly that stage and, through their inputs, the
+    stages after it.
+    """
+    evaluate, server = config["evaluate"], config["server"]
+    return {
+        "vocab": {"draft_vocab_size": config["train"]["draft_vocab_size"]},
+        "train": config["train"],
+        "evaluate": {"max_rows": evaluate["max_rows"]},
+        "export": {"engines": config["export"]["engines"]},
+        "live_acceptance": {
+            "live_prompts": evaluate["live_prompts"],
+            "live_new_tokens": evaluate["live_new_tokens"],
+            "engine": server["engine"],
+            "device": server["device"],
+            "dtype": server["dtype"],
+            "sglang": server["sglang"] if server["engine"] == "sglang" else None,
+        },
+    }
+
+
+def stage_stamp(stage: str) -> Path:
+    return PROVENANCE_DIR / f"stage-{stage}.json"
+
+
+def validation_settings(config: dict) -> str:
+    """Hash of the validate settings; each report records it (a change revalidates every shard)."""
+    return hash_json(config["validate"])
+
+
 def write_stamps(config: dict) -> None:
     """Rewrite each provenance stamp whose content changed (mtime moves only then)."""
     from .atomic import write_json_if_changed
 
     # No fsync: a stamp lost in a crash is rewritten at the next parse, and freshness is
     # decided by the hash the outputs record, not by the stamp surviving.
-    write_json_if_changed(TOY_STAMP, {"toy": config["model"]["toy"]}, durable=False)
+    write_json_if_changed(TOY_STAMP, toy_target_settings(config), durable=False)
     write_json_if_changed(PREPARE_STAMP, {"provenance": prepare_provenance(config)}, durable=False)
+    for stage, settings in stage_settings(config).items():
+        write_json_if_changed(stage_stamp(stage), {"settings": settings}, durable=False)
     provenances = _shard_provenances(hash_json(config), config)
     for shard in shards(config):
         write_json_if_changed(shard_stamp(shard), {"provenance": provenances[shard]}, durable=False)
+
+
+# --- runs left inconsistent: a missing or changed file upstream of a finished output ----------
+#
+# Snakemake 9 rebuilds a missing file only if it is a target, or if a job that needs it must run
+# for a reason of its own; a newer input is such a reason, a missing one is not. So after a
+# finished run, deleting a manifest (or a failed training run deleting the model) would leave
+# `snakemake` saying "Nothing to be done". The parse therefore (1) lists every single-job stage's
+# output as a target of `all` (cheap), (2) lists a shard's missing manifest or validation report
+# as a target when what consumes it exists, and (3) finds validation reports that no longer
+# describe their manifest (changed bytes, even with an old mtime) or the validate settings, and
+# gives those validate jobs a freshly written stamp as input, so they rerun.
+
+VALIDATION_STAMP_DIR = PROVENANCE_DIR / "validate"
+VALIDATION_CACHE = Path(".eaglepipe/cache/validations.json")
+
+
+def validation_stamp(shard: str) -> Path:
+    return VALIDATION_STAMP_DIR / f"{shard}.json"
+
+
+def validation_report_path(shard: str) -> str:
+    return os.path.join(VALIDATED_DIR, f"{shard}.json")
+
+
+def _identity_or_none(path: str | Path) -> list | None:
+    try:
+        return list(file_identity(path))
+    except FileNotFoundError:
+        return None
+
+
+def _report_facts(manifest: str, report: str) -> dict:
+    """What a validation report says of its shard: does it describe this manifest, under which
+    validate settings. Unreadable reports describe nothing."""
+    try:
+        recorded = json.loads(Path(report).read_text())
+        manifest_hash = recorded["manifest_xxh3_128"]
+        settings = recorded.get("validation_settings")
+    except (OSError, ValueError, KeyError, TypeError):
+        return {"describes_manifest": False, "settings": None}
+    return {"describes_manifest": manifest_hash == hash_file(manifest), "settings": settings}
+
+
+def stale_validations(config: dict, shard_names: list[str]) -> dict[str, str]:
+    """`{shard: why}` for each shard whose report exists beside its manifest but is stale.
+
+    Facts are cached by both files' identity (inode, size, mtime, ctime): a warm parse only
+    stats 2 files per shard. Each stale shard's stamp is rewritten when what makes it stale
+    changes, so its validate job sees a new input.
+    """
+    from .atomic import write_json_if_changed
+
+    try:
+        cache = json.loads(VALIDATION_CACHE.read_text())
+    except (FileNotFoundError, ValueError):
+        cache = {}
+    settings = validation_settings(config)
+    stale: dict[str, str] = {}
+    new_cache: dict[str, dict] = {}
+    for shard in shard_names:
+        manifest, report = manifest_path(shard), validation_report_path(shard)
+        key = [_identity_or_none(manifest), _identity_or_none(report)]
+        if key[0] is None or key[1] is None:
+            continue  # missing files are targets instead (incomplete_targets)
+        facts = cache.get(shard)
+        if not facts or facts.get("key") != key:
+            facts = {"key": key, **_report_facts(manifest, report)}
+        new_cache[shard] = facts
+        if not facts["describes_manifest"]:
+            why = "its manifest changed after it was validated"
+        elif facts["settings"] != settings:
+            why = "the validate settings changed"
+        else:
+            continue
+        stale[shard] = why
+        write_json_if_changed(
+            validation_stamp(shard), {"why": why, "files": key, "settings": settings}, durable=False
+        )
+    if new_cache != cache:
+        write_json_if_changed(VALIDATION_CACHE, new_cache, durable=False)
+    return stale
+
+
+def incomplete_targets(config: dict, shard_names: list[str]) -> list[str]:
+    """Missing per-shard files whose consumers exist, as extra targets of `all`."""
+    from .config import DRAFTER_DIR
+
+    trained = (DRAFTER_DIR / "model.safetensors").exists()
+    targets = []
+    for shard in shard_names:
+        manifest, report = manifest_path(shard), validation_report_path(shard)
+        has_manifest, has_report = os.path.exists(manifest), os.path.exists(report)
+        if not has_manifest and has_report:
+            targets.append(manifest)  # its extraction reruns, then (plain input) its validation
+        elif not has_report and (has_manifest or trained):
+            targets.append(report)
+    return targets
 
 
 def _recorded_provenance(path: Path) -> str | None:

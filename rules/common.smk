@@ -3,19 +3,25 @@ import os
 
 import eaglepipe.workflow as workflow_lib
 from eaglepipe.config import RESOLVED_CONFIG
+from eaglepipe.errors import one_line_errors
 from snakemake.utils import validate
 
 workflow_lib.tune_gc_for_dag()
-# Our check first: its message names the offending key; then Snakemake's, which fills defaults.
-CONFIG = workflow_lib.setup(config)
-validate(config, schema="../schemas/config.schema.yaml")
+# A config or dataset error ends the parse with one `error:` line, not a traceback.
+with one_line_errors():
+    # Our check first: its message names the offending key; then Snakemake's, which fills
+    # defaults.
+    CONFIG = workflow_lib.setup(config)
+    validate(config, schema="../schemas/config.schema.yaml")
+    SHARDS = workflow_lib.shards(CONFIG)
+    MODEL_CONFIG = workflow_lib.model_config_file(CONFIG)
+    workflow_lib.write_stamps(CONFIG)
+    SHARD_IS_FRESH = workflow_lib.shard_freshness(CONFIG)
+    STALE_VALIDATIONS = workflow_lib.stale_validations(CONFIG, SHARDS)
+    INCOMPLETE_TARGETS = workflow_lib.incomplete_targets(CONFIG, SHARDS)
 RUN_TOKEN = workflow_lib.run_token()
 RESOLVED = str(RESOLVED_CONFIG)
 ENV = "../envs/pipeline.yaml"
-SHARDS = workflow_lib.shards(CONFIG)
-MODEL_CONFIG = workflow_lib.model_config_file(CONFIG)
-workflow_lib.write_stamps(CONFIG)
-SHARD_IS_FRESH = workflow_lib.shard_freshness(CONFIG)
 TOY_STAMP = str(workflow_lib.TOY_STAMP)
 DATASET = CONFIG["dataset"]["path"]
 
@@ -67,6 +73,21 @@ def extract_inputs(wildcards):
     }
 
 
+def validate_inputs(wildcards):
+    shard = shard_name(wildcards)
+    inputs = {"manifest": workflow_lib.manifest_path(shard)}
+    if shard in STALE_VALIDATIONS:
+        # A stale report: a new stamp reruns it; the plain table input lets a rerun of prepare
+        # in the same run reach it (Snakemake skips jobs behind only ancient() inputs).
+        inputs["stamp"] = str(workflow_lib.validation_stamp(shard))
+        inputs["table"] = "prepared/tokenized.parquet"
+    return inputs
+
+
+def stage_stamp(stage):
+    return str(workflow_lib.stage_stamp(stage))
+
+
 def prepare_inputs(wildcards):
     fresh = workflow_lib.prepare_is_fresh(CONFIG)
     return {
@@ -113,10 +134,21 @@ def report_figures(wildcards=None):
 
 def final_targets():
     # Every shard's validation is an input of train, so `all` need not list 5,000 of them again:
-    # each extra listing is one more edge Snakemake resolves and checks per shard.
+    # each extra listing is one more edge Snakemake resolves and checks per shard. Missing
+    # intermediates are targets, though: Snakemake would not rebuild them otherwise
+    # (eaglepipe/workflow.py, "runs left inconsistent").
     return [
+        MODEL_CONFIG,
+        "prepared/tokenized.parquet",
+        "prepared/summary.json",
+        "prepared/skipped.json",
+        "drafter/vocab.safetensors",
+        "drafter/model.safetensors",
+        "drafter/train_log.jsonl",
         "drafter/eval.json",
+        "drafter/eval.png",
         "drafter/live.json",
         *export_targets(),
         *report_figures(),
+        *INCOMPLETE_TARGETS,
     ]

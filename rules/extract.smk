@@ -8,7 +8,9 @@ rule extract:
         "logs/extract/rows_{start}-{end}.log",
     benchmark:
         "logs/benchmarks/extract/rows_{start}-{end}.tsv"
-    retries: 1
+    # No `retries:` (it would repeat deterministic failures too): a job retries in itself only
+    # when the server is lost (eaglepipe.extract.run_extract_job). The log is appended to, so
+    # every attempt's lines stay.
     conda:
         ENV
     params:
@@ -16,4 +18,4 @@ rule extract:
         config=RESOLVED,
     shell:
         "python -u {params.script} --config {params.config}"
-        " --shard rows_{wildcards.start}-{wildcards.end} 2>&1 | tee {log}"
+        " --shard rows_{wildcards.start}-{wildcards.end} 2>&1 | tee -a {log}"

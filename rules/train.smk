@@ -2,6 +2,7 @@ rule vocab:
     """Draft vocabulary from loss-masked token frequencies of the training rows."""
     input:
         table=prepared_table,
+        settings=stage_stamp("vocab"),
     output:
         "drafter/vocab.safetensors",
     log:
@@ -24,6 +25,7 @@ rule train:
         # Each validation's input is its shard's manifest (a re-extracted shard is revalidated,
         # which reruns training), so the 5,000 manifests the script reads are not listed again.
         validated=all_validations,
+        settings=stage_stamp("train"),
     output:
         model="drafter/model.safetensors",
         log="drafter/train_log.jsonl",
@@ -51,6 +53,7 @@ rule evaluate:
         model="drafter/model.safetensors",
         vocab="drafter/vocab.safetensors",
         table=prepared_table,
+        settings=stage_stamp("evaluate"),
     output:
         json="drafter/eval.json",
         plot="drafter/eval.png",
@@ -71,6 +74,7 @@ rule export:
     input:
         model="drafter/model.safetensors",
         vocab="drafter/vocab.safetensors",
+        settings=stage_stamp("export"),
     output:
         export_targets(),
     log:
@@ -92,6 +96,7 @@ rule live_acceptance:
         export="drafter/export/sglang/model.safetensors",
         table=prepared_table,
         offline="drafter/eval.json",
+        settings=stage_stamp("live_acceptance"),
     output:
         "drafter/live.json",
     log:

@@ -42,6 +42,14 @@ BAD_ROWS = [
     ({"messages": [{"role": "user"}]}, dataset.MALFORMED_MESSAGE),
     ({"messages": "hello"}, dataset.MALFORMED_CONVERSATION),
     (["not", "an", "object"], dataset.NOT_AN_OBJECT),
+    (
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " \n"}]},
+        dataset.EMPTY_ASSISTANT_REPLY,
+    ),
+    (
+        {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": ""}]},
+        dataset.EMPTY_ASSISTANT_REPLY,
+    ),
 ]
 
 

@@ -470,3 +470,26 @@ def test_lookahead_bytes_bound_the_rows_requested_ahead_of_the_written_chunks(tm
         assert roomy.outstanding_bytes == 0 and len(roomy.records) == 4
 
     asyncio.run(scenario())
+
+
+def test_chunks_of_another_engine_or_dtype_are_never_resumed(main_run, tmp_path, in_dir):
+    # A shard cut short under fp32 and resumed under bf16 would mix both and credit every chunk
+    # to the second: the reuse key holds the engine identity, so nothing is kept.
+    workdir = in_dir(make_workdir(tmp_path / "dtype", main_run[0] / "target"))
+    first = extract_shard(run_config(workdir), SHARD, log=lambda line: None)
+    assert first["provenance"]["engine_identity"]["dtype"] == "float32"
+    stop_workdir_server(workdir)
+    (workdir / "hidden_states" / SHARD / "manifest.json").unlink()  # as a killed job leaves it
+    config = json.loads((workdir / "config.json").read_text())
+    config["server"]["dtype"] = "bfloat16"
+    (workdir / "config.json").write_text(json.dumps(config))
+    lines: list[str] = []
+    second = extract_shard(run_config(workdir), SHARD, log=lines.append)
+    stop_workdir_server(workdir)
+    assert not any("verified from an earlier run" in line for line in lines)
+    assert second["timing"]["requests_sent"] == second["num_rows"]
+    assert second["provenance"]["engine_identity"]["dtype"] == "bfloat16"
+    assert all(
+        c["xxh3_128"] != f["xxh3_128"]
+        for c, f in zip(second["chunks"], first["chunks"], strict=True)
+    )

@@ -280,6 +280,56 @@ def test_reuse_across_runs_and_replace_when_layer_ids_change(run, monkeypatch):
     assert stop_if_started_by("run-3") is True and not group_alive(third.pid)
 
 
+def test_new_weights_in_the_same_model_dir_replace_the_running_server(run, tmp_path):
+    # A fine-tune saved in place keeps config.json: the weights are part of the identity.
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "target"
+    shutil.copytree(run.config["model"]["path"], model)
+    config = json.loads(json.dumps(run.config))
+    config["model"]["path"] = str(model)
+    with server_lease(config, run_token="run-w") as first:
+        pass
+    weights = model / "model.safetensors"
+    tensors = load_file(weights)
+    tensors = {name: t + 0.01 if t.is_floating_point() else t for name, t in tensors.items()}
+    save_file(tensors, weights, metadata={"format": "pt"})
+    with server_lease(config, run_token="run-w") as second:
+        assert second.pid != first.pid
+        assert second.state["settings"]["weights"] != first.state["settings"]["weights"]
+    assert not group_alive(first.pid) and len(starts(run.paths)) == 2
+    assert stop_if_started_by("run-w") is True
+
+
+@pytest.mark.parametrize("problem", ["other-owner", "writable-by-others"])
+def test_a_handoff_root_of_another_user_or_open_to_others_is_refused(run, problem):
+    root = Path(run.config["server"]["dump_root"])
+    root.mkdir(mode=0o700)
+    if problem == "other-owner":
+        if os.getuid() != 0:
+            pytest.skip("giving a directory to another user needs root")
+        os.chown(root, 4242, 4242)
+        expected = "is owned by uid 4242"
+    else:
+        root.chmod(0o777)
+        expected = "has mode 777 (writable by group or others)"
+    with pytest.raises(PipelineError) as excinfo:
+        with server_lease(run.config, run_token="run-root"):
+            pytest.fail("a server was started with an unsafe handoff root")
+    assert f"server.dump_root {root} " in str(excinfo.value)
+    assert expected in str(excinfo.value)
+    assert read_json(run.paths.state) is None
+
+
+def test_the_handoff_root_is_created_private(run):
+    with server_lease(run.config, run_token="run-mode") as handle:
+        root = Path(handle.dump_dir).parent
+    assert oct(root.stat().st_mode & 0o777) == "0o700"
+    assert stop_if_started_by("run-mode") is True
+
+
 def test_refuses_a_port_held_by_a_foreign_process_and_leaves_it_running(run):
     port = run.config["server"]["port"]
     listener = run.spawn(

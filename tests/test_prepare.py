@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import subprocess
 
 import numpy as np
@@ -190,6 +191,8 @@ BAD_CASES = [
     ({"messages": []}, dataset.EMPTY_CONVERSATION),
     ({"messages": [{"role": "user", "content": 3}]}, dataset.NON_STRING_CONTENT),
     ({"messages": [{"role": "user", "content": "only a question"}]}, dataset.NO_ASSISTANT_TOKENS),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]},
+     dataset.EMPTY_ASSISTANT_REPLY),
     ({"messages": [{"role": "user", "content": "word " * 200}, {"role": "assistant",
                                                                 "content": "ok"}]},
      dataset.ASSISTANT_TRUNCATED),
@@ -206,9 +209,58 @@ def test_error_policy_names_the_row_and_problem(tmp_path, toy_dir, sample_rows, 
     assert not (tmp_path / "prepared").exists()  # nothing half-written
 
 
+@pytest.mark.parametrize(
+    ("rows", "overrides", "expected"),
+    [
+        ("empty", {}, "no usable rows (kept 0 of 0)"),
+        ("sample", {"max_length": 4, "bad_rows": "skip"}, "no usable rows (kept 0 of 12; skipped"),
+        ("sample", {"holdout": {"mode": "fraction", "fraction": 1.0, "seed": 0, "shards": []}},
+         "all 12 kept rows are held out"),
+    ],
+)  # fmt: skip
+def test_no_row_to_train_on_stops_prepare_in_one_line(
+    tmp_path, toy_dir, sample_rows, rows, overrides, expected
+):
+    data = _jsonl(tmp_path / "d.jsonl", [] if rows == "empty" else sample_rows[:12])
+    with pytest.raises(PipelineError) as info:
+        _run(_config(toy_dir, data, **overrides), tmp_path)
+    assert expected in str(info.value) and "d.jsonl" in str(info.value)
+    assert not (tmp_path / "prepared").exists()  # nothing half-written
+
+
+def test_rows_truncated_on_purpose_raise_no_tokenizer_warning(tmp_path, toy_dir, sample_rows):
+    # Longer than the toy's 2,048 positions, cut to max_length with assistant tokens left.
+    long_row = {
+        "messages": [
+            {"role": "user", "content": "word " * 50},
+            {"role": "assistant", "content": "ok " * 3000},
+        ]
+    }
+    config = _config(toy_dir, _jsonl(tmp_path / "d.jsonl", [*sample_rows[:10], long_row]))
+    config["dataset"]["max_length"] = 512
+    config_path = tmp_path / "config.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    # A process of its own: transformers warns once per process, through its own handler.
+    result = subprocess.run(
+        [PYTHON, "-u", str(REPO_ROOT / "scripts" / "prepare.py"), "--config", str(config_path)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert int(re.search(r"(\d+) truncated", result.stdout).group(1)) >= 1
+    assert "longer than the specified maximum" not in result.stdout + result.stderr
+
+
 def test_skip_policy_counts_and_prints_every_reason(tmp_path, toy_dir, sample_rows, capsys):
     rows = [sample_rows[0]] + [bad for bad, _ in BAD_CASES] + [sample_rows[1]]
-    config = _config(toy_dir, _jsonl(tmp_path / "d.jsonl", rows), max_length=128, bad_rows="skip")
+    # Both kept rows would be held out by the default seed; keep them for training.
+    no_holdout = {"mode": "fraction", "fraction": 0.0, "seed": 0, "shards": []}
+    config = _config(
+        toy_dir,
+        _jsonl(tmp_path / "d.jsonl", rows),
+        max_length=128,
+        bad_rows="skip",
+        holdout=no_holdout,
+    )
     summary = _run(config, tmp_path)
     skipped = json.loads((tmp_path / "prepared" / "skipped.json").read_text())
     assert skipped["count"] == summary["skipped_rows"] == len(BAD_CASES)

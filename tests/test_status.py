@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -83,10 +84,11 @@ def write_lock(shard_dir: Path, pid: int, *, host: str | None = None, started: f
     (shard_dir / "writer.lock").write_text(json.dumps(info) + "\n")
 
 
-def write_log(workdir: Path, name: str, text: str):
-    log = workdir / "logs" / "extract" / f"{name}.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    log.write_text(text)
+def write_failure(workdir: Path, name: str, message: str):
+    """What a failed extraction job leaves (eaglepipe.extract.run_extract_job)."""
+    from eaglepipe.shard_store import record_failure
+
+    record_failure(workdir / "hidden_states" / name, message)
 
 
 def write_prepared(workdir: Path, row_ids: list[int], tokens: list[int]):
@@ -127,15 +129,12 @@ def test_every_state_with_totals_throughput_and_eta(tmp_path, sleeper):
     # Running: two chunks of its planned ones journaled, lock held by a live process.
     running = write_journal(tmp_path, names[2], [([20, 21], 200, 1000), ([22, 23], 200, 1000)])
     write_lock(running, sleeper.pid)
-    # Killed: journal and a lock naming a dead PID, log without an error -> partial.
+    # Killed: journal and a lock naming a dead PID, no failure recorded -> partial.
     killed = write_journal(tmp_path, names[3], [([30, 31, 32], 300, 1500)])
     write_lock(killed, dead_pid())
-    write_log(tmp_path, names[3], "extract rows_30-40: 3/10 rows\n")
-    # Failed: the job died with a one-line error.
-    write_log(
-        tmp_path,
-        names[4],
-        "progress 1/10\nerror: server at 127.0.0.1:40001 died (exit code -9); log tail: ...\n",
+    # Failed: the job recorded why.
+    write_failure(
+        tmp_path, names[4], "server at 127.0.0.1:40001 died (exit code -9); log tail: ..."
     )
 
     summary = status.shard_status(
@@ -148,7 +147,7 @@ def test_every_state_with_totals_throughput_and_eta(tmp_path, sleeper):
     assert by_name[names[2]].chunks_done == 2
     # Chunks planned the way extraction plans them: two 100-token rows per chunk here.
     assert by_name[names[2]].chunks_planned == 5
-    assert by_name[names[4]].error.startswith("error: server at 127.0.0.1:40001 died")
+    assert by_name[names[4]].error.startswith("server at 127.0.0.1:40001 died")
     assert summary.rows == 10 + 10 + 4 + 3
     assert summary.tokens == 1000 + 1000 + 400 + 300
     assert summary.bytes == 5000 + 5000 + 2000 + 1500
@@ -160,7 +159,7 @@ def test_every_state_with_totals_throughput_and_eta(tmp_path, sleeper):
     text = status.format_status(summary)
     assert "2 done, 1 running, 1 failed, 1 partial, 0 remaining" in text
     assert f"running  {names[2]}: 2/5 chunks (pid {sleeper.pid}" in text
-    assert f"FAILED   {names[4]}: error: server at 127.0.0.1:40001 died" in text
+    assert f"FAILED   {names[4]}: server at 127.0.0.1:40001 died" in text
     assert "ETA" in text
 
 
@@ -192,23 +191,17 @@ def test_eta_without_prepared_table_scales_done_shards(tmp_path):
     assert summary.eta_s == pytest.approx(1500 / summary.tokens_per_s)
 
 
-def test_traceback_last_line_is_the_error(tmp_path):
-    log = tmp_path / "x.log"
-    log.write_text(
-        "starting\nTraceback (most recent call last):\n"
-        '  File "x.py", line 1, in <module>\n    main()\n'
-        "OSError: [Errno 28] No space left on device\n"
-    )
-    assert status.last_error_line(log) == "OSError: [Errno 28] No space left on device"
-    # The script's error line, not the server log tail printed after it.
-    log.write_text(
-        "error: server pid 41 on port 40001 was not healthy within 900s; last lines of log:\n"
-        "  loading weights 40%\nERROR: CUDA out of memory\n"
-    )
-    assert status.last_error_line(log).startswith("error: server pid 41 on port 40001")
-    log.write_text("all fine\nwrote 3 chunks\n")
-    assert status.last_error_line(log) is None
-    assert status.last_error_line(tmp_path / "missing.log") is None
+def test_a_failure_is_forgotten_with_its_shard_directory(tmp_path):
+    # The old log still ends in the error; the shard was removed to redo it: not failed.
+    write_failure(tmp_path, "rows_0-10", "error: port 30517 is held by PID 41 (nc)")
+    log = tmp_path / "logs" / "extract" / "rows_0-10.log"
+    log.parent.mkdir(parents=True)
+    log.write_text("error: port 30517 is held by PID 41 (nc)\n")
+    summary = status.shard_status(tmp_path, ["rows_0-10"])
+    assert summary.shards[0].state == "failed"
+    assert "port 30517 is held by PID 41" in status.format_status(summary)
+    shutil.rmtree(tmp_path / "hidden_states" / "rows_0-10")
+    assert status.shard_status(tmp_path, ["rows_0-10"]).shards[0].state == "remaining"
 
 
 def test_lock_liveness(sleeper):
@@ -234,11 +227,11 @@ def test_remote_writer_without_progress_is_flagged(tmp_path):
     )
 
 
-def test_released_lock_and_error_in_log_means_failed(tmp_path):
+def test_released_lock_and_a_failure_record_means_failed(tmp_path):
     names = ["rows_0-10"]
     shard_dir = write_journal(tmp_path, names[0], [([0, 1], 20, 100)])
     (shard_dir / "writer.lock").write_text("")  # released: the writer empties it
-    write_log(tmp_path, names[0], "error: chunk-00001.safetensors: disk full\n")
+    write_failure(tmp_path, names[0], "error: chunk-00001.safetensors: disk full")
     summary = status.shard_status(tmp_path, names)
     assert summary.shards[0].state == "failed"
     assert summary.failed == summary.shards
@@ -253,7 +246,7 @@ def test_five_thousand_shards(tmp_path):
     for name in names[3000:3010]:
         write_journal(tmp_path, name, [([0], 10, 100)])
     for name in names[3010:3013]:
-        write_log(tmp_path, name, "error: row 3 is malformed\n")
+        write_failure(tmp_path, name, "row 3 is malformed")
     summary = status.shard_status(tmp_path, names, now=NOW)
     assert summary.counts == {
         "done": 3000,
@@ -280,10 +273,10 @@ def test_print_status_exit_codes(tmp_path):
     assert status.print_status(config, workdir=tmp_path, stream=out) == 0
     assert "3 planned, 0 done" in out.getvalue()
 
-    write_log(tmp_path, "rows_8-16", "error: server never became healthy within 900 s\n")
+    write_failure(tmp_path, "rows_8-16", "server never became healthy within 900 s\nlog tail")
     out = io.StringIO()
     assert status.print_status(config, workdir=tmp_path, stream=out) == 1
-    assert "FAILED   rows_8-16: error: server never became healthy" in out.getvalue()
+    assert "FAILED   rows_8-16: server never became healthy within 900 s\n" in out.getvalue()
 
 
 def test_chunk_plan_matches_extraction():

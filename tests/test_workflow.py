@@ -7,6 +7,7 @@ tests of this module; each test that changes something works on its own copy of 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -64,6 +65,27 @@ def test_schema_error_names_the_bad_key(tmp_path):
     result = run_snakemake(tmp_path, "-n", check=False)
     assert result.returncode != 0
     assert "config key shards.rows_per_shrd" in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "value", "expected"),
+    [
+        ("shards", "rows_per_shard", 0, "config key shards.rows_per_shard"),
+        ("model", "path", "/nonexistent/model", "/nonexistent/model"),
+        ("server", "engine", "vllm", "config key server.engine"),
+        ("dataset", "path", "/nonexistent.jsonl", "/nonexistent.jsonl"),
+    ],
+)
+def test_a_config_error_is_one_line_without_a_traceback(tmp_path, section, key, value, expected):
+    config = small_config(tmp_path)
+    config[section][key] = value
+    write_config(tmp_path, config)
+    result = run_snakemake(tmp_path, "-n", check=False)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    (line,) = [line for line in output.splitlines() if line.startswith("error:")]
+    assert expected in line
+    assert "Traceback" not in output and "PipelineError in file" not in output
 
 
 def test_wrong_type_names_the_key(tmp_path):
@@ -177,3 +199,37 @@ def test_a_corrupt_shard_blocks_training(run_copy):
     assert not (run_copy / "validated" / "rows_10-20.json").exists()
     assert not (run_copy / "drafter" / "model.safetensors").exists()
     assert "rule train" not in result.stdout + result.stderr
+
+
+def test_a_same_size_edit_that_keeps_the_mtime_is_seen(run_copy):
+    # `cp -p`, `rsync -a` or `tar x` of an edited dataset carry the old mtime over.
+    dataset = run_copy / "conversations.jsonl"
+    stat = dataset.stat()
+    lines = dataset.read_text().splitlines(keepends=True)
+    row = json.loads(lines[13])
+    text = row["messages"][-1]["content"]
+    row["messages"][-1]["content"] = text[:-1] + ("X" if text[-1] != "X" else "Y")
+    lines[13] = json.dumps(row) + "\n"
+    dataset.write_text("".join(lines))
+    assert dataset.stat().st_size == stat.st_size
+    os.utime(dataset, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    jobs = dry_run_jobs(run_copy, *VALIDATED)
+    assert jobs["extract"] == 1
+
+
+def test_an_appended_row_leaves_untouched_shards_valid(run_copy):
+    # Prepare reruns (the dataset changed) and the untouched shards stay fresh for Snakemake:
+    # revalidating one of them must pass, or no command could ever finish the run.
+    dataset = run_copy / "conversations.jsonl"
+    rows = dataset.read_text().splitlines(keepends=True)
+    with dataset.open("a") as f:
+        f.write(rows[3])
+    untouched = manifest(run_copy, "rows_0-10").stat().st_mtime_ns
+    (run_copy / "validated" / "rows_0-10.json").unlink()
+    targets = [*VALIDATED, "validated/rows_40-41.json"]
+    result = run_snakemake(run_copy, "--cores", "2", *targets, check=False)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert manifest(run_copy, "rows_0-10").stat().st_mtime_ns == untouched
+    report = json.loads((run_copy / "validated" / "rows_0-10.json").read_text())
+    assert all(check["ok"] for check in report["checks"].values())
+    assert dry_run_jobs(run_copy, *targets) == {}

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 
-from ..errors import PipelineError
+from ..errors import PipelineError, ServerLost
 from .leases import ProcessRef, RequestGate
 
 SUPERVISOR_MODULE = "eaglepipe.server.supervise"
@@ -97,16 +97,16 @@ class ServerHandle:
     def log_path(self) -> Path:
         return Path(self.state["log"])
 
-    def _dead_error(self) -> PipelineError:
-        return PipelineError(
+    def _dead_error(self) -> ServerLost:
+        return ServerLost(
             f"{describe_server(self.state)} exited while in use; log: {self.log_path}; "
             f"last lines:\n{log_tail(self.log_path)}"
         )
 
-    def _unresponsive_error(self, seconds: float, why: str) -> PipelineError:
-        return PipelineError(
+    def _unresponsive_error(self, seconds: float, why: str) -> ServerLost:
+        return ServerLost(
             f"{describe_server(self.state)} stopped answering {self.url}/health for {seconds:.0f}s "
-            f"({why}); log: {self.log_path}"
+            f"({why}); log: {self.log_path}; last lines:\n{log_tail(self.log_path)}"
         )
 
     def raise_if_dead(self, probe_timeout_s: float = PROBE_TIMEOUT_S) -> None:

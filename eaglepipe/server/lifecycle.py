@@ -41,7 +41,8 @@ import psutil
 from .. import config as cfg
 from ..atomic import atomic_write_json
 from ..errors import PipelineError
-from ..fingerprint import hash_json, model_config_hash
+from ..fingerprint import hash_json
+from ..identity import server_identity
 from .handle import (
     PROBE_TIMEOUT_S,
     SUPERVISOR_MODULE,
@@ -116,26 +117,9 @@ def current_run_token() -> str:
 
 
 def launch_settings(config: dict) -> dict:
-    """Everything that decides what the server computes; its hash is the fingerprint."""
-    server = config["server"]
-    model = cfg.model_dir(config).resolve()
-    settings = {
-        "engine": server["engine"],
-        "model_dir": str(model),
-        "model_config_hash": model_config_hash(model),
-        "aux_layer_ids": cfg.aux_layer_ids(config),
-        "dtype": server["dtype"],
-        "device": server["device"],
-        "max_batch_tokens": server["max_batch_tokens"],
-        "attention": server["attention"],
-        "trust_remote_code": config["model"]["trust_remote_code"],
-        "request_prefix": config["extract"]["request_prefix"],
-        "host": server["host"],
-        "port": server["port"],
-    }
-    if server["engine"] == "sglang":
-        settings["sglang"] = server["sglang"]
-    return settings
+    """Everything that decides what the server computes (`identity.server_identity`); its hash
+    is the fingerprint: a job never uses a running server whose fingerprint differs."""
+    return server_identity(config)
 
 
 def server_fingerprint(config: dict) -> str:
@@ -392,8 +376,11 @@ def _new_instance_id() -> str:
 def _start(config: dict, paths: ServerPaths, run_token: str, fingerprint: str) -> tuple[dict, dict]:
     server = config["server"]
     host, port = server["host"], server["port"]
-    dump_root = cfg.dump_root(config).resolve()
-    dump_root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    from ..dump import prepare_dump_dir  # imports torch: only on the path that starts a server
+
+    dump_root = prepare_dump_dir(
+        cfg.dump_root(config), what="server.dump_root", refuse_open_mode=True
+    ).resolve()
     _remove_stale_dumps(dump_root)
     if not port_is_free(host, port):
         hint = ""
@@ -406,8 +393,6 @@ def _start(config: dict, paths: ServerPaths, run_token: str, fingerprint: str) -
             f"cannot start the server: {describe_port_holders(host, port)}{hint}, which this "
             "pipeline did not start and leaves running: stop it, or set server.port to a free port"
         )
-    from ..dump import prepare_dump_dir  # imports torch: only on the path that starts a server
-
     instance_id = _new_instance_id()
     dump_dir = prepare_dump_dir(dump_root / instance_id)
     engine_argv, engine_env = engine_command(

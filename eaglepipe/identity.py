@@ -1,0 +1,94 @@
+"""The identity keys of a run, built in one place.
+
+- `engine_identity`: what decides the numbers the engine computes besides the model: engine,
+  its version, device kind, dtype and batch layout (resolved, not `auto`).
+- `server_identity`: everything that decides what a running hidden-state server computes and
+  where it listens. Its hash is the server's fingerprint: a job whose identity differs from the
+  running server's never uses that server (`server.lifecycle`).
+- `chunk_reuse_key`: what a journalled chunk must have been computed under for a resumed
+  extraction to keep it: the shard's inputs, the model and its weights, the layers, and the
+  engine identity, so a shard never mixes chunks of two engines or dtypes.
+
+Why the weights and not only config.json: a fine-tune saved in place has the same config; the
+weights fingerprint (`fingerprint.weights_fingerprint`, sampled bytes of every weight file) is
+the one the shard provenance uses too.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+from . import config as cfg
+from .fingerprint import model_config_hash, weights_fingerprint
+
+
+def installed_version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def engine_identity(config: dict) -> dict:
+    """Engine, version, device kind, dtype and layout, as the server on this node resolves them."""
+    server = config["server"]
+    if server["engine"] == "sglang":
+        return {
+            "engine": "sglang",
+            "engine_version": installed_version("sglang"),
+            # SGLang resolves `auto` from the model's own torch_dtype: the same on every node.
+            "dtype": server["dtype"],
+            "tp_size": server["sglang"]["tp_size"],
+        }
+    from .server.reference import (
+        engine_version,
+        resolve_attention,
+        resolve_device,
+        resolve_dtype,
+    )
+
+    device = resolve_device(server["device"])
+    return {
+        "engine": "reference",
+        "engine_version": engine_version(),
+        "device": device.type,
+        "dtype": str(resolve_dtype(server["dtype"], device)).removeprefix("torch."),
+        "attention": resolve_attention(server["attention"], device)[0],
+    }
+
+
+def server_identity(config: dict) -> dict:
+    """Everything that decides what the server computes and where it listens."""
+    server = config["server"]
+    model = cfg.model_dir(config).resolve()
+    identity = {
+        **engine_identity(config),
+        "model_dir": str(model),
+        "model_config_hash": model_config_hash(model),
+        "weights": weights_fingerprint(model),
+        "aux_layer_ids": cfg.aux_layer_ids(config),
+        "max_batch_tokens": server["max_batch_tokens"],
+        "trust_remote_code": config["model"]["trust_remote_code"],
+        "request_prefix": config["extract"]["request_prefix"],
+        "host": server["host"],
+        "port": server["port"],
+    }
+    if server["engine"] == "sglang":
+        identity["sglang"] = server["sglang"]
+    return identity
+
+
+def chunk_reuse_key(
+    config: dict, *, shard_inputs_hash: str, hidden_size: int, engine: dict
+) -> dict:
+    """What a journalled chunk must match to be kept by a resumed extraction."""
+    model = cfg.model_dir(config)
+    return {
+        "shard_inputs_hash": shard_inputs_hash,
+        "model_config_hash": model_config_hash(model),
+        "weights": weights_fingerprint(model),
+        "aux_layer_ids": cfg.aux_layer_ids(config),
+        "hidden_size": hidden_size,
+        "stored_dtype": "bfloat16",
+        "engine": engine,
+    }

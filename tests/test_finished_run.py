@@ -1,0 +1,200 @@
+"""Trying to break a finished run, as a demanding user would: every damage or change afterwards
+is noticed by `snakemake` (or named by `eaglepipe verify` with the one command that repairs it),
+and every state reached is one `snakemake --cores N` finishes.
+
+One small run of the whole pipeline (the embedded toy target, 40 rows in 4 shards, through
+training, export and live acceptance) is shared by this module; each test works on a copy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from pipeline_run import dry_run_jobs, isolate, run_snakemake, small_config, write_config
+
+SHARDS = ["rows_0-10", "rows_10-20", "rows_20-30", "rows_30-40"]
+EAGLEPIPE = str(Path(sys.executable).parent / "eaglepipe")
+# What follows training: every job a retrain reruns.
+AFTER_TRAIN = {"evaluate", "export", "live_acceptance", "report_training", "report_acceptance"}
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> Path:
+    workdir = tmp_path_factory.mktemp("finished")
+    write_config(workdir, small_config(workdir))
+    run_snakemake(workdir, "--cores", "2", timeout=1800)
+    return workdir
+
+
+@pytest.fixture
+def run(finished, tmp_path) -> Path:
+    """A private copy of the finished run (Snakemake metadata included), on its own port.
+
+    It reads the dataset file of the original run: the toy target is identified by that path.
+    """
+    workdir = tmp_path / "run"
+    shutil.copytree(finished, workdir, ignore=shutil.ignore_patterns("dumps", "server"))
+    config = yaml.safe_load((workdir / "config.yaml").read_text())
+    write_config(workdir, isolate(config, workdir))
+    return workdir
+
+
+def edit_config(workdir: Path, edit) -> None:
+    config = yaml.safe_load((workdir / "config.yaml").read_text())
+    edit(config)
+    write_config(workdir, config)
+
+
+def eaglepipe(workdir: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [EAGLEPIPE, *args, "--config", "config.yaml"],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def shard_file(workdir: Path, shard: str, name: str) -> Path:
+    return workdir / "hidden_states" / shard / name
+
+
+def test_the_finished_run_leaves_nothing_to_do(finished):
+    assert dry_run_jobs(finished) == {}
+
+
+def test_a_deleted_manifest_reextracts_its_shard_and_what_follows(run):
+    # The README's recovery for one shard: delete its manifest, run snakemake.
+    kept = shard_file(run, "rows_0-10", "manifest.json").read_bytes()
+    shard_file(run, "rows_10-20", "manifest.json").unlink()
+    jobs = dry_run_jobs(run)
+    assert jobs["extract"] == 1 and jobs["validate"] == 1 and jobs["train"] == 1
+    assert AFTER_TRAIN <= set(jobs)
+    run_snakemake(run, "--cores", "2", timeout=1200)
+    assert shard_file(run, "rows_10-20", "manifest.json").is_file()
+    assert shard_file(run, "rows_0-10", "manifest.json").read_bytes() == kept
+    assert dry_run_jobs(run) == {}
+
+
+def test_a_deleted_validation_report_revalidates_and_retrains(run):
+    (run / "validated" / "rows_20-30.json").unlink()
+    jobs = dry_run_jobs(run)
+    assert jobs["validate"] == 1 and jobs["train"] == 1 and "extract" not in jobs
+
+
+def test_a_manifest_changed_under_an_old_mtime_is_revalidated(run):
+    # cp -p / rsync -a of an edited manifest keeps the old mtime: Snakemake's own check misses it.
+    manifest = shard_file(run, "rows_30-40", "manifest.json")
+    stat = manifest.stat()
+    data = json.loads(manifest.read_text())
+    manifest.write_text(json.dumps(data, indent=1))
+    os.utime(manifest, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    jobs = dry_run_jobs(run)
+    assert jobs["validate"] == 1 and jobs["train"] == 1 and "extract" not in jobs
+
+
+def test_a_failed_training_is_rerun_with_everything_after_it(run):
+    # What a failed train job leaves: Snakemake deletes its outputs; the old eval, exports and
+    # live check are still there and must not pass for the new drafter's.
+    (run / "drafter" / "model.safetensors").unlink()
+    (run / "drafter" / "train_log.jsonl").unlink()
+    jobs = dry_run_jobs(run)
+    assert jobs["train"] == 1 and AFTER_TRAIN <= set(jobs)
+    assert "extract" not in jobs and "validate" not in jobs
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "rerun", "not_rerun"),
+    [
+        ("validate.seed", 7, {"validate": 4, "train": 1}, {"extract", "vocab"}),
+        ("train.draft_vocab_size", 200, {"vocab": 1, "train": 1}, {"extract", "validate"}),
+        ("train.lr", 0.002, {"train": 1}, {"extract", "validate", "vocab"}),
+        ("evaluate.max_rows", 3, {"evaluate": 1, "live_acceptance": 1}, {"train", "export"}),
+        ("export.engines", ["sglang"], {"export": 1, "live_acceptance": 1}, {"train", "evaluate"}),
+        ("evaluate.live_new_tokens", 6, {"live_acceptance": 1}, {"train", "evaluate", "export"}),
+    ],
+)
+def test_a_settings_change_reruns_exactly_its_stage_and_what_follows(
+    run, key, value, rerun, not_rerun
+):
+    section, name = key.split(".")
+    edit_config(run, lambda config: config[section].__setitem__(name, value))
+    jobs = dry_run_jobs(run)
+    for rule, count in rerun.items():
+        assert jobs.get(rule) == count, (key, jobs)
+    for rule in not_rerun | {"prepare", "build_toy_target"}:
+        assert rule not in jobs, (key, rule, jobs)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
+def test_verify_sets_damaged_data_aside_and_snakemake_repairs_it(run, damage):
+    chunk = shard_file(run, "rows_20-30", "chunk-00000.safetensors")
+    intact = {p.name: p.stat().st_mtime_ns for p in (run / "hidden_states" / "rows_0-10").iterdir()}
+    if damage == "flip":
+        data = bytearray(chunk.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        chunk.write_bytes(bytes(data))
+    elif damage == "truncate":
+        chunk.write_bytes(chunk.read_bytes()[:-100])
+    else:
+        chunk.unlink()
+    # Snakemake cannot see damage inside a finished shard without reading it ...
+    assert dry_run_jobs(run) == {}
+    # ... verify does, and names the one command that repairs it.
+    result = eaglepipe(run, "verify")
+    assert result.returncode == 1
+    assert "rows_20-30" in result.stdout and "chunk-00000.safetensors" in result.stdout
+    assert "repair: `snakemake --cores N`" in result.stdout
+    assert not shard_file(run, "rows_20-30", "manifest.json").exists()
+    status = eaglepipe(run, "status")
+    assert "rows_20-30" in status.stdout and "damaged" in status.stdout
+    jobs = dry_run_jobs(run)
+    assert jobs["extract"] == 1 and jobs["train"] == 1
+    run_snakemake(run, "--cores", "2", timeout=1200)
+    assert eaglepipe(run, "verify").returncode == 0
+    assert dry_run_jobs(run) == {}
+    # The intact shards were not touched.
+    assert {
+        p.name: p.stat().st_mtime_ns for p in (run / "hidden_states" / "rows_0-10").iterdir()
+    } == intact
+
+
+def test_shards_of_an_earlier_plan_are_named_and_never_trained_on(run):
+    edit_config(run, lambda config: config["shards"].__setitem__("rows_per_shard", 20))
+    verify = eaglepipe(run, "verify", "--check-only")
+    for old in SHARDS:
+        assert f"hidden_states/{old} is not in the current shard plan" in verify.stdout
+        assert f"rm -r hidden_states/{old}" in verify.stdout
+    status = eaglepipe(run, "status")
+    assert "not in the plan: 4 shard dir(s)" in status.stdout
+    jobs = dry_run_jobs(run)
+    assert jobs["extract"] == 2  # rows_0-20 and rows_20-40, the new plan's
+
+
+def test_another_dataset_file_rebuilds_the_toy_target(run):
+    # The toy's tokenizer is trained on the dataset file.
+    other = run / "other.jsonl"
+    shutil.copy(run / "conversations.jsonl", other)  # same rows, another file
+    edit_config(run, lambda config: config["dataset"].__setitem__("path", str(other)))
+    assert dry_run_jobs(run)["build_toy_target"] == 1
+
+
+def test_status_output_into_a_closed_pipe_is_not_an_error(finished):
+    # `true` exits at once: eaglepipe's output meets a closed pipe, as `| head` after its lines.
+    result = subprocess.run(
+        f"{EAGLEPIPE} status --all --config config.yaml | true; echo done",
+        shell=True,
+        cwd=finished,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.stdout == "done\n"
+    assert "BrokenPipeError" not in result.stderr and "Traceback" not in result.stderr
