@@ -389,7 +389,7 @@ def test_too_little_free_space_writes_nothing(tmp_path, tiny_llama_dir, in_dir, 
 def test_weights_fingerprint_tells_a_fine_tune_from_its_base(tiny_llama_dir, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from eaglepipe.extract import weights_fingerprint
+    from eaglepipe.fingerprint import weights_fingerprint
 
     copy = tmp_path / "copy"
     shutil.copytree(tiny_llama_dir, copy)
