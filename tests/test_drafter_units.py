@@ -20,7 +20,7 @@ from eaglepipe.drafter.data import (
 from eaglepipe.drafter.loss import soft_cross_entropy, step_targets, target_distribution
 from eaglepipe.drafter.model import DrafterConfig, Eagle3Drafter, ttt_attention_mask
 from eaglepipe.drafter.target_head import load_target_head
-from eaglepipe.drafter.train import check_validated, lr_at
+from eaglepipe.drafter.train import check_validated, latest_checkpoint, lr_at, save_checkpoint
 from eaglepipe.drafter.vocab import (
     build_draft_vocab,
     choose_draft_vocab,
@@ -328,3 +328,47 @@ def test_gate_needs_a_matching_validation_report(tmp_path):
     manifest.write_text(manifest.read_text().replace('"num_rows"', '"num_rows" ', 1))
     with pytest.raises(PipelineError, match="changed after it was validated"):
         check_validated([str(manifest)], [str(report)])
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+class RunsCodeWhenUnpickled:
+    """What a hostile `step-*.pt` holds: unpickling it calls os.mkdir(marker)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        import os
+
+        return (os.mkdir, (self.marker,))
+
+
+def test_checkpoint_round_trip_loads_as_plain_tensors(tmp_path):
+    model = Eagle3Drafter(tiny_config())
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    model.fc.weight.sum().backward()
+    optimizer.step()
+    save_checkpoint(tmp_path, 7, model, optimizer, "run-key")
+    state = latest_checkpoint(tmp_path, "run-key", log=print)
+    assert state["step"] == 7
+    fresh = Eagle3Drafter(tiny_config())
+    fresh.load_state_dict(state["model"], strict=False)
+    assert torch.equal(fresh.fc.weight, model.fc.weight)
+    again = torch.optim.AdamW([p for p in fresh.parameters() if p.requires_grad], lr=0.1)
+    again.load_state_dict(state["optimizer"])
+    assert again.state_dict()["state"][0]["step"] == 1
+
+
+def test_a_checkpoint_that_runs_code_is_refused_not_executed(tmp_path):
+    marker = tmp_path / "code-ran"
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    payload = {"step": 9, "run_key": "run-key", "model": RunsCodeWhenUnpickled(marker)}
+    torch.save(payload, checkpoints / "step-00000009.pt")
+    lines = []
+    assert latest_checkpoint(checkpoints, "run-key", log=lines.append) is None
+    assert not marker.exists()
+    assert len(lines) == 1 and "step-00000009.pt is not a plain-tensor checkpoint" in lines[0]

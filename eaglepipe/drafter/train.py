@@ -174,12 +174,17 @@ def save_checkpoint(directory: Path, step: int, model, optimizer, run_key: str) 
 
 
 def latest_checkpoint(directory: Path, run_key: str, log) -> dict | None:
-    """The newest readable checkpoint of this run; checkpoints of other inputs are removed."""
+    """The newest readable checkpoint of this run; checkpoints of other inputs are removed.
+
+    Checkpoints hold only tensors, numbers and strings, so they load with `weights_only=True`:
+    a file that needs anything else (code to run when unpickled) is refused, never executed.
+    """
     for step, path in reversed(list_checkpoints(directory)):
         try:
-            state = torch.load(path, map_location="cpu", weights_only=False)
-        except Exception as exc:  # a truncated file from a crash mid-write never gets renamed
-            log(f"checkpoint {path} is unreadable ({exc}); trying an older one")
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # not ours, or damaged (our writes are atomic)
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            log(f"checkpoint {path} is not a plain-tensor checkpoint ({reason}); ignoring it")
             continue
         if state.get("run_key") != run_key:
             log(f"checkpoint {path} was made from other inputs or settings; removing it")
