@@ -372,3 +372,19 @@ def test_a_checkpoint_that_runs_code_is_refused_not_executed(tmp_path):
     assert latest_checkpoint(checkpoints, "run-key", log=lines.append) is None
     assert not marker.exists()
     assert len(lines) == 1 and "step-00000009.pt is not a plain-tensor checkpoint" in lines[0]
+
+
+def test_gate_names_a_missing_manifest_or_report_in_one_line(tmp_path):
+    manifest, _ = write_test_shard(tmp_path, "rows_0-4", [0, 1, 2, 3], [4, 4, 4, 4])
+    from eaglepipe.fingerprint import hash_file
+
+    report = tmp_path / "rows_0-4.json"
+    report.write_text(json.dumps({"shard": "rows_0-4", "manifest_xxh3_128": hash_file(manifest)}))
+    with pytest.raises(PipelineError, match="validation report .*missing.json does not exist"):
+        check_validated([str(manifest)], [str(report), str(tmp_path / "missing.json")])
+    manifest.unlink()
+    with pytest.raises(PipelineError) as failure:
+        check_validated([str(manifest)], [str(report)])
+    message = str(failure.value)
+    assert message.startswith(f"shard rows_0-4: {manifest} does not exist")
+    assert "\n" not in message

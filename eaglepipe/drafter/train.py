@@ -45,19 +45,32 @@ def check_validated(manifests: list[str], validated: list[str]) -> None:
     """Every manifest needs a validation report for the same shard and the same manifest bytes."""
     reports: dict[str, dict] = {}
     for path in validated:
-        report = read_json_object(path, what="validation report")
+        report = read_json_object(
+            path,
+            what="validation report",
+            missing="does not exist: validate its shard first (training needs every report)",
+        )
         if "shard" not in report or "manifest_xxh3_128" not in report:
             raise PipelineError(f"validation report {path} lacks shard/manifest_xxh3_128")
         reports[report["shard"]] = report
     for manifest in manifests:
         shard = Path(manifest).parent.name
+        try:
+            digest = hash_file(manifest)
+        except FileNotFoundError:
+            raise PipelineError(
+                f"shard {shard}: {manifest} does not exist: the shard has not finished "
+                "extraction; run snakemake to extract and validate it"
+            ) from None
+        except OSError as exc:
+            raise PipelineError(f"shard {shard}: cannot read {manifest}: {exc.strerror}") from None
         report = reports.get(shard)
         if report is None:
             raise PipelineError(
                 f"shard {shard} ({manifest}) has no validation report: run the validate step "
                 "first; training only reads validated shards"
             )
-        if report["manifest_xxh3_128"] != hash_file(manifest):
+        if report["manifest_xxh3_128"] != digest:
             raise PipelineError(
                 f"shard {shard}: {manifest} changed after it was validated; validate it again"
             )
