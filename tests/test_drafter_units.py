@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from eaglepipe.drafter.chunks import list_chunks, require_intact
 from eaglepipe.drafter.data import (
     ChunkCache,
     index_rows,
@@ -249,7 +250,9 @@ def test_batches_stream_the_right_rows_within_the_token_budget(tmp_path):
     table = pd.DataFrame({"row_id": range(8), "split": ["train"] * 6 + ["eval"] * 2})
     table.to_parquet(tmp_path / "t.parquet")
     train_ids = split_row_ids(tmp_path / "t.parquet", "train")
-    refs, facts = index_rows([manifest], train_ids)
+    chunks, facts = list_chunks([manifest], train_ids)
+    require_intact(chunks, log=print)
+    refs = index_rows(chunks, train_ids)
     assert sorted(r.row_id for r in refs) == [0, 1, 2, 3, 4, 5]
     assert facts == {"hidden_size": 4, "aux_layer_ids": [1, 3, 4]}
 
@@ -275,11 +278,22 @@ def test_batches_stream_the_right_rows_within_the_token_budget(tmp_path):
             assert int(batch["loss_mask"][i, n:].sum()) == 0
 
 
-def test_index_rows_names_a_missing_chunk(tmp_path):
+def test_a_missing_chunk_is_named_with_its_shard_and_the_repair(tmp_path):
     manifest, _ = write_test_shard(tmp_path, "rows_0-4", [0, 1, 2, 3], [4, 4, 4, 4])
     (manifest.parent / "chunk-00001.safetensors").unlink()
-    with pytest.raises(PipelineError, match="chunk-00001.safetensors"):
-        index_rows([manifest])
+    chunks, _ = list_chunks([manifest])
+    with pytest.raises(PipelineError) as failure:
+        require_intact(chunks, log=print)
+    assert str(failure.value).startswith(
+        f"chunk {manifest.parent / 'chunk-00001.safetensors'} of shard rows_0-4 is missing: "
+    )
+    assert f"rm {manifest} validated/rows_0-4.json, then run snakemake" in str(failure.value)
+
+
+def test_chunks_are_listed_only_where_the_wanted_rows_are(tmp_path):
+    manifest, _ = write_test_shard(tmp_path, "rows_0-4", [0, 1, 2, 3], [4, 4, 4, 4])
+    assert [c.row_ids for c in list_chunks([manifest])[0]] == [(0, 1), (2, 3)]
+    assert [c.row_ids for c in list_chunks([manifest], {3})[0]] == [(2, 3)]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from drafter_helpers import flip_low_bit
 from pipeline_run import (
     dry_run_jobs,
     isolate,
@@ -20,6 +21,8 @@ from pipeline_run import (
     small_config,
     write_config,
 )
+
+from eaglepipe.fingerprint import hash_file
 
 SHARDS = ["rows_0-10", "rows_10-20", "rows_20-30", "rows_30-40"]
 VALIDATED = [f"validated/{s}.json" for s in SHARDS]
@@ -177,3 +180,32 @@ def test_a_corrupt_shard_blocks_training(run_copy):
     assert not (run_copy / "validated" / "rows_10-20.json").exists()
     assert not (run_copy / "drafter" / "model.safetensors").exists()
     assert "rule train" not in result.stdout + result.stderr
+
+
+def test_a_chunk_damaged_after_validation_stops_training_and_the_named_repair_works(run_copy):
+    shard_dir = run_copy / "hidden_states" / "rows_10-20"
+    chunk = shard_dir / "chunk-00000.safetensors"
+    flip_low_bit(chunk)  # after validation: the report still matches the manifest
+    result = run_snakemake(run_copy, "--cores", "2", "drafter/model.safetensors", check=False)
+    assert result.returncode != 0
+    log = (run_copy / "logs" / "train.log").read_text().splitlines()
+    error = next(line for line in log if line.startswith("error: "))
+    assert error.startswith(
+        "error: chunk hidden_states/rows_10-20/chunk-00000.safetensors of shard rows_10-20 "
+        "does not match its manifest's xxh3-128 checksum"
+    )
+    assert not (run_copy / "drafter" / "model.safetensors").exists()
+
+    # The repair the message names re-extracts that shard alone and training then succeeds.
+    repair = error.split("to re-extract: rm ")[1]
+    removed, rest = repair.split(", ", 1)
+    assert removed == "hidden_states/rows_10-20/manifest.json validated/rows_10-20.json"
+    assert rest.startswith("then run snakemake again")
+    others = {s: manifest(run_copy, s).stat().st_mtime_ns for s in SHARDS if s != "rows_10-20"}
+    for path in removed.split():
+        (run_copy / path).unlink()
+    run_snakemake(run_copy, "--cores", "2", "drafter/model.safetensors")
+    assert (run_copy / "drafter" / "model.safetensors").exists()
+    assert {s: manifest(run_copy, s).stat().st_mtime_ns for s in others} == others
+    entry = json.loads(manifest(run_copy, "rows_10-20").read_text())["chunks"][0]
+    assert entry["file"] == chunk.name and hash_file(chunk) == entry["xxh3_128"]

@@ -27,6 +27,7 @@ from ..config import aux_layer_ids, model_dir, read_model_config
 from ..errors import PipelineError
 from ..fingerprint import hash_file, hash_json
 from ..jsonio import read_json_object
+from .chunks import Chunk, check_chunks, damage_error, list_chunks
 from .data import BatchStream, index_rows, plan_batches, split_row_ids
 from .loss import ttt_loss
 from .model import DrafterConfig, Eagle3Drafter
@@ -85,6 +86,7 @@ class Distributed:
     rank: int
     world_size: int
     local_rank: int
+    local_world_size: int  # ranks on this node
 
     @property
     def is_main(self) -> bool:
@@ -95,10 +97,11 @@ def init_distributed(device_kind: str) -> Distributed:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if world > 1 and not torch.distributed.is_initialized():
         backend = "nccl" if device_kind == "cuda" else "gloo"
         torch.distributed.init_process_group(backend=backend)
-    return Distributed(rank=rank, world_size=world, local_rank=local)
+    return Distributed(rank=rank, world_size=world, local_rank=local, local_world_size=local_world)
 
 
 def resolve_device(train_config: dict, local_rank: int = 0) -> torch.device:
@@ -134,6 +137,22 @@ def build_drafter(config: dict, vocab, target_head, seed: int) -> Eagle3Drafter:
         model.d2t.copy_(vocab.d2t)
         model.t2d.copy_(vocab.t2d)
     return model
+
+
+def verify_chunks(chunks: list[Chunk], dist: Distributed, device: torch.device, log) -> None:
+    """Check every chunk against its manifest before training reads it; stop every rank if any
+    is damaged. The ranks of a node split the chunks (they share its disks), so each chunk is
+    read once per node; the verdicts are combined across all ranks."""
+    statuses = torch.zeros(len(chunks), dtype=torch.int64)
+    mine = list(range(dist.local_rank, len(chunks), dist.local_world_size))
+    for i, status in zip(mine, check_chunks([chunks[i] for i in mine], log), strict=True):
+        statuses[i] = status
+    if dist.world_size > 1:
+        statuses = statuses.to(device)
+        torch.distributed.all_reduce(statuses, op=torch.distributed.ReduceOp.MAX)
+    error = damage_error(chunks, statuses.tolist())
+    if error is not None:
+        raise error
 
 
 def to_device(batch: dict, device: torch.device, dtype: torch.dtype) -> dict:
@@ -254,9 +273,12 @@ def train(
 
     vocab = load_vocab(vocab_path)
     head = load_target_head(model_dir(config))
-    rows, facts = index_rows(manifests, split_row_ids(table_path, "train"))
-    if not rows:
+    train_ids = split_row_ids(table_path, "train")
+    chunks, facts = list_chunks(manifests, train_ids)
+    if not chunks:
         raise PipelineError("the listed shards hold no rows of the train split")
+    verify_chunks(chunks, dist, device, log)
+    rows = index_rows(chunks, train_ids)
     expected_ids = aux_layer_ids(config)
     if list(facts["aux_layer_ids"]) != list(expected_ids):
         raise PipelineError(
