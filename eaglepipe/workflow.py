@@ -334,7 +334,7 @@ def _report_facts(manifest: str, report: str) -> dict:
 
 
 def stale_validations(config: dict, shard_names: list[str]) -> dict[str, str]:
-    """`{shard: why}` for each shard whose report exists beside its manifest but is stale.
+    """`{shard: why}` for each shard whose validation report exists but is stale.
 
     Facts are cached by both files' identity (inode, size, mtime, ctime): a warm parse only
     stats 2 files per shard. Each stale shard's stamp is rewritten when what makes it stale
@@ -352,17 +352,23 @@ def stale_validations(config: dict, shard_names: list[str]) -> dict[str, str]:
     for shard in shard_names:
         manifest, report = manifest_path(shard), validation_report_path(shard)
         key = [_identity_or_none(manifest), _identity_or_none(report)]
-        if key[0] is None or key[1] is None:
-            continue  # missing files are targets instead (incomplete_targets)
-        facts = cache.get(shard)
-        if not facts or facts.get("key") != key:
-            facts = {"key": key, **_report_facts(manifest, report)}
-        new_cache[shard] = facts
-        if not facts["describes_manifest"]:
-            why = "its manifest changed after it was validated"
-        elif facts["settings"] != settings:
-            why = "the validate settings changed"
+        if key[1] is None:
+            continue  # no report: a target of `all` instead (incomplete_targets)
+        if key[0] is None:
+            # Set aside (`eaglepipe verify`, a damaged chunk) or deleted: its validate job reruns,
+            # which makes Snakemake extract the shard first, whatever the targets.
+            why = "its manifest is missing"
         else:
+            facts = cache.get(shard)
+            if not facts or facts.get("key") != key:
+                facts = {"key": key, **_report_facts(manifest, report)}
+            new_cache[shard] = facts
+            why = None
+            if not facts["describes_manifest"]:
+                why = "its manifest changed after it was validated"
+            elif facts["settings"] != settings:
+                why = "the validate settings changed"
+        if why is None:
             continue
         stale[shard] = why
         write_json_if_changed(

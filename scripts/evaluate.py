@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Evaluate the drafter on held-out rows: per-step accuracy and simulated acceptance length."""
+"""Evaluate the drafter on held-out rows of the planned shards: per-step accuracy and simulated
+acceptance length."""
 
 import argparse
 
@@ -15,7 +16,6 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--vocab", required=True)
     parser.add_argument("--table", required=True)
-    parser.add_argument("--manifests", nargs="+", help="default: every planned shard")
     parser.add_argument("--out", required=True)
     parser.add_argument("--plot")
     args = parser.parse_args()
@@ -26,7 +26,7 @@ def main() -> None:
             model_path=args.model,
             vocab_path=args.vocab,
             table_path=args.table,
-            manifests=args.manifests or planned_manifests(config),
+            manifests=planned_manifests(config),
             out_path=args.out,
             plot_path=args.plot,
         )

@@ -1,5 +1,9 @@
 #!/usr/bin/env python3
-"""Train the EAGLE-3 drafter on validated shards (also under torchrun for DDP)."""
+"""Train the EAGLE-3 drafter on the planned shards, all validated (also under torchrun for DDP).
+
+The shards are the run's plan (dataset row count and shards.rows_per_shard), never a glob: a
+shard directory left from an earlier plan is not read.
+"""
 
 import argparse
 
@@ -16,8 +20,6 @@ def main() -> None:
     parser.add_argument("--config", required=True)
     parser.add_argument("--vocab", required=True)
     parser.add_argument("--table", required=True)
-    parser.add_argument("--manifests", nargs="+", help="default: every planned shard")
-    parser.add_argument("--validated", nargs="*", help="default: every planned shard's report")
     parser.add_argument("--out", required=True)
     # torchrun reads an abbreviated "--log" as its own --log-dir: use --train-log under torchrun.
     parser.add_argument("--log", "--train-log", dest="log", required=True)
@@ -30,8 +32,8 @@ def main() -> None:
                 config,
                 vocab_path=args.vocab,
                 table_path=args.table,
-                manifests=args.manifests or planned_manifests(config),
-                validated=planned_validations(config) if args.validated is None else args.validated,
+                manifests=planned_manifests(config),
+                validated=planned_validations(config),
                 out_path=args.out,
                 log_path=args.log,
                 checkpoint_dir=args.checkpoint_dir,

@@ -138,9 +138,20 @@ def write_shards(
     return manifests, reports
 
 
-def write_config(path: Path, model_dir: Path, **train_overrides) -> Path:
+def write_dataset(num_rows: int, path: Path) -> Path:
+    """A source of `num_rows` rows: the shard plan is made from its row count (scripts read the
+    shards the plan names, relative to their working directory)."""
+    path.write_text("{}\n" * num_rows)
+    return path
+
+
+def write_config(
+    path: Path, model_dir: Path, dataset: Path, rows_per_shard: int, **train_overrides
+) -> Path:
     config = yaml.safe_load((PROJECT_ROOT / "config.yaml").read_text())
     config["model"]["path"] = str(model_dir)
+    config["dataset"]["path"] = str(dataset)
+    config["shards"]["rows_per_shard"] = rows_per_shard
     config["train"].update(
         {
             "draft_vocab_size": 128,
@@ -160,15 +171,29 @@ def write_config(path: Path, model_dir: Path, **train_overrides) -> Path:
 
 
 def make_inputs(tmp: Path, model_dir: Path, num_rows: int = 60, **train_overrides) -> dict:
-    """Everything the drafter stages read; `model_dir` must already hold a tiny target."""
+    """Everything the drafter stages read, laid out as a pipeline run under `tmp` (run the
+    scripts there); `model_dir` must already hold a tiny target."""
     rows = synthetic_rows(num_rows, vocab_size=300)
     table = write_table(rows, tmp / "prepared" / "tokenized.parquet")
+    dataset = write_dataset(num_rows, tmp / "conversations.jsonl")
     manifests, reports = write_shards(model_dir, rows, tmp, rows_per_shard=30)
-    config = write_config(tmp / "config.yaml", model_dir, **train_overrides)
+    config = write_config(tmp / "config.yaml", model_dir, dataset, 30, **train_overrides)
     return {
+        "root": tmp,
         "config": str(config),
         "table": str(table),
         "manifests": manifests,
         "validated": reports,
         "rows": rows,
     }
+
+
+def flip_low_bit(chunk: Path, tensor: str = "aux_hidden_states") -> None:
+    """Flip the lowest bit of one bf16 value in the middle of `tensor` inside a chunk file: a
+    silent change (the value stays finite and close), as a bad disk or copy would make it."""
+    data = bytearray(chunk.read_bytes())
+    header_len = int.from_bytes(data[:8], "little")
+    start, end = json.loads(data[8 : 8 + header_len])[tensor]["data_offsets"]
+    low_byte = 8 + header_len + start + ((end - start) // 2 & ~1)  # little-endian: low byte first
+    data[low_byte] ^= 0x01
+    chunk.write_bytes(bytes(data))

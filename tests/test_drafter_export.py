@@ -313,3 +313,121 @@ def test_export_refuses_a_model_trained_with_another_vocabulary(tmp_path):
             vocab_path=str(tmp_path / "other.safetensors"),
             out_dir=str(tmp_path / "export2"),
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE: the target's base and scaling reach the drafter and its export, in either layout
+
+LLAMA31_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+def llama31_config(layout: str) -> dict:
+    """A Llama-3.1-shaped target config as transformers 4.x or 5.x writes it."""
+    config = llama_config()
+    config.pop("rope_parameters", None)
+    config["max_position_embeddings"] = 131072
+    if layout == "transformers-4":
+        config.update(rope_theta=500000.0, rope_scaling=LLAMA31_SCALING)
+    else:
+        config["rope_parameters"] = {"rope_theta": 500000.0, **LLAMA31_SCALING}
+    return config
+
+
+def deepseek_yarn_config() -> dict:
+    """DeepSeek-V3's own RoPE settings (legacy `type` key, mscale pair)."""
+    config = deepseek_config()
+    config.pop("rope_parameters", None)
+    config["rope_theta"] = 10000.0
+    config["rope_scaling"] = {
+        "type": "yarn",
+        "factor": 40.0,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+    }
+    return config
+
+
+def engine_cos_sin(export_config: dict, positions: torch.Tensor):
+    """cos/sin of the rotary embedding transformers builds from an exported config.json."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    llama = LlamaConfig.from_dict(export_config)
+    rotary = LlamaRotaryEmbedding(llama)
+    x = torch.zeros(1, positions.shape[1], export_config["head_dim"])
+    return rotary(x, positions)
+
+
+@pytest.mark.parametrize(
+    ("target_config", "theta", "rope_type"),
+    [
+        (llama31_config("transformers-4"), 500000.0, "llama3"),
+        (llama31_config("transformers-5"), 500000.0, "llama3"),
+        (deepseek_yarn_config(), 10000.0, "yarn"),
+    ],
+    ids=["llama3.1-transformers-4", "llama3.1-transformers-5", "deepseek-yarn"],
+)
+def test_rope_base_and_scaling_reach_the_drafter_and_its_export(
+    tmp_path, target_config, theta, rope_type
+):
+    drafter = DrafterConfig.from_target(target_config, 24)
+    assert drafter.rope_theta == theta and drafter.rope_scaling["rope_type"] == rope_type
+    export_dir = tiny_export(tmp_path, target_config, [1, 3, 4])
+    positions = torch.arange(0, 60000, 7)[None]
+    for engine in ex.ENGINES:
+        config = json.loads((export_dir / engine / "config.json").read_text())
+        # Both layouts, agreeing: 4.x readers take rope_theta + rope_scaling, 5.x (and SGLang)
+        # rope_parameters.
+        assert config["rope_theta"] == theta
+        assert config["rope_scaling"] == drafter.rope_scaling
+        assert config["rope_parameters"] == {"rope_theta": theta, **drafter.rope_scaling}
+        # What serving computes from the export is what the drafter trained with.
+        want_cos, want_sin = engine_cos_sin(config, positions)
+        rebuilt = ex.drafter_from_sglang_params(*ex.load_like_sglang(export_dir / "sglang"))
+        trained = Eagle3Drafter(drafter)
+        for model in (trained, rebuilt):
+            cos, sin = model.midlayer.self_attn.rotary.cos_sin(positions)
+            torch.testing.assert_close(cos, want_cos, rtol=0, atol=1e-5)
+            torch.testing.assert_close(sin, want_sin, rtol=0, atol=1e-5)
+
+
+def test_a_plain_target_exports_plain_rope(tmp_path):
+    export_dir = tiny_export(tmp_path, llama_config(), [1, 3, 4])
+    config = json.loads((export_dir / "sglang" / "config.json").read_text())
+    assert config["rope_scaling"] is None
+    assert config["rope_parameters"] == {"rope_theta": 10000.0, "rope_type": "default"}
+    want_cos, _ = engine_cos_sin(config, torch.arange(500)[None])
+    rebuilt = ex.drafter_from_sglang_params(*ex.load_like_sglang(export_dir / "sglang"))
+    cos, _ = rebuilt.midlayer.self_attn.rotary.cos_sin(torch.arange(500)[None])
+    torch.testing.assert_close(cos, want_cos, rtol=0, atol=1e-5)
+
+
+def test_rope_types_the_engines_disagree_on_are_refused():
+    config = llama_config()
+    config["rope_parameters"] = {"rope_theta": 10000.0, "rope_type": "dynamic", "factor": 2.0}
+    with pytest.raises(PipelineError, match="RoPE type 'dynamic' is not supported"):
+        DrafterConfig.from_target(config, 24)
+
+
+def test_sglang_reads_rope_from_the_keys_the_export_writes(sglang_root):
+    """The pinned SGLang's Llama layer (the draft layer's base) takes rope_parameters, else
+    rope_theta + rope_scaling, from the draft config."""
+    init = find_function(
+        parse(sglang_root / "srt" / "models" / "llama.py"), "LlamaDecoderLayer", "__init__"
+    )
+    read = {
+        node.args[1].value
+        for node in ast.walk(init)
+        if isinstance(node, ast.Call)
+        and ast.unparse(node.func) == "getattr"
+        and isinstance(node.args[1], ast.Constant)
+    }
+    assert {"rope_parameters", "rope_theta", "rope_scaling"} <= read

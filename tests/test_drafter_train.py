@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -27,13 +28,15 @@ from eaglepipe.drafter.vocab import load_vocab
 TRAIN = {"batch_tokens": 256, "lr": 0.01, "epochs": 10, "warmup_steps": 10}
 
 
-def run_script(name: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+def run_script(name: str, *args: str, cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
+    """A drafter script run in the run directory `cwd` (it reads the shards planned there)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     result = subprocess.run(
         [PYTHON, "-u", str(REPO_ROOT / "scripts" / name), *args],
         capture_output=True,
         text=True,
         env=env,
+        cwd=cwd,
         timeout=600,
     )
     if check and result.returncode != 0:
@@ -51,8 +54,7 @@ def train_args(inputs: dict, out: Path, **overrides) -> list[str]:
         "--checkpoint-dir": str(out / "checkpoints"),
         **overrides,
     }
-    flat = [x for pair in args.items() for x in pair]
-    return [*flat, "--manifests", *inputs["manifests"], "--validated", *inputs["validated"]]
+    return [x for pair in args.items() for x in pair]
 
 
 def read_log(path: Path) -> list[dict]:
@@ -74,24 +76,24 @@ def pipeline(tmp_path_factory):
     inputs["vocab"] = drafter / "vocab.safetensors"
     run_script(
         "vocab.py", "--config", inputs["config"], "--table", inputs["table"],
-        "--out", str(inputs["vocab"]),
+        "--out", str(inputs["vocab"]), cwd=root,
     )  # fmt: skip
-    trained = run_script("train.py", *train_args(inputs, drafter))
+    trained = run_script("train.py", *train_args(inputs, drafter), cwd=root)
     inputs["train_stdout"] = trained.stdout
     common = ["--config", inputs["config"], "--vocab", str(inputs["vocab"])]
     run_script(
         "evaluate.py", *common, "--model", str(drafter / "model.safetensors"),
-        "--table", inputs["table"], "--manifests", *inputs["manifests"],
-        "--out", str(drafter / "eval.json"), "--plot", str(drafter / "eval.png"),
+        "--table", inputs["table"],
+        "--out", str(drafter / "eval.json"), "--plot", str(drafter / "eval.png"), cwd=root,
     )  # fmt: skip
     run_script(
         "export.py", *common, "--model", str(drafter / "model.safetensors"),
-        "--out-dir", str(drafter / "export"),
+        "--out-dir", str(drafter / "export"), cwd=root,
     )  # fmt: skip
     run_script(
         "live_acceptance.py", "--config", inputs["config"],
         "--export-dir", str(drafter / "export" / "sglang"), "--table", inputs["table"],
-        "--out", str(drafter / "live.json"), "--eval", str(drafter / "eval.json"),
+        "--out", str(drafter / "live.json"), "--eval", str(drafter / "eval.json"), cwd=root,
     )  # fmt: skip
     inputs["drafter"] = drafter
     return inputs
@@ -155,13 +157,16 @@ def test_export_writes_both_engines(pipeline):
 
 
 def test_training_refuses_shards_without_a_validation_report(pipeline, tmp_path):
-    args = train_args(pipeline, tmp_path)
-    cut = args.index("--validated")
-    result = run_script("train.py", *args[: cut + 1], pipeline["validated"][0], check=False)
+    run = tmp_path / "run"
+    for part in ("hidden_states", "validated"):
+        shutil.copytree(pipeline["root"] / part, run / part)
+    (run / "validated" / "rows_30-60.json").unlink()
+    result = run_script("train.py", *train_args(pipeline, tmp_path), cwd=run, check=False)
     assert result.returncode == 1
-    shard = Path(pipeline["manifests"][1]).parent.name
-    assert result.stderr.strip().startswith(f"error: shard {shard}")
-    assert "no validation report" in result.stderr
+    assert result.stderr.strip() == (
+        "error: validation report validated/rows_30-60.json does not exist: "
+        "validate its shard first (training needs every report)"
+    )
     assert not (tmp_path / "model.safetensors").exists()
 
 
@@ -179,6 +184,7 @@ def test_killed_training_resumes_to_the_same_step_count(pipeline, tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         env=env,
+        cwd=pipeline["root"],
         start_new_session=True,
     )
     try:
@@ -198,7 +204,7 @@ def test_killed_training_resumes_to_the_same_step_count(pipeline, tmp_path):
     killed_at = len(read_log(tmp_path / "train_log.jsonl"))
     assert killed_at < full_steps
 
-    resumed = run_script("train.py", *args)
+    resumed = run_script("train.py", *args, cwd=pipeline["root"])
     checkpoint_step = int(resumed.stdout.split("(step ")[1].split(")")[0])
     assert 5 <= checkpoint_step <= killed_at
     log = read_log(tmp_path / "train_log.jsonl")

@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from eaglepipe.drafter.chunks import list_chunks, require_intact
 from eaglepipe.drafter.data import (
     ChunkCache,
     index_rows,
@@ -20,7 +21,7 @@ from eaglepipe.drafter.data import (
 from eaglepipe.drafter.loss import soft_cross_entropy, step_targets, target_distribution
 from eaglepipe.drafter.model import DrafterConfig, Eagle3Drafter, ttt_attention_mask
 from eaglepipe.drafter.target_head import load_target_head
-from eaglepipe.drafter.train import check_validated, lr_at
+from eaglepipe.drafter.train import check_validated, latest_checkpoint, lr_at, save_checkpoint
 from eaglepipe.drafter.vocab import (
     build_draft_vocab,
     choose_draft_vocab,
@@ -249,7 +250,9 @@ def test_batches_stream_the_right_rows_within_the_token_budget(tmp_path):
     table = pd.DataFrame({"row_id": range(8), "split": ["train"] * 6 + ["eval"] * 2})
     table.to_parquet(tmp_path / "t.parquet")
     train_ids = split_row_ids(tmp_path / "t.parquet", "train")
-    refs, facts = index_rows([manifest], train_ids)
+    chunks, facts = list_chunks([manifest], train_ids)
+    require_intact(chunks, log=print)
+    refs = index_rows(chunks, train_ids)
     assert sorted(r.row_id for r in refs) == [0, 1, 2, 3, 4, 5]
     assert facts == {"hidden_size": 4, "aux_layer_ids": [1, 3, 4]}
 
@@ -275,11 +278,22 @@ def test_batches_stream_the_right_rows_within_the_token_budget(tmp_path):
             assert int(batch["loss_mask"][i, n:].sum()) == 0
 
 
-def test_index_rows_names_a_missing_chunk(tmp_path):
+def test_a_missing_chunk_is_named_with_its_shard_and_the_repair(tmp_path):
     manifest, _ = write_test_shard(tmp_path, "rows_0-4", [0, 1, 2, 3], [4, 4, 4, 4])
     (manifest.parent / "chunk-00001.safetensors").unlink()
-    with pytest.raises(PipelineError, match="chunk-00001.safetensors"):
-        index_rows([manifest])
+    chunks, _ = list_chunks([manifest])
+    with pytest.raises(PipelineError) as failure:
+        require_intact(chunks, log=print)
+    assert str(failure.value).startswith(
+        f"chunk {manifest.parent / 'chunk-00001.safetensors'} of shard rows_0-4 is missing: "
+    )
+    assert f"rm {manifest} validated/rows_0-4.json, then run snakemake" in str(failure.value)
+
+
+def test_chunks_are_listed_only_where_the_wanted_rows_are(tmp_path):
+    manifest, _ = write_test_shard(tmp_path, "rows_0-4", [0, 1, 2, 3], [4, 4, 4, 4])
+    assert [c.row_ids for c in list_chunks([manifest])[0]] == [(0, 1), (2, 3)]
+    assert [c.row_ids for c in list_chunks([manifest], {3})[0]] == [(2, 3)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -328,3 +342,63 @@ def test_gate_needs_a_matching_validation_report(tmp_path):
     manifest.write_text(manifest.read_text().replace('"num_rows"', '"num_rows" ', 1))
     with pytest.raises(PipelineError, match="changed after it was validated"):
         check_validated([str(manifest)], [str(report)])
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+class RunsCodeWhenUnpickled:
+    """What a hostile `step-*.pt` holds: unpickling it calls os.mkdir(marker)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        import os
+
+        return (os.mkdir, (self.marker,))
+
+
+def test_checkpoint_round_trip_loads_as_plain_tensors(tmp_path):
+    model = Eagle3Drafter(tiny_config())
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    model.fc.weight.sum().backward()
+    optimizer.step()
+    save_checkpoint(tmp_path, 7, model, optimizer, "run-key")
+    state = latest_checkpoint(tmp_path, "run-key", log=print)
+    assert state["step"] == 7
+    fresh = Eagle3Drafter(tiny_config())
+    fresh.load_state_dict(state["model"], strict=False)
+    assert torch.equal(fresh.fc.weight, model.fc.weight)
+    again = torch.optim.AdamW([p for p in fresh.parameters() if p.requires_grad], lr=0.1)
+    again.load_state_dict(state["optimizer"])
+    assert again.state_dict()["state"][0]["step"] == 1
+
+
+def test_a_checkpoint_that_runs_code_is_refused_not_executed(tmp_path):
+    marker = tmp_path / "code-ran"
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    payload = {"step": 9, "run_key": "run-key", "model": RunsCodeWhenUnpickled(marker)}
+    torch.save(payload, checkpoints / "step-00000009.pt")
+    lines = []
+    assert latest_checkpoint(checkpoints, "run-key", log=lines.append) is None
+    assert not marker.exists()
+    assert len(lines) == 1 and "step-00000009.pt is not a plain-tensor checkpoint" in lines[0]
+
+
+def test_gate_names_a_missing_manifest_or_report_in_one_line(tmp_path):
+    manifest, _ = write_test_shard(tmp_path, "rows_0-4", [0, 1, 2, 3], [4, 4, 4, 4])
+    from eaglepipe.fingerprint import hash_file
+
+    report = tmp_path / "rows_0-4.json"
+    report.write_text(json.dumps({"shard": "rows_0-4", "manifest_xxh3_128": hash_file(manifest)}))
+    with pytest.raises(PipelineError, match="validation report .*missing.json does not exist"):
+        check_validated([str(manifest)], [str(report), str(tmp_path / "missing.json")])
+    manifest.unlink()
+    with pytest.raises(PipelineError) as failure:
+        check_validated([str(manifest)], [str(report)])
+    message = str(failure.value)
+    assert message.startswith(f"shard rows_0-4: {manifest} does not exist")
+    assert "\n" not in message

@@ -9,11 +9,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import yaml
+from drafter_helpers import flip_low_bit
 from pipeline_run import (
     dry_run_jobs,
     isolate,
@@ -21,6 +24,8 @@ from pipeline_run import (
     small_config,
     write_config,
 )
+
+from eaglepipe.fingerprint import hash_file
 
 SHARDS = ["rows_0-10", "rows_10-20", "rows_20-30", "rows_30-40"]
 VALIDATED = [f"validated/{s}.json" for s in SHARDS]
@@ -233,3 +238,35 @@ def test_an_appended_row_leaves_untouched_shards_valid(run_copy):
     report = json.loads((run_copy / "validated" / "rows_0-10.json").read_text())
     assert all(check["ok"] for check in report["checks"].values())
     assert dry_run_jobs(run_copy, *targets) == {}
+
+
+def test_a_chunk_damaged_after_validation_stops_training_and_the_named_repair_works(run_copy):
+    shard_dir = run_copy / "hidden_states" / "rows_10-20"
+    chunk = shard_dir / "chunk-00000.safetensors"
+    flip_low_bit(chunk)  # after validation: the report still matches the manifest
+    result = run_snakemake(run_copy, "--cores", "2", "drafter/model.safetensors", check=False)
+    assert result.returncode != 0
+    log = (run_copy / "logs" / "train.log").read_text().splitlines()
+    error = next(line for line in log if line.startswith("error: "))
+    assert error.startswith(
+        "error: chunk hidden_states/rows_10-20/chunk-00000.safetensors of shard rows_10-20 "
+        "does not match its manifest's xxh3-128 checksum"
+    )
+    assert not (run_copy / "drafter" / "model.safetensors").exists()
+
+    # The repair the message names re-extracts that shard alone and training then succeeds.
+    assert error.endswith(
+        "repair: `eaglepipe verify` sets the damaged shards aside, then `snakemake --cores N` "
+        "re-extracts their damaged chunks (intact chunks are kept)"
+    )
+    others = {s: manifest(run_copy, s).stat().st_mtime_ns for s in SHARDS if s != "rows_10-20"}
+    verify = subprocess.run(
+        [str(Path(sys.executable).parent / "eaglepipe"), "verify"],
+        cwd=run_copy, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert verify.returncode == 1 and "rows_10-20: manifest set aside" in verify.stdout
+    run_snakemake(run_copy, "--cores", "2", "drafter/model.safetensors")
+    assert (run_copy / "drafter" / "model.safetensors").exists()
+    assert {s: manifest(run_copy, s).stat().st_mtime_ns for s in others} == others
+    entry = json.loads(manifest(run_copy, "rows_10-20").read_text())["chunks"][0]
+    assert entry["file"] == chunk.name and hash_file(chunk) == entry["xxh3_128"]

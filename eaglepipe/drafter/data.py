@@ -1,10 +1,11 @@
 """Streaming training batches out of the shard store.
 
 Nothing is loaded whole: an index of (chunk, row, token range) is built from each chunk's
-small `row_ids`/`offsets` tensors, and a batch reads only its rows' slices through safetensors'
-memory map. Batches are planned per epoch from a seed (shuffle, then length-sorted windows so
-padding stays small, then a shuffled batch order), each holding at most `batch_tokens` padded
-tokens; a background thread reads the next batches while the GPU trains on the current one.
+small `row_ids`/`offsets` tensors (chunks already checked against their manifests: chunks.py),
+and a batch reads only its rows' slices through safetensors' memory map. Batches are planned
+per epoch from a seed (shuffle, then length-sorted windows so padding stays small, then a
+shuffled batch order), each holding at most `batch_tokens` padded tokens; a background thread
+reads the next batches while the GPU trains on the current one.
 """
 
 from __future__ import annotations
@@ -16,15 +17,14 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 from safetensors import safe_open
 
 from ..errors import PipelineError
-from ..jsonio import read_json_object
 from ..prepare import load_prepared
+from .chunks import Chunk
 
 SORT_WINDOW_BATCHES = 32
 OPEN_CHUNKS = 64
@@ -48,45 +48,27 @@ def split_row_ids(table_path: str | os.PathLike, split: str) -> set[int]:
     return set(table.loc[table["split"] == split, "row_id"].astype(int).tolist())
 
 
-def read_manifest_json(path: str | os.PathLike) -> dict:
-    manifest = read_json_object(path, what="shard manifest")
-    for key in ("chunks", "hidden_size", "aux_layer_ids"):
-        if key not in manifest:
-            raise PipelineError(f"shard manifest {path} lacks key {key}")
-    return manifest
+def open_chunk(path: str):
+    """A memory-mapped chunk; a file that vanished or fails to parse ends in one clear line."""
+    try:
+        return safe_open(path, framework="pt")
+    except FileNotFoundError:
+        raise PipelineError(f"chunk {path} is missing") from None
+    except Exception as exc:  # safetensors raises its own error types for damaged files
+        raise PipelineError(f"chunk {path} is not a readable safetensors file: {exc}") from None
 
 
-def index_rows(
-    manifest_paths: Sequence[str | os.PathLike], row_ids: set[int] | None = None
-) -> tuple[list[RowRef], dict]:
-    """Every row of the listed shards (restricted to `row_ids`), and the shards' common facts."""
+def index_rows(chunks: Sequence[Chunk], row_ids: set[int] | None = None) -> list[RowRef]:
+    """Every row of the chunks (restricted to `row_ids`); check the chunks first (chunks.py)."""
     refs: list[RowRef] = []
-    facts: dict | None = None
-    for manifest_path in manifest_paths:
-        manifest = read_manifest_json(manifest_path)
-        these = {"hidden_size": manifest["hidden_size"], "aux_layer_ids": manifest["aux_layer_ids"]}
-        if facts is None:
-            facts = these
-        elif these != facts:
-            raise PipelineError(
-                f"shard manifest {manifest_path} has hidden_size/aux_layer_ids {these}, "
-                f"other shards have {facts}"
-            )
-        shard_dir = Path(manifest_path).parent
-        for chunk in manifest["chunks"]:
-            path = shard_dir / chunk["file"]
-            try:
-                with safe_open(str(path), framework="pt") as f:
-                    ids = f.get_tensor("row_ids").tolist()
-                    offsets = f.get_tensor("offsets").tolist()
-            except FileNotFoundError:
-                raise PipelineError(f"chunk {path} listed in {manifest_path} is missing") from None
-            for i, row_id in enumerate(ids):
-                if row_ids is None or row_id in row_ids:
-                    refs.append(RowRef(row_id, str(path), offsets[i], offsets[i + 1]))
-    if facts is None:
-        raise PipelineError("no shard manifests were given")
-    return refs, facts
+    for chunk in chunks:
+        f = open_chunk(chunk.path)
+        ids = f.get_tensor("row_ids").tolist()
+        offsets = f.get_tensor("offsets").tolist()
+        for i, row_id in enumerate(ids):
+            if row_ids is None or row_id in row_ids:
+                refs.append(RowRef(row_id, chunk.path, offsets[i], offsets[i + 1]))
+    return refs
 
 
 def plan_batches(
@@ -121,10 +103,7 @@ class ChunkCache:
     def get(self, path: str):
         handle = self._open.pop(path, None)
         if handle is None:
-            try:
-                handle = safe_open(path, framework="pt")
-            except FileNotFoundError:
-                raise PipelineError(f"chunk {path} is missing") from None
+            handle = open_chunk(path)
             if len(self._open) >= self.capacity:
                 self._open.popitem(last=False)
         self._open[path] = handle

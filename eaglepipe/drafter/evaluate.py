@@ -21,6 +21,7 @@ import torch
 from ..atomic import atomic_write_bytes, atomic_write_json
 from ..config import model_dir
 from ..errors import PipelineError
+from .chunks import list_chunks, require_intact
 from .data import BatchStream, index_rows, plan_batches, split_row_ids
 from .loss import step_targets, target_distribution
 from .model import Eagle3Drafter, load_drafter
@@ -101,14 +102,18 @@ def evaluate_model(
     }
 
 
-def eval_rows(table_path, manifests, max_rows: int):
+def eval_rows(table_path, manifests, max_rows: int, log=print):
+    """The first `max_rows` held-out rows by row id; only their chunks are checked and read."""
     eval_ids = split_row_ids(table_path, "eval")
-    rows, facts = index_rows(manifests, eval_ids)
-    if not rows:
+    chunks, facts = list_chunks(manifests, eval_ids)
+    chosen = set(sorted(i for c in chunks for i in c.row_ids if i in eval_ids)[:max_rows])
+    if not chosen:
         raise PipelineError(
             "the listed shards hold no rows of the eval split: nothing to evaluate on"
         )
-    return sorted(rows, key=lambda r: r.row_id)[:max_rows], facts
+    chunks = [c for c in chunks if not chosen.isdisjoint(c.row_ids)]
+    require_intact(chunks, log)
+    return sorted(index_rows(chunks, chosen), key=lambda r: r.row_id), facts
 
 
 def plot_eval(result: dict, path: str | os.PathLike) -> None:
@@ -159,7 +164,9 @@ def evaluate(
     model = load_drafter(model_path)
     with torch.no_grad():
         model.embed_tokens.weight.copy_(head.embed_tokens.float())
-    rows, _ = eval_rows(table_path, manifests, ec["max_rows"])
+    rows, _ = eval_rows(
+        table_path, manifests, ec["max_rows"], log=lambda line: print(line, flush=True)
+    )
     print(f"evaluating {model_path} on {len(rows)} held-out rows", flush=True)
     result = evaluate_model(
         model,

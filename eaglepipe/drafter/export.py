@@ -1,9 +1,10 @@
 """Export the drafter as a checkpoint SGLang and vLLM load as an EAGLE-3 draft model.
 
 Per engine a directory with `config.json` (`architectures: ["LlamaForCausalLMEagle3"]`,
-target-shaped sizes, `draft_vocab_size`, the aux layer ids) and `model.safetensors` holding
-`midlayer.*`, `fc.weight`, `norm.weight`, `lm_head.weight`, `d2t`, `t2d` (no embedding: both
-engines share the target's).
+target-shaped sizes, `draft_vocab_size`, the aux layer ids, and the RoPE base and scaling the
+drafter trained with, written both as `rope_theta` + `rope_scaling` and as `rope_parameters`)
+and `model.safetensors` holding `midlayer.*`, `fc.weight`, `norm.weight`, `lm_head.weight`,
+`d2t`, `t2d` (no embedding: both engines share the target's).
 
 The aux layer ids are the subtle part. Ours are 0-based decoder-layer *outputs*
 (eaglepipe/layers.py); both engines capture the residual stream *entering* a layer, so the
@@ -33,7 +34,7 @@ from safetensors.torch import save
 from ..atomic import atomic_write_bytes, atomic_write_json
 from ..config import read_model_config, text_config
 from ..errors import PipelineError
-from .model import DrafterConfig, Eagle3Drafter, load_drafter
+from .model import DrafterConfig, Eagle3Drafter, load_drafter, target_rope
 from .vocab import load_vocab
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -223,6 +224,7 @@ def load_like_sglang(export_dir: str | os.PathLike) -> tuple[dict, dict[str, tor
 
 def drafter_from_sglang_params(config: dict, params: dict[str, torch.Tensor]) -> Eagle3Drafter:
     """Our module filled from SGLang-named parameters (embed_tokens left for the caller)."""
+    rope_theta, rope_scaling = target_rope(config)
     drafter_config = DrafterConfig(
         hidden_size=config["hidden_size"],
         num_attention_heads=config["num_attention_heads"],
@@ -232,7 +234,8 @@ def drafter_from_sglang_params(config: dict, params: dict[str, torch.Tensor]) ->
         vocab_size=config["vocab_size"],
         draft_vocab_size=config["draft_vocab_size"],
         rms_norm_eps=config["rms_norm_eps"],
-        rope_theta=config["rope_theta"],
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
         max_position_embeddings=config["max_position_embeddings"],
     )
     model = Eagle3Drafter(drafter_config)
@@ -298,8 +301,14 @@ def export_config(
         "head_dim": drafter.head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": drafter.rms_norm_eps,
+        # RoPE in both layouts: transformers 4.x configs read rope_theta + rope_scaling, 5.x
+        # configs (and SGLang, which prefers it) read rope_parameters; the two agree.
         "rope_theta": drafter.rope_theta,
-        "rope_scaling": None,
+        "rope_scaling": drafter.rope_scaling,
+        "rope_parameters": {
+            "rope_theta": drafter.rope_theta,
+            **(drafter.rope_scaling or {"rope_type": "default"}),
+        },
         "max_position_embeddings": drafter.max_position_embeddings,
         "vocab_size": drafter.vocab_size,
         "draft_vocab_size": drafter.draft_vocab_size,

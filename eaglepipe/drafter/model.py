@@ -12,6 +12,10 @@ SGLang's and vLLM's `llama_eagle3.py` carry between draft steps. Parameter names
 exported checkpoint's (`midlayer.*`, `fc`, `norm`, `lm_head`), except `embed_tokens`, which is
 the target's own table, frozen and never exported (the engines share the target's).
 
+RoPE takes the target's base and scaling (`target_rope`); the frequencies come from
+transformers' own RoPE functions, which the engines' rotary embeddings for these types match,
+and the export writes the same parameters, so training and serving rotate alike.
+
 Training-time test (EAGLE-3): step 0 runs over the whole sequence; step i>0 re-runs the layer
 on the previous step's outputs, its queries attending causally to step 0's keys plus only their
 own position's keys of steps 1..i (`ttt_attention_mask`). Step i at base position t sits at
@@ -28,6 +32,64 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import PipelineError
+
+# RoPE types the drafter carries from the target, with the scaling keys SGLang, vLLM and
+# transformers all read alike (`attention_factor` is transformers-only, `attn_factor`
+# SGLang-only: neither is carried). Types whose frequencies depend on the running sequence
+# length (dynamic, longrope) are refused: the engines and transformers disagree on them.
+ROPE_KEYS = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": (
+        "factor",
+        "original_max_position_embeddings",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+        "truncate",
+    ),
+}
+REQUIRED_ROPE_KEYS = {"linear": ("factor",), "llama3": ROPE_KEYS["llama3"][:3], "yarn": ("factor",)}
+
+
+def target_rope(text: dict) -> tuple[float, dict | None]:
+    """(rope_theta, rope scaling or None) of a target's text config, in either config layout.
+
+    transformers 4.x writes `rope_theta` plus `rope_scaling` (type under `type` or `rope_type`);
+    5.x writes one `rope_parameters` dict holding `rope_theta` and `rope_type` beside the scaling
+    keys. The scaling comes back as `{"rope_type": ..., <its keys>}`, the 4.x `rope_scaling` form.
+    """
+    params = text.get("rope_parameters") or {}
+    if any(isinstance(v, dict) for v in params.values()):
+        raise PipelineError(
+            f"target config: rope_parameters differ per layer type ({', '.join(params)}); "
+            "the one-layer drafter needs a single RoPE"
+        )
+    # transformers 5 reads a legacy `rope_scaling` in preference to `rope_parameters`.
+    merged = {**params, **(text.get("rope_scaling") or {})}
+    theta = float(merged.get("rope_theta") or text.get("rope_theta") or 10000.0)
+    rope_type = merged.get("rope_type") or merged.get("type") or "default"
+    if rope_type not in ROPE_KEYS:
+        raise PipelineError(
+            f"target config: RoPE type {rope_type!r} is not supported by the drafter "
+            f"(supported: {', '.join(ROPE_KEYS)})"
+        )
+    if rope_type == "default":
+        return theta, None
+    if rope_type in ("llama3", "yarn") and "original_max_position_embeddings" not in merged:
+        # Where transformers takes it from when the scaling dict lacks it.
+        merged["original_max_position_embeddings"] = text.get(
+            "original_max_position_embeddings", text.get("max_position_embeddings")
+        )
+    missing = [k for k in REQUIRED_ROPE_KEYS[rope_type] if merged.get(k) is None]
+    if missing:
+        raise PipelineError(f"target config: {rope_type} RoPE scaling lacks {', '.join(missing)}")
+    scaling = {k: merged[k] for k in ROPE_KEYS[rope_type] if merged.get(k) is not None}
+    return theta, {"rope_type": rope_type, **scaling}
+
 
 @dataclass
 class DrafterConfig:
@@ -40,6 +102,7 @@ class DrafterConfig:
     draft_vocab_size: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # {"rope_type": ..., its keys} or None (see target_rope)
     max_position_embeddings: int = 4096
     num_aux_hidden_states: int = 3
 
@@ -56,6 +119,7 @@ class DrafterConfig:
         is_mla = "kv_lora_rank" in text
         kv_heads = heads if is_mla else int(text.get("num_key_value_heads") or heads)
         head_dim = (hidden // heads) if is_mla else int(text.get("head_dim") or hidden // heads)
+        rope_theta, rope_scaling = target_rope(text)
         return cls(
             hidden_size=hidden,
             num_attention_heads=heads,
@@ -65,7 +129,8 @@ class DrafterConfig:
             vocab_size=int(text["vocab_size"]),
             draft_vocab_size=int(draft_vocab_size),
             rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(text.get("rope_theta") or 10000.0),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
             max_position_embeddings=int(text.get("max_position_embeddings", 4096)),
         )
 
@@ -95,15 +160,46 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Llama (non-interleaved) rotary embedding; x [B, heads, L, D], positions [B, L]."""
-    dim = x.shape[-1]
-    inv_freq = 1.0 / (
-        theta ** (torch.arange(0, dim, 2, device=x.device, dtype=torch.float32) / dim)
+def rope_frequencies(config: DrafterConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim/2] and the cos/sin scale of the drafter's RoPE."""
+    dim = config.head_dim
+    if config.rope_scaling is None:
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+        return 1.0 / config.rope_theta**exponents, 1.0
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    # A Llama config shaped like the drafter, as an engine builds it from the exported config.
+    llama = LlamaConfig(
+        hidden_size=config.hidden_size,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=dim,
+        max_position_embeddings=config.max_position_embeddings,
+        rope_parameters={"rope_theta": config.rope_theta, **config.rope_scaling},
     )
-    angles = positions.float()[:, None, :, None] * inv_freq  # [B, 1, L, D/2]
-    angles = torch.cat((angles, angles), dim=-1)
-    return (x.float() * angles.cos() + rotate_half(x.float()) * angles.sin()).to(x.dtype)
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[config.rope_scaling["rope_type"]](llama, "cpu")
+    return inv_freq.float(), float(scale)
+
+
+class RotaryEmbedding(nn.Module):
+    """Llama (non-interleaved) rotary embedding with the target's base and scaling."""
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        # A plain attribute, not a buffer: never saved, never cast to bf16 with the module.
+        self.inv_freq, self.scale = rope_frequencies(config)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [B, L, head_dim] for positions [B, L]."""
+        angles = positions.float()[..., None] * self.inv_freq.to(positions.device)
+        angles = torch.cat((angles, angles), dim=-1)
+        return angles.cos() * self.scale, angles.sin() * self.scale
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [B, heads, L, D] rotated by positions [B, L]."""
+        cos, sin = (t[:, None] for t in self.cos_sin(positions))
+        return (x.float() * cos + rotate_half(x.float()) * sin).to(x.dtype)
 
 
 def ttt_attention_mask(seq_len: int, step: int, device=None) -> torch.Tensor:
@@ -125,7 +221,7 @@ class DraftAttention(nn.Module):
         self.num_heads = c.num_attention_heads
         self.num_kv_heads = c.num_key_value_heads
         self.head_dim = c.head_dim
-        self.rope_theta = c.rope_theta
+        self.rotary = RotaryEmbedding(c)
         self.q_proj = nn.Linear(2 * c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
         self.k_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
         self.v_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
@@ -142,8 +238,8 @@ class DraftAttention(nn.Module):
         q = self.q_proj(x).view(b, length, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q = apply_rope(q, positions, self.rope_theta)
-        k = apply_rope(k, positions, self.rope_theta)
+        q = self.rotary(q, positions)
+        k = self.rotary(k, positions)
         kv_cache.append((k, v))
         step = len(kv_cache) - 1
         keys = torch.cat([kk for kk, _ in kv_cache], dim=2)
@@ -251,8 +347,6 @@ class Eagle3Drafter(nn.Module):
 def load_drafter(path, device="cpu") -> Eagle3Drafter:
     """Load our own model.safetensors (config in its metadata); embed_tokens stays zero."""
     from safetensors import safe_open
-
-    from ..errors import PipelineError
 
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:

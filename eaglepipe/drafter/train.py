@@ -27,6 +27,7 @@ from ..config import aux_layer_ids, model_dir, read_model_config
 from ..errors import PipelineError
 from ..fingerprint import hash_file, hash_json
 from ..jsonio import read_json_object
+from .chunks import Chunk, check_chunks, damage_error, list_chunks
 from .data import BatchStream, index_rows, plan_batches, split_row_ids
 from .loss import ttt_loss
 from .model import DrafterConfig, Eagle3Drafter
@@ -45,19 +46,32 @@ def check_validated(manifests: list[str], validated: list[str]) -> None:
     """Every manifest needs a validation report for the same shard and the same manifest bytes."""
     reports: dict[str, dict] = {}
     for path in validated:
-        report = read_json_object(path, what="validation report")
+        report = read_json_object(
+            path,
+            what="validation report",
+            missing="does not exist: validate its shard first (training needs every report)",
+        )
         if "shard" not in report or "manifest_xxh3_128" not in report:
             raise PipelineError(f"validation report {path} lacks shard/manifest_xxh3_128")
         reports[report["shard"]] = report
     for manifest in manifests:
         shard = Path(manifest).parent.name
+        try:
+            digest = hash_file(manifest)
+        except FileNotFoundError:
+            raise PipelineError(
+                f"shard {shard}: {manifest} does not exist: the shard has not finished "
+                "extraction; run snakemake to extract and validate it"
+            ) from None
+        except OSError as exc:
+            raise PipelineError(f"shard {shard}: cannot read {manifest}: {exc.strerror}") from None
         report = reports.get(shard)
         if report is None:
             raise PipelineError(
                 f"shard {shard} ({manifest}) has no validation report: run the validate step "
                 "first; training only reads validated shards"
             )
-        if report["manifest_xxh3_128"] != hash_file(manifest):
+        if report["manifest_xxh3_128"] != digest:
             raise PipelineError(
                 f"shard {shard}: {manifest} changed after it was validated; validate it again"
             )
@@ -72,6 +86,7 @@ class Distributed:
     rank: int
     world_size: int
     local_rank: int
+    local_world_size: int  # ranks on this node
 
     @property
     def is_main(self) -> bool:
@@ -82,10 +97,11 @@ def init_distributed(device_kind: str) -> Distributed:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if world > 1 and not torch.distributed.is_initialized():
         backend = "nccl" if device_kind == "cuda" else "gloo"
         torch.distributed.init_process_group(backend=backend)
-    return Distributed(rank=rank, world_size=world, local_rank=local)
+    return Distributed(rank=rank, world_size=world, local_rank=local, local_world_size=local_world)
 
 
 def resolve_device(train_config: dict, local_rank: int = 0) -> torch.device:
@@ -121,6 +137,22 @@ def build_drafter(config: dict, vocab, target_head, seed: int) -> Eagle3Drafter:
         model.d2t.copy_(vocab.d2t)
         model.t2d.copy_(vocab.t2d)
     return model
+
+
+def verify_chunks(chunks: list[Chunk], dist: Distributed, device: torch.device, log) -> None:
+    """Check every chunk against its manifest before training reads it; stop every rank if any
+    is damaged. The ranks of a node split the chunks (they share its disks), so each chunk is
+    read once per node; the verdicts are combined across all ranks."""
+    statuses = torch.zeros(len(chunks), dtype=torch.int64)
+    mine = list(range(dist.local_rank, len(chunks), dist.local_world_size))
+    for i, status in zip(mine, check_chunks([chunks[i] for i in mine], log), strict=True):
+        statuses[i] = status
+    if dist.world_size > 1:
+        statuses = statuses.to(device)
+        torch.distributed.all_reduce(statuses, op=torch.distributed.ReduceOp.MAX)
+    error = damage_error(chunks, statuses.tolist())
+    if error is not None:
+        raise error
 
 
 def to_device(batch: dict, device: torch.device, dtype: torch.dtype) -> dict:
@@ -174,12 +206,17 @@ def save_checkpoint(directory: Path, step: int, model, optimizer, run_key: str) 
 
 
 def latest_checkpoint(directory: Path, run_key: str, log) -> dict | None:
-    """The newest readable checkpoint of this run; checkpoints of other inputs are removed."""
+    """The newest readable checkpoint of this run; checkpoints of other inputs are removed.
+
+    Checkpoints hold only tensors, numbers and strings, so they load with `weights_only=True`:
+    a file that needs anything else (code to run when unpickled) is refused, never executed.
+    """
     for step, path in reversed(list_checkpoints(directory)):
         try:
-            state = torch.load(path, map_location="cpu", weights_only=False)
-        except Exception as exc:  # a truncated file from a crash mid-write never gets renamed
-            log(f"checkpoint {path} is unreadable ({exc}); trying an older one")
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # not ours, or damaged (our writes are atomic)
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            log(f"checkpoint {path} is not a plain-tensor checkpoint ({reason}); ignoring it")
             continue
         if state.get("run_key") != run_key:
             log(f"checkpoint {path} was made from other inputs or settings; removing it")
@@ -236,9 +273,12 @@ def train(
 
     vocab = load_vocab(vocab_path)
     head = load_target_head(model_dir(config))
-    rows, facts = index_rows(manifests, split_row_ids(table_path, "train"))
-    if not rows:
+    train_ids = split_row_ids(table_path, "train")
+    chunks, facts = list_chunks(manifests, train_ids)
+    if not chunks:
         raise PipelineError("the listed shards hold no rows of the train split")
+    verify_chunks(chunks, dist, device, log)
+    rows = index_rows(chunks, train_ids)
     expected_ids = aux_layer_ids(config)
     if list(facts["aux_layer_ids"]) != list(expected_ids):
         raise PipelineError(
