@@ -89,8 +89,8 @@ def test_training_stops_at_a_flipped_byte_in_a_validated_chunk(source, run):
         "does not match its manifest's xxh3-128 checksum: "
     )
     assert message.endswith(
-        "to re-extract: rm hidden_states/rows_30-60/manifest.json validated/rows_30-60.json, "
-        "then run snakemake again (chunks that still verify are kept)"
+        "repair: `eaglepipe verify` sets the damaged shards aside, then `snakemake --cores N` "
+        "re-extracts their damaged chunks (intact chunks are kept)"
     )
     assert not (run / "drafter" / "model.safetensors").exists()
 
@@ -105,7 +105,7 @@ def test_training_names_a_truncated_chunk(source, run):
         "error: chunk hidden_states/rows_0-30/chunk-00000.safetensors of shard rows_0-30 "
         f"is {size // 3} bytes, its manifest lists {size}: "
     )
-    assert "rm hidden_states/rows_0-30/manifest.json validated/rows_0-30.json," in message
+    assert "repair: `eaglepipe verify` sets the damaged shards aside" in message
     assert not (run / "drafter" / "model.safetensors").exists()
 
 
