@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 from pathlib import Path
@@ -275,6 +276,42 @@ def test_the_whole_process_group_is_stopped(exported, fake_sglang, monkeypatch):
     assert port_is_free("127.0.0.1", port)
     leases = list((fake_sglang / ".eaglepipe" / "live-server").glob("*/leases/*.lease"))
     assert leases == []
+
+
+SERVE_AND_WAIT = """
+import json, sys, time
+from eaglepipe.drafter.live_sglang import serve_command, served
+config, port = json.loads(sys.argv[1]), int(sys.argv[2])
+argv = serve_command(config, host="127.0.0.1", port=port)
+with served(argv, config=config, name="target", host="127.0.0.1", port=port):
+    print("serving", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_terminated_job_stops_its_server_group(exported, fake_sglang, monkeypatch):
+    """Snakemake cancels a job with SIGTERM: the server's whole group goes with it."""
+    pid_file = fake_sglang / "child.pid"
+    monkeypatch.setenv("FAKE_SGLANG_CHILD_PID_FILE", str(pid_file))
+    port = free_port("127.0.0.1")
+    job = subprocess.Popen(
+        [PYTHON, "-c", SERVE_AND_WAIT, json.dumps(sglang_config(exported)), str(port)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        for line in job.stdout:
+            if line.strip() == "serving":
+                break
+        child = psutil.Process(int(pid_file.read_text()))
+        assert not port_is_free("127.0.0.1", port)
+        job.send_signal(signal.SIGTERM)
+        assert job.wait(timeout=120) != 0
+    finally:
+        job.kill()
+        job.wait()
+    assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
+    assert port_is_free("127.0.0.1", port)
 
 
 def test_answers_without_speculative_counters_are_refused():

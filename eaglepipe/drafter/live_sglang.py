@@ -44,7 +44,7 @@ import psutil
 
 from .. import config as cfg
 from ..errors import PipelineError
-from ..server.handle import http_get_json, log_tail, probe_health
+from ..server.handle import http_get_json, log_tail, probe_health, supervisor_process
 from ..server.leases import (
     STARTED_CHILDREN,
     Lease,
@@ -57,6 +57,7 @@ from ..server.leases import (
 from ..server.lifecycle import (
     INSTANCE_ENV,
     STOP_GRACE_S,
+    _sigterm_raises,
     current_run_token,
     group_members,
     stop_if_started_by,
@@ -176,63 +177,57 @@ def served(
     if not port_is_free(host, port):
         raise PipelineError(f"cannot start the {what}: {describe_port_holders(host, port)}")
     paths = ServerPaths(Path(state_root) / hostname())
+    # The supervisor stops the server after server.idle_timeout_s without this lease: the last
+    # resort when this job is killed before it can stop the server itself.
     lease = Lease(paths, ttl_s=server["lease_ttl_s"], run_token=current_run_token(), kind=name)
-    lease.acquire()
     instance_id = f"live-{name}-{secrets.token_hex(3)}"
     log_path = (Path(log_dir) / f"{hostname()}-{instance_id}.log").resolve()
     log_path.parent.mkdir(parents=True, exist_ok=True)
     supervisor = [
-        sys.executable,
-        "-u",
-        "-m",
-        "eaglepipe.server.supervise",
-        "--state-dir",
-        str(paths.root.resolve()),
-        "--idle-timeout",
-        str(server["idle_timeout_s"]),
-        "--lease-ttl",
-        str(server["lease_ttl_s"]),
-        "--instance-id",
-        instance_id,
-        "--",
-        *argv,
+        *(sys.executable, "-u", "-m", "eaglepipe.server.supervise"),
+        *("--state-dir", str(paths.root.resolve()), "--instance-id", instance_id),
+        *("--idle-timeout", str(server["idle_timeout_s"])),
+        *("--lease-ttl", str(server["lease_ttl_s"]), "--", *argv),
     ]
     environment = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1", INSTANCE_ENV: instance_id}
-    proc = None
-    try:
-        with open(log_path, "ab") as log:
-            proc = subprocess.Popen(
-                supervisor,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=environment,
-                start_new_session=True,
-            )
-        STARTED_CHILDREN[proc.pid] = proc
+    # SIGTERM (a cancelled Snakemake job) unwinds like Ctrl-C: the group is stopped below.
+    with _sigterm_raises():
+        proc = None
         try:
-            create_time = ProcessRef.of(proc.pid).create_time
-        except psutil.NoSuchProcess:  # exited at once; the health wait reports it
-            create_time = time.time()
-        print(f"started the {what}: pid {proc.pid}, port {port}, log {log_path}", flush=True)
-        url = f"http://{host}:{port}"
-        _wait_healthy(proc, url, what, log_path, server["health_timeout_s"])
-        try:
-            yield url
-        except PipelineError as exc:
-            code = proc.poll()
-            if code is None:
-                raise
-            raise PipelineError(
-                f"{exc}: the {what} exited with code {code}; last lines of {log_path}:\n"
-                f"{log_tail(log_path)}"
-            ) from None
-    finally:
-        if proc is not None:
-            _stop(proc, create_time, instance_id)
-            if not wait_port_free(host, port, PORT_RELEASE_TIMEOUT_S):
-                print(f"warning: port {port} still held after stopping the {what}", flush=True)
-        lease.release()
+            lease.acquire()
+            with open(log_path, "ab") as log:
+                proc = subprocess.Popen(
+                    supervisor,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=environment,
+                    start_new_session=True,
+                )
+            STARTED_CHILDREN[proc.pid] = proc
+            try:
+                create_time = ProcessRef.of(proc.pid).create_time
+            except psutil.NoSuchProcess:  # exited at once; the health wait reports it
+                create_time = time.time()
+            print(f"started the {what}: pid {proc.pid}, port {port}, log {log_path}", flush=True)
+            url = f"http://{host}:{port}"
+            _wait_healthy(proc, url, what, log_path, server["health_timeout_s"])
+            try:
+                yield url
+            except PipelineError as exc:
+                code = proc.poll()
+                if code is None:
+                    raise
+                raise PipelineError(
+                    f"{exc}: the {what} exited with code {code}; last lines of {log_path}:\n"
+                    f"{log_tail(log_path)}"
+                ) from None
+        finally:
+            if proc is not None:
+                _stop(proc, create_time, instance_id)
+                if not wait_port_free(host, port, PORT_RELEASE_TIMEOUT_S):
+                    print(f"warning: port {port} still held after stopping the {what}", flush=True)
+            lease.release()
 
 
 def _wait_healthy(proc: subprocess.Popen, url: str, what: str, log_path: Path, timeout_s: float):
@@ -261,10 +256,11 @@ def _wait_healthy(proc: subprocess.Popen, url: str, what: str, log_path: Path, t
 
 
 def release_pipeline_server(config: dict) -> None:
-    """Stop this run's idle hidden-state server: the live servers need its GPUs."""
+    """Stop this run's idle hidden-state server: the live servers need its GPUs. A server in
+    use, pinned, or started by another run is left alone, with a warning."""
     paths = ServerPaths.for_this_host()
     state = read_json(paths.state)
-    if not state:
+    if not state or supervisor_process(state) is None:
         return
     if live_leases(paths, config["server"]["lease_ttl_s"]):
         print(
@@ -272,11 +268,10 @@ def release_pipeline_server(config: dict) -> None:
             "the live servers may not fit",
             flush=True,
         )
-        return
-    if not stop_if_started_by(current_run_token()):
+    elif not stop_if_started_by(current_run_token()):
         print(
-            f"warning: a hidden-state server this run did not start holds port {state['port']} "
-            "and its GPUs (`eaglepipe server stop` ends it); the live servers may not fit",
+            f"warning: a hidden-state server this run did not start (port {state['port']}) "
+            "keeps its GPUs (`eaglepipe server stop` ends it); the live servers may not fit",
             flush=True,
         )
 
