@@ -769,17 +769,18 @@ REEXTRACT_ATTEMPTS = 3
 
 
 def rel_l2(values: torch.Tensor, reference: torch.Tensor) -> float:
-    """Whole-tensor relative L2 distance ||values - reference|| / ||reference|| (float64)."""
-    values, reference = values.double(), reference.double()
+    """Whole-tensor relative L2 distance ||values - reference|| / ||reference|| (float64, on
+    the reference's device)."""
+    values, reference = values.to(reference.device).double(), reference.double()
     norm = torch.linalg.vector_norm(reference).item()
     return torch.linalg.vector_norm(values - reference).item() / max(norm, 1e-300)
 
 
 def token_rel_l2(values: torch.Tensor, reference: torch.Tensor) -> np.ndarray:
     """Per-token (last dimension) relative L2 distance: the MoE routing-flip tails show here."""
-    values, reference = values.double(), reference.double()
+    values, reference = values.to(reference.device).double(), reference.double()
     diff = torch.linalg.vector_norm(values - reference, dim=-1)
-    return (diff / torch.linalg.vector_norm(reference, dim=-1).clamp_min(1e-300)).numpy()
+    return (diff / torch.linalg.vector_norm(reference, dim=-1).clamp_min(1e-300)).cpu().numpy()
 
 
 @dataclass(frozen=True)
@@ -844,7 +845,8 @@ def spot_check_verdict(
 
     `neighbours`: the recomputation's adjacent layers of the same tokens; `floor`: the bf16 noise
     floor of these tokens, e.g. `rel_l2(bf16_forward_layer, fp32_forward_layer)`. Each given one
-    adds its bound; at least one is needed. For GPU fidelity scripts as much as for validation.
+    adds its bound; at least one is needed. For GPU fidelity scripts as much as for validation:
+    tensors may live on any device (the distances are taken on the reference's).
     """
     if floor is None and not neighbours:
         raise ValueError("spot_check_verdict needs a noise floor, neighbouring layers, or both")
