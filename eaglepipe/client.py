@@ -27,7 +27,15 @@ from pathlib import Path
 import aiohttp
 import torch
 
-from .dump import is_pipeline_rid, make_rid, parse_rid, read_dump
+from .dump import (
+    DUMP_WAIT_S,
+    DumpNotWritten,
+    await_dump,
+    is_pipeline_rid,
+    make_rid,
+    parse_rid,
+    read_dump,
+)
 from .errors import PipelineError, ServerLost
 
 # How often the watchdog asks whether the server is alive, and how many consecutive failed
@@ -37,21 +45,6 @@ HEALTH_PROBE_TIMEOUT_S = 4.0
 HEALTH_FAILURES_FATAL = 3
 BACKOFF_BASE_S = 0.25
 BACKOFF_MAX_S = 8.0
-
-
-# The reference server answers after the dump is renamed into place; SGLang's forward hook
-# writes from a background thread, so its dump may land shortly after the HTTP answer.
-DUMP_WAIT_S = 60.0
-DUMP_POLL_S = 0.005
-
-
-async def _appears(path: Path, within_s: float) -> bool:
-    deadline = time.monotonic() + within_s
-    while not path.exists():
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(DUMP_POLL_S)
-    return True
 
 
 @dataclass(frozen=True)
@@ -336,12 +329,13 @@ class ExtractionClient:
             raise TransientError(f"request {rid} failed: {type(exc).__name__} {exc}") from exc
         path = self.dump_dir / f"{rid}.safetensors"
         answered = time.monotonic()
-        appeared = await _appears(path, DUMP_WAIT_S)
-        self.stats.dump_wait_s += time.monotonic() - answered
-        if not appeared:
-            raise TransientError(
-                f"server answered request {rid} but wrote no dump {path} within {DUMP_WAIT_S:g}s"
-            )
+        try:
+            # SGLang's hook writes after the answer: wait for the complete dump, as validation does.
+            await await_dump(path, DUMP_WAIT_S)
+        except DumpNotWritten as exc:
+            raise TransientError(str(exc)) from None
+        finally:
+            self.stats.dump_wait_s += time.monotonic() - answered
         try:
             reading_since = time.monotonic()
             aux, final, _meta = await asyncio.to_thread(read_dump, path)

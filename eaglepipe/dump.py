@@ -3,8 +3,12 @@
 For each request whose id starts with `<prefix>-` the server writes
 `<dump_dir>/<rid>.safetensors` holding `aux_hidden_states` (bf16 [T, 3H], the aux layers
 concatenated in id order) and `final_hidden_states` (bf16 [T, H]), with string metadata `rid`,
-`num_tokens`, `hidden_size` and `aux_layer_ids`. The file is written under the dot-prefixed temp
-name `.<rid>.safetensors.tmp` and renamed into place, so a reader never sees a partial dump.
+`num_tokens`, `hidden_size`, `aux_layer_ids`, and `batch_requests` / `batch_tokens`: how many
+requests (any prefix, health checks included) and real tokens the forward pass that computed the
+request held. The file is written under the dot-prefixed temp name `.<rid>.safetensors.tmp` and
+renamed into place, so a reader never sees a partial dump: a dump is complete exactly when its
+final name exists, and `await_dump` / `wait_for_dump` are the one way the pipeline waits for that
+(the SGLang hook writes from a background thread, so its dump can land after the HTTP answer).
 
 `DumpWriter` is shared by the reference server and the SGLang forward hook. The forward thread
 hands it a whole batch (real tokens only, packed in request order); on CUDA it starts one
@@ -17,6 +21,7 @@ falls behind by more than that bound.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import pwd
 import queue
@@ -24,6 +29,7 @@ import re
 import stat
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -42,6 +48,11 @@ TEMP_SUFFIX = ".safetensors.tmp"
 NONCE_HEX_CHARS = 12
 DEFAULT_MAX_PINNED_BYTES = 2 << 30
 DEFAULT_FILE_THREADS = 4
+# How long a reader waits for the dump of an answered request. The reference server answers
+# after the rename; SGLang answers when the forward is done and its hook's writer thread renames
+# the file a little later (longer behind a backlog of large batches).
+DUMP_WAIT_S = 60.0
+DUMP_POLL_S = 0.005
 
 _RID_RE = re.compile(r"^([A-Za-z][A-Za-z0-9]*)-([0-9a-f]{12})-([0-9]+)-([0-9]+)$")
 _PREFIX_RE = re.compile(r"^[A-Za-z][A-Za-z0-9]*$")
@@ -149,11 +160,41 @@ def _user_name(uid: int) -> str:
         return f"uid {uid}"
 
 
+# ----------------------------------------------------------------------------- completion
+
+
+class DumpNotWritten(PipelineError):
+    """The server answered a request but its dump did not appear in time."""
+
+
+async def await_dump(path: str | os.PathLike, within_s: float = DUMP_WAIT_S) -> Path:
+    """Wait until the dump at `path` is complete (its final name exists); return the path.
+
+    Raises DumpNotWritten after `within_s` seconds. The writer renames a finished temp file into
+    place, so existence of the final name is completeness; nothing else needs to be polled.
+    """
+    path = Path(path)
+    deadline = time.monotonic() + within_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise DumpNotWritten(
+                f"the server answered request {path.name.removesuffix(DUMP_SUFFIX)} but wrote "
+                f"no dump {path} within {within_s:g}s"
+            )
+        await asyncio.sleep(DUMP_POLL_S)
+    return path
+
+
+def wait_for_dump(path: str | os.PathLike, within_s: float = DUMP_WAIT_S) -> Path:
+    """`await_dump` for synchronous callers (the validation spot check)."""
+    return asyncio.run(await_dump(path, within_s))
+
+
 # ----------------------------------------------------------------------------- reading
 
 
 def read_dump(path: str | os.PathLike) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """Load one dump: (aux bf16 [T, 3H], final bf16 [T, H], metadata dict with ints decoded).
+    """Load one complete dump: (aux bf16 [T, 3H], final bf16 [T, H], metadata with ints decoded).
 
     The tensors map the file rather than copy it (safetensors), so no copy is made on the
     client's hot path; deleting the file frees its space only once the tensors are gone."""
@@ -179,6 +220,8 @@ def read_dump(path: str | os.PathLike) -> tuple[torch.Tensor, torch.Tensor, dict
             "num_tokens": int(raw_meta["num_tokens"]),
             "hidden_size": int(raw_meta["hidden_size"]),
             "aux_layer_ids": [int(i) for i in raw_meta["aux_layer_ids"].split(",")],
+            "batch_requests": int(raw_meta["batch_requests"]),
+            "batch_tokens": int(raw_meta["batch_tokens"]),
         }
     except (KeyError, ValueError) as exc:
         raise PipelineError(f"dump {path} has bad or missing metadata ({exc})") from None
@@ -560,6 +603,10 @@ class DumpWriter:
             "num_tokens": str(count),
             "hidden_size": str(final.shape[1]),
             "aux_layer_ids": ",".join(str(i) for i in self.aux_layer_ids),
+            # The whole forward pass, foreign requests included: what tells a request computed
+            # alone (the spot check's premise) from one batched with others, on every engine.
+            "batch_requests": str(len(batch.rids)),
+            "batch_tokens": str(sum(batch.token_counts)),
         }
         try:
             save_file({AUX_KEY: aux, FINAL_KEY: final}, str(temp_path), metadata=metadata)

@@ -453,6 +453,7 @@ def extract_shard(
             records=[records[i] for i in range(len(chunks))],
             provenance={
                 "model_config_hash": model_hash,
+                "weights_fingerprint": content_key["weights"],
                 "tokenizer_fingerprint": _tokenizer_fingerprint(config, summary),
                 "dataset_hash": summary.get("dataset_hash"),
                 "shard_inputs_hash": inputs_hash,

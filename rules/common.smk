@@ -3,6 +3,7 @@ import os
 
 import eaglepipe.workflow as workflow_lib
 from eaglepipe.config import RESOLVED_CONFIG
+from eaglepipe.drafter.live import live_export_engine
 from eaglepipe.errors import one_line_errors
 from snakemake.utils import validate
 
@@ -44,13 +45,6 @@ def output_dir(wildcards, output):
 def export_root(wildcards, output):
     """drafter/export: the parent of the per-engine export directories."""
     return os.path.dirname(os.path.dirname(output[0]))
-
-
-def input_dir(name):
-    def directory_of(wildcards, input):
-        return os.path.dirname(input[name])
-
-    return directory_of
 
 
 def shard_name(wildcards):
@@ -117,6 +111,26 @@ def export_targets(wildcards=None):
         engine=CONFIG["export"]["engines"],
         name=["config.json", "model.safetensors"],
     )
+
+
+def live_acceptance_inputs(wildcards):
+    """The export live acceptance reads follows server.engine and export.engines; none when
+    evaluate.live_prompts is 0 (the stage then only records the skip)."""
+    inputs = {
+        "table": prepared_table(),
+        "offline": "drafter/eval.json",
+        "settings": stage_stamp("live_acceptance"),
+    }
+    engine = live_export_engine(CONFIG)
+    if engine:
+        inputs["export"] = f"drafter/export/{engine}/model.safetensors"
+    return inputs
+
+
+def live_export_arg(wildcards, input):
+    if "export" not in input.keys():
+        return ""
+    return f"--export-dir {os.path.dirname(input.export)}"
 
 
 def report_figures(wildcards=None):

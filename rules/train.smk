@@ -91,12 +91,10 @@ rule export:
 
 
 rule live_acceptance:
-    """Real speculative decoding with the exported checkpoint against the target."""
+    """Real speculative decoding with an exported checkpoint against the target (through
+    SGLang when server.engine is sglang); evaluate.live_prompts: 0 records a skip."""
     input:
-        export="drafter/export/sglang/model.safetensors",
-        table=prepared_table,
-        offline="drafter/eval.json",
-        settings=stage_stamp("live_acceptance"),
+        unpack(live_acceptance_inputs),
     output:
         "drafter/live.json",
     log:
@@ -106,9 +104,8 @@ rule live_acceptance:
     params:
         script=script("live_acceptance.py"),
         config=RESOLVED,
-        export_dir=input_dir("export"),
+        export=live_export_arg,
     shell:
-        "python -u {params.script} --config {params.config}"
-        " --export-dir {params.export_dir} --table {input.table} --eval {input.offline}"
-        " --out {output}"
+        "python -u {params.script} --config {params.config} {params.export}"
+        " --table {input.table} --eval {input.offline} --out {output}"
         " 2>&1 | tee {log}"

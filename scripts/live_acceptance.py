@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Live speculative decoding with the exported SGLang drafter against the target."""
+"""Live speculative decoding with the exported drafter against the target (drafter/live.json)."""
 
 import argparse
 from pathlib import Path
@@ -12,7 +12,10 @@ from eaglepipe.errors import one_line_errors
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--config", required=True)
-    parser.add_argument("--export-dir", required=True, help="drafter/export/sglang")
+    parser.add_argument(
+        "--export-dir",
+        help="drafter/export/<engine> (not needed when evaluate.live_prompts is 0)",
+    )
     parser.add_argument("--table", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import json
 import os
@@ -10,6 +11,7 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -19,8 +21,10 @@ import eaglepipe.dump as dump_module
 from eaglepipe.dump import (
     AUX_KEY,
     FINAL_KEY,
+    DumpNotWritten,
     DumpWriter,
     _HostBufferPool,
+    await_dump,
     concat_aux,
     dump_path,
     is_pipeline_rid,
@@ -28,6 +32,8 @@ from eaglepipe.dump import (
     parse_rid,
     prepare_dump_dir,
     read_dump,
+    temp_dump_path,
+    wait_for_dump,
 )
 from eaglepipe.errors import PipelineError
 
@@ -149,6 +155,11 @@ def test_read_dump_names_the_file_when_broken(tmp_path):
         read_dump(garbage)
     wrong = tmp_path / "wrong.safetensors"
     meta = {"rid": "r", "num_tokens": "3", "hidden_size": "4", "aux_layer_ids": "1,2,3"}
+    save_file({AUX_KEY: torch.zeros(3, 12, dtype=torch.bfloat16)} | {
+        FINAL_KEY: torch.zeros(3, 4, dtype=torch.bfloat16)}, str(wrong), metadata=meta)  # fmt: skip
+    with pytest.raises(PipelineError, match="bad or missing metadata .*batch_requests"):
+        read_dump(wrong)
+    meta |= {"batch_requests": "1", "batch_tokens": "3"}
     tensors = {
         AUX_KEY: torch.zeros(3, 12, dtype=torch.bfloat16),
         FINAL_KEY: torch.zeros(2, 4, dtype=torch.bfloat16),
@@ -191,6 +202,9 @@ def test_writer_splits_batch_per_request_and_filters_prefix(tmp_path):
             "num_tokens": end - start,
             "hidden_size": HIDDEN,
             "aux_layer_ids": IDS,
+            # the whole forward pass: every request in it, ours or not, and its real tokens
+            "batch_requests": 4,
+            "batch_tokens": 11,
         }
         assert torch.equal(got_aux, aux[start:end].to(torch.bfloat16))
         assert torch.equal(got_final, final[start:end].to(torch.bfloat16))
@@ -203,6 +217,39 @@ def test_writer_rejects_inconsistent_batch(tmp_path):
             writer.submit([rid(1), rid(2)], [2, 3], aux, final)
         with pytest.raises(PipelineError, match="does not match"):
             writer.submit([rid(1)], [4], aux[:, :HIDDEN], final)
+
+
+def test_waiting_for_a_dump_returns_once_the_writer_has_renamed_it(tmp_path, monkeypatch):
+    """The one wait the client and the spot check share: it returns when the writer's rename
+    lands, which on SGLang comes after the HTTP answer; the file read then is complete."""
+    dump_dir = prepare_dump_dir(tmp_path / "dumps")
+    real_save = dump_module.save_file
+
+    def slow_save(tensors, filename, metadata=None):
+        time.sleep(0.3)  # a large target's dump takes a while to write
+        real_save(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(dump_module, "save_file", slow_save)
+    aux, final = packed_batch([5])
+    with DumpWriter(dump_dir, "eaglepipe", aux_layer_ids=IDS) as writer:
+        writer.submit([rid(3)], [5], aux, final)  # returns before the file exists
+        path = dump_path(dump_dir, rid(3))
+        assert not path.exists()
+        assert wait_for_dump(path, within_s=30) == path
+        got_aux, _, meta = read_dump(path)
+    assert meta["num_tokens"] == 5 and meta["batch_requests"] == 1 and meta["batch_tokens"] == 5
+    assert torch.equal(got_aux, aux.to(torch.bfloat16))
+    assert asyncio.run(await_dump(path, within_s=0)) == path
+
+
+def test_a_dump_that_never_lands_names_the_request(tmp_path):
+    path = dump_path(prepare_dump_dir(tmp_path / "dumps"), rid(4))
+    with pytest.raises(DumpNotWritten, match=rf"answered request {rid(4)} but wrote no dump"):
+        wait_for_dump(path, within_s=0.05)
+    # A temp file of a write in progress is not a dump.
+    temp_dump_path(path.parent, rid(4)).write_bytes(b"partial")
+    with pytest.raises(DumpNotWritten):
+        asyncio.run(await_dump(path, within_s=0.05))
 
 
 # Runs in its own process (as the client does): in-process, the GIL would serialize it with

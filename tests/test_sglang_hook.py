@@ -289,3 +289,20 @@ def test_hook_attached_to_two_modules_fails(hook_module, tmp_path):
 def test_factory_rejects_a_config_without_its_keys(hook_module):
     with pytest.raises(ValueError, match="config lacks dump_dir, aux_layer_ids"):
         hook_module.make_dump_hook({"request_prefix": "eaglepipe"})
+
+
+def test_each_dump_records_the_forward_pass_it_came_from(hook_module, tmp_path):
+    """What validation's batched guard reads: every request of SGLang's forward batch counts,
+    health checks and other prefixes included, and the batch's real tokens."""
+    dump_dir = tmp_path / "dumps"
+    hook = make_hook(hook_module, dump_dir)
+    processor = attach(hook)
+    batch = Batch([("HEALTH_CHECK_1f2e3d", 1), (rid(20), 6), ("other-0123456789ab-1-0", 3)])
+    run_forward(processor, batch, batch.forward_batch(), batch.aux("list"))
+    alone = Batch([(rid(21), 4)], seed=1)
+    run_forward(processor, alone, alone.forward_batch(), alone.aux("packed"))
+    hook.close()
+    _, _, batched = read_dump(dump_dir / f"{rid(20)}.safetensors")
+    _, _, single = read_dump(dump_dir / f"{rid(21)}.safetensors")
+    assert (batched["batch_requests"], batched["batch_tokens"]) == (3, 10)
+    assert (single["batch_requests"], single["batch_tokens"]) == (1, 4)

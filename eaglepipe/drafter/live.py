@@ -1,43 +1,129 @@
-"""Live speculative decoding against the target: the check a layer-id or export bug fails.
+"""Live speculative decoding with the exported drafter: the check a layer-id or export bug fails.
 
-The drafter is read from the *exported* SGLang directory through the same name mapping
-SGLang applies (export.load_like_sglang), and the target's aux layers are the ones SGLang
-would capture given the exported ids and the target's family. Then, per held-out prompt
-(the tokens before its first loss-masked token), greedy chain drafting:
+Greedy chain drafting of `train.ttt_length` tokens on `evaluate.live_prompts` held-out prompts
+(the tokens before each one's first loss-masked token), `evaluate.live_new_tokens` tokens each,
+through one of two harnesses that write the same `drafter/live.json`:
 
-    committed tokens S (n of them), pending token x (the target's greedy next token)
-    draft: step 0 over S with inputs S[1:] + [x] and fc(aux of S); its last position gives d1;
-           step j feeds d_j at that position (exactly the training-time-test layout)
-    verify: one target forward over S + [x, d1..dk]; accept the longest prefix of d equal to
-            the target's greedy tokens; the target's token after it becomes the next pending.
+- `server.engine: reference` (laptops, CI): the target in transformers with the exported
+  drafter read back through its engine's own name mapping (`live_transformers.py`);
+- `server.engine: sglang`: SGLang itself serves the target with the SGLang export as its EAGLE-3
+  draft model, and once more without it for the plain greedy reference (`live_sglang.py`), so
+  a target too large for one device is never loaded outside SGLang.
 
-Each round yields accepted + 1 tokens; the mean over rounds is the acceptance length. The
-output is also compared with plain greedy decoding of the target (it must be identical).
+The report: the measured acceptance length (1 + accepted drafts per verification round, the
+same definition in both harnesses) beside the offline estimate of `drafter/eval.json`, and
+whether every output equals plain greedy decoding of the target. `evaluate.live_prompts: 0`
+skips the stage: live.json then records why, with no lengths.
+
+This module stays free of torch at import: the Snakefile asks it which export the stage reads.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-import torch
-
 from ..atomic import atomic_write_json
-from ..config import model_dir, read_model_config
 from ..errors import PipelineError
-from ..prepare import load_prepared
-from .export import (
-    drafter_from_sglang_params,
-    engine_captured_layers,
-    load_like_sglang,
-    target_family,
-)
-from .model import Eagle3Drafter
+
+
+def live_export_engine(config: dict) -> str | None:
+    """Which export live acceptance reads (`drafter/export/<engine>`), or None when skipped.
+
+    SGLang serves its own export. The transformers harness reads the SGLang export when there is
+    one and the vLLM export otherwise, each through that engine's name mapping.
+    """
+    if config["evaluate"]["live_prompts"] == 0:
+        return None
+    engines = list(config["export"]["engines"])
+    if config["server"]["engine"] == "sglang":
+        if "sglang" not in engines:
+            raise PipelineError(
+                f"export.engines is {engines}: live acceptance with server.engine sglang serves "
+                "drafter/export/sglang through SGLang; add sglang to export.engines or set "
+                "evaluate.live_prompts: 0"
+            )
+        return "sglang"
+    if not engines:
+        raise PipelineError(
+            "export.engines is empty: live acceptance needs an exported drafter; export one "
+            "or set evaluate.live_prompts: 0"
+        )
+    return "sglang" if "sglang" in engines else engines[0]
+
+
+@dataclass(frozen=True)
+class ExportInfo:
+    """An exported drafter directory as its engine reads it."""
+
+    directory: Path
+    engine: str
+    written_layer_ids: list[int]  # as the engine reads them from config.json
+    config: dict
+
+    @classmethod
+    def read(cls, export_dir: str | Path) -> ExportInfo:
+        directory = Path(export_dir)
+        path = directory / "config.json"
+        try:
+            config = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise PipelineError(f"{path} does not exist: run the export rule first") from None
+        engine = (config.get("eaglepipe") or {}).get("engine")
+        if engine == "sglang":
+            written = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        elif engine == "vllm":
+            written = config.get("eagle_aux_hidden_state_layer_ids")
+        else:
+            raise PipelineError(f"{path} names no export engine (eaglepipe.engine: {engine!r})")
+        if not written:
+            raise PipelineError(f"{path} holds no aux layer ids where {engine} reads them")
+        return cls(directory, engine, [int(i) for i in written], config)
+
+
+@dataclass
+class PromptRun:
+    """One prompt decoded with the drafter, and the target's plain greedy output."""
+
+    row_id: int
+    produced: list[int]
+    greedy: list[int]
+    rounds: int  # verification forwards of the target
+    accepted: int  # draft tokens accepted over all rounds
+    extra: dict = field(default_factory=dict)
+
+    def record(self) -> dict:
+        return {
+            "row_id": self.row_id,
+            "rounds": self.rounds,
+            "accepted": self.accepted,
+            "acceptance_length": acceptance_length(self.accepted, self.rounds),
+            "matches_greedy": self.produced == self.greedy,
+            "first_difference": first_difference(self.produced, self.greedy),
+            **self.extra,
+        }
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first position where two outputs differ (or the shorter one ends), None if equal."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def acceptance_length(accepted: int, rounds: int) -> float | None:
+    """Tokens per verification round: the accepted drafts plus the target's own token."""
+    return 1.0 + accepted / rounds if rounds else None
 
 
 def held_out_prompts(table_path, count: int) -> list[tuple[int, list[int]]]:
     """(row id, prompt ids) of the first `count` eval rows that have an assistant turn."""
+    import numpy as np
+
+    from ..prepare import load_prepared
+
     table = load_prepared(table_path, columns=["row_id", "split", "input_ids", "loss_mask"])
     prompts = []
     for row in table[table["split"] == "eval"].sort_values("row_id").itertuples():
@@ -52,159 +138,100 @@ def held_out_prompts(table_path, count: int) -> list[tuple[int, list[int]]]:
     return prompts
 
 
-class Target:
-    """A transformers target exposing greedy logits and the captured aux hidden states."""
-
-    def __init__(self, path, aux_layers: list[int], device: torch.device, trust_remote_code=False):
-        from transformers import AutoModelForCausalLM
-
-        # fp32 on CPU (the toy target); bf16 on a GPU, as the engines would serve it.
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        self.model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, trust_remote_code=trust_remote_code
-        ).to(device)
-        self.model.eval()
-        self.aux_layers = aux_layers
-        self.device = device
-
-    @torch.no_grad()
-    def forward(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(greedy next token at every position [n], aux hidden states [n, 3H])."""
-        out = self.model(
-            torch.tensor([ids], device=self.device), output_hidden_states=True, use_cache=False
-        )
-        # Our aux id k is the output of decoder layer k = hidden_states[k + 1] (layers.py).
-        aux = torch.cat([out.hidden_states[k + 1][0] for k in self.aux_layers], dim=-1)
-        return out.logits[0].argmax(-1), aux.float()
-
-    @torch.no_grad()
-    def greedy(self, ids: list[int], new_tokens: int) -> list[int]:
-        ids = list(ids)
-        for _ in range(new_tokens):
-            next_ids, _ = self.forward(ids)
-            ids.append(int(next_ids[-1]))
-        return ids
-
-
-@torch.no_grad()
-def draft_chain(
-    drafter: Eagle3Drafter, committed: list[int], pending: int, aux: torch.Tensor, k: int
-) -> list[int]:
-    """k draft tokens continuing committed + [pending], from the aux states of `committed`."""
-    device = aux.device
-    n = len(committed)
-    inputs = torch.tensor([committed[1:] + [pending]], device=device)
-    positions = torch.arange(n, device=device)[None]
-    hidden = drafter.project(aux[None, :n])
-    kv_cache: list = []
-    drafted: list[int] = []
-    for step in range(k):
-        hidden, logits = drafter.step(inputs, hidden, positions + step, kv_cache)
-        token = int(drafter.draft_to_target(logits[0, -1].argmax()))
-        drafted.append(token)
-        inputs = inputs.clone()
-        inputs[0, -1] = token
-    return drafted
-
-
-def speculative_decode(
-    target: Target, drafter: Eagle3Drafter, prompt: list[int], new_tokens: int, k: int
-) -> tuple[list[int], list[int]]:
-    """(generated ids, accepted count per round)."""
-    committed = list(prompt)
-    greedy, aux = target.forward(committed)
-    pending = int(greedy[-1])
-    produced: list[int] = []
-    rounds: list[int] = []
-    while len(produced) < new_tokens:
-        drafted = draft_chain(drafter, committed, pending, aux, k)
-        checked = committed + [pending] + drafted
-        greedy, aux_all = target.forward(checked)
-        n = len(committed)
-        accepted = 0
-        while accepted < k and int(greedy[n + accepted]) == drafted[accepted]:
-            accepted += 1
-        rounds.append(accepted)
-        new = [pending] + drafted[:accepted]
-        produced.extend(new)
-        committed = committed + new
-        pending = int(greedy[n + accepted])
-        aux = aux_all[: len(committed)]
-    return produced[:new_tokens], rounds
+def _offline_estimate(eval_path) -> float | None:
+    if eval_path and Path(eval_path).exists():
+        return json.loads(Path(eval_path).read_text()).get("acceptance_length")
+    return None
 
 
 def live_acceptance(
     config: dict,
     *,
-    export_dir: str,
+    export_dir: str | None,
     table_path: str,
     out_path: str,
     eval_path: str | None = None,
 ) -> dict:
+    """Run the engine's harness (or record the skip) and write live.json atomically."""
     ec, tc = config["evaluate"], config["train"]
-    if ec["live_prompts"] == 0:
-        raise PipelineError("evaluate.live_prompts is 0: no live check to run")
-    export_config, params = load_like_sglang(export_dir)
-    target_config = read_model_config(config)
-    family = target_family(target_config)
-    written = export_config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
-    aux_layers = engine_captured_layers("sglang", family, written)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    target = Target(
-        model_dir(config), aux_layers, device, config["model"].get("trust_remote_code", False)
-    )
-    drafter = drafter_from_sglang_params(export_config, params)
-    with torch.no_grad():
-        drafter.embed_tokens.weight.copy_(target.model.get_input_embeddings().weight.float())
-    drafter = drafter.to(device).eval()
-
+    offline = _offline_estimate(eval_path)
+    harness = "sglang" if config["server"]["engine"] == "sglang" else "transformers"
+    result = {
+        "harness": harness,
+        "skipped": None,
+        "export_dir": None,
+        "export_engine": None,
+        "target_family": None,
+        "aux_layer_ids_written": None,
+        "aux_layers_captured": None,
+        "prompts": 0,
+        "new_tokens": ec["live_new_tokens"],
+        "ttt_length": tc["ttt_length"],
+        "rounds": 0,
+        "accepted": 0,
+        "acceptance_length": None,
+        "offline_acceptance_length": offline,
+        "outputs_match_greedy": 0,
+        "per_prompt": [],
+    }
+    engine = live_export_engine(config)
+    if engine is None:
+        result["skipped"] = "evaluate.live_prompts is 0"
+        atomic_write_json(out_path, result)
+        print("live acceptance skipped: evaluate.live_prompts is 0", flush=True)
+        return result
+    if not export_dir:
+        raise PipelineError(f"live acceptance needs --export-dir (drafter/export/{engine})")
+    export = ExportInfo.read(export_dir)
+    if harness == "sglang" and export.engine != "sglang":
+        raise PipelineError(
+            f"{export_dir} is the {export.engine} export; SGLang serves the sglang export"
+        )
     prompts = held_out_prompts(table_path, ec["live_prompts"])
     if not prompts:
         raise PipelineError(f"{table_path} has no held-out row with an assistant turn")
-    k = tc["ttt_length"]
-    all_rounds: list[int] = []
-    identical = 0
-    per_prompt = []
-    for i, (row_id, prompt) in enumerate(prompts, 1):
-        produced, rounds = speculative_decode(target, drafter, prompt, ec["live_new_tokens"], k)
-        reference = target.greedy(prompt, ec["live_new_tokens"])[len(prompt) :]
-        same = produced == reference
-        identical += same
-        all_rounds.extend(rounds)
-        mean = 1.0 + sum(rounds) / len(rounds)
-        per_prompt.append(
-            {
-                "row_id": row_id,
-                "rounds": len(rounds),
-                "acceptance_length": mean,
-                "matches_greedy": same,
-            }
-        )
-        print(
-            f"live prompt {i}/{len(prompts)} (row {row_id}): acceptance length {mean:.2f}",
-            flush=True,
-        )
-    offline = None
-    if eval_path and Path(eval_path).exists():
-        offline = json.loads(Path(eval_path).read_text()).get("acceptance_length")
-    result = {
-        "export_dir": str(export_dir),
-        "target_family": family,
-        "aux_layer_ids_written": written,
-        "aux_layers_captured": aux_layers,
-        "prompts": len(prompts),
-        "new_tokens": ec["live_new_tokens"],
-        "ttt_length": k,
-        "rounds": len(all_rounds),
-        "acceptance_length": 1.0 + sum(all_rounds) / len(all_rounds),
-        "offline_acceptance_length": offline,
-        "outputs_match_greedy": identical,
-        "per_prompt": per_prompt,
-    }
+
+    from ..config import read_model_config
+    from .export import engine_captured_layers, target_family
+
+    family = target_family(read_model_config(config))
+    captured = engine_captured_layers(export.engine, family, export.written_layer_ids)
+    if harness == "sglang":
+        from .live_sglang import run_sglang as run
+    else:
+        from .live_transformers import run_transformers as run
+    runs, extra = run(config, export, captured, prompts)
+
+    rounds = sum(r.rounds for r in runs)
+    accepted = sum(r.accepted for r in runs)
+    identical = sum(r.produced == r.greedy for r in runs)
+    result.update(
+        export_dir=str(export_dir),
+        export_engine=export.engine,
+        target_family=family,
+        aux_layer_ids_written=export.written_layer_ids,
+        aux_layers_captured=captured,
+        prompts=len(runs),
+        rounds=rounds,
+        accepted=accepted,
+        acceptance_length=acceptance_length(accepted, rounds),
+        outputs_match_greedy=identical,
+        per_prompt=[r.record() for r in runs],
+        **extra,
+    )
     atomic_write_json(out_path, result)
+    length = result["acceptance_length"]
     print(
-        f"live acceptance length {result['acceptance_length']:.3f} "
-        f"(offline estimate {offline}); {identical}/{len(prompts)} outputs equal plain greedy",
+        f"live acceptance length ({harness}) "
+        f"{'n/a' if length is None else f'{length:.3f}'} (offline estimate {offline}); "
+        f"{identical}/{len(runs)} outputs equal plain greedy",
         flush=True,
     )
+    if identical < len(runs):
+        differing = [r.row_id for r in runs if r.produced != r.greedy]
+        print(
+            f"warning: greedy outputs with the drafter differ from those without it for rows "
+            f"{differing} (first differences in live.json per_prompt)",
+            flush=True,
+        )
     return result

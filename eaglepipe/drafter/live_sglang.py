@@ -1,0 +1,402 @@
+"""Live acceptance through SGLang itself (server.engine sglang).
+
+SGLang serves the target twice, one server after the other (each needs the target's GPUs):
+once plain, for the greedy reference outputs, and once with the exported drafter as its EAGLE-3
+draft model, chain drafting `train.ttt_length` tokens:
+
+    --speculative-algorithm EAGLE3 --speculative-draft-model-path drafter/export/sglang
+    --speculative-num-steps k --speculative-eagle-topk 1 --speculative-num-draft-tokens k+1
+
+Requests are greedy (`temperature: 0`, which SGLang turns into top-k 1) and run one at a time,
+`ignore_eos` so every prompt yields `evaluate.live_new_tokens` tokens. SGLang's answer reports
+per request `spec_verify_ct` (verification rounds), `spec_num_correct_drafts` (accepted draft
+tokens) and `spec_accept_length` (= completion_tokens / spec_verify_ct, which also counts the
+prefill's token); live.json's acceptance length is 1 + correct drafts / rounds, the definition
+the transformers harness uses. Every flag and field is checked against the SGLang sources by
+tests/test_live_sglang_contract.py.
+
+These servers are the project's usual kind of process: started under the supervisor in their
+own process group with unbuffered logs under logs/live_acceptance/, after a port check naming
+any holder, awaited on /health with a deadline (log tail on failure), kept alive by a lease (a
+killed job leaves a server that stops itself after `server.idle_timeout_s`), and stopped as a
+whole group. They take `server.sglang` (tp_size, mem_fraction_static, extra_args) and
+`server.dtype` like the hidden-state server, but never load the project's dump hook.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from .. import config as cfg
+from ..errors import PipelineError
+from ..server.handle import http_get_json, log_tail, probe_health, supervisor_process
+from ..server.leases import (
+    STARTED_CHILDREN,
+    Lease,
+    ProcessRef,
+    ServerPaths,
+    hostname,
+    live_leases,
+    read_json,
+)
+from ..server.lifecycle import (
+    INSTANCE_ENV,
+    STOP_GRACE_S,
+    _sigterm_raises,
+    current_run_token,
+    group_members,
+    stop_if_started_by,
+)
+from ..server.ports import describe_port_holders, port_is_free, wait_port_free
+from ..server.sglang import check_extra_args
+from ..server.supervise import ENGINE_STOP_GRACE_S
+from .live import ExportInfo, PromptRun
+
+LIVE_STATE_ROOT = cfg.STATE_DIR / "live-server"
+LIVE_LOG_DIR = cfg.LOG_DIR / "live_acceptance"
+PORT_RELEASE_TIMEOUT_S = 15.0
+_DTYPE_FLAGS = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+# ---------------------------------------------------------------- command line
+
+
+def serve_command(
+    config: dict,
+    *,
+    host: str,
+    port: int,
+    draft_dir: str | os.PathLike | None = None,
+    num_steps: int | None = None,
+) -> list[str]:
+    """`python -m sglang.launch_server` for the target, with the EAGLE-3 draft when given.
+
+    No `--forward-hooks` and no patch/ on the path: these servers generate, they dump nothing.
+    """
+    sglang = config["server"]["sglang"]
+    extra_args = [str(a) for a in sglang["extra_args"]]
+    check_extra_args(extra_args)
+    argv = [
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(cfg.model_dir(config).resolve()),
+        "--tp-size",
+        str(sglang["tp_size"]),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--mem-fraction-static",
+        str(sglang["mem_fraction_static"]),
+    ]
+    if config["model"]["trust_remote_code"]:
+        argv.append("--trust-remote-code")
+    dtype = _DTYPE_FLAGS.get(config["server"]["dtype"])
+    if dtype:
+        argv += ["--dtype", dtype]
+    if draft_dir is not None:
+        steps = int(num_steps or config["train"]["ttt_length"])
+        argv += [
+            "--speculative-algorithm",
+            "EAGLE3",
+            "--speculative-draft-model-path",
+            str(Path(draft_dir).resolve()),
+            "--speculative-num-steps",
+            str(steps),
+            "--speculative-eagle-topk",
+            "1",
+            "--speculative-num-draft-tokens",
+            str(steps + 1),
+        ]
+    return argv + extra_args
+
+
+# ---------------------------------------------------------------- the server process
+
+
+def free_port(host: str) -> int:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _stop(proc: subprocess.Popen, create_time: float, instance_id: str) -> None:
+    """SIGTERM to the supervisor (it stops the engine's whole group, escalating to SIGKILL),
+    then SIGKILL whatever of the group is left if it did not finish in time."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=ENGINE_STOP_GRACE_S + STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            pass
+    for member in group_members(proc.pid, create_time, instance_id):
+        member.kill()
+    proc.wait()
+    STARTED_CHILDREN.pop(proc.pid, None)
+
+
+@contextmanager
+def served(
+    argv: list[str],
+    *,
+    config: dict,
+    name: str,
+    host: str,
+    port: int,
+    env: dict[str, str] | None = None,
+    state_root: Path = LIVE_STATE_ROOT,
+    log_dir: Path = LIVE_LOG_DIR,
+) -> Iterator[str]:
+    """Run `argv` as a server for the block and yield its URL once /health answers.
+
+    Refuses a port someone holds (naming the process), waits for health with a deadline of
+    `server.health_timeout_s` (the log tail in the error), and stops the whole process group
+    afterwards, on failure and on Ctrl-C too, waiting until the port is free.
+    """
+    server = config["server"]
+    what = f"SGLang server '{name}'"
+    if not port_is_free(host, port):
+        raise PipelineError(f"cannot start the {what}: {describe_port_holders(host, port)}")
+    paths = ServerPaths(Path(state_root) / hostname())
+    # The supervisor stops the server after server.idle_timeout_s without this lease: the last
+    # resort when this job is killed before it can stop the server itself.
+    lease = Lease(paths, ttl_s=server["lease_ttl_s"], run_token=current_run_token(), kind=name)
+    instance_id = f"live-{name}-{secrets.token_hex(3)}"
+    log_path = (Path(log_dir) / f"{hostname()}-{instance_id}.log").resolve()
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    supervisor = [
+        *(sys.executable, "-u", "-m", "eaglepipe.server.supervise"),
+        *("--state-dir", str(paths.root.resolve()), "--instance-id", instance_id),
+        *("--idle-timeout", str(server["idle_timeout_s"])),
+        *("--lease-ttl", str(server["lease_ttl_s"]), "--", *argv),
+    ]
+    environment = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1", INSTANCE_ENV: instance_id}
+    # SIGTERM (a cancelled Snakemake job) unwinds like Ctrl-C: the group is stopped below.
+    with _sigterm_raises():
+        proc = None
+        try:
+            lease.acquire()
+            with open(log_path, "ab") as log:
+                proc = subprocess.Popen(
+                    supervisor,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=environment,
+                    start_new_session=True,
+                )
+            STARTED_CHILDREN[proc.pid] = proc
+            try:
+                create_time = ProcessRef.of(proc.pid).create_time
+            except psutil.NoSuchProcess:  # exited at once; the health wait reports it
+                create_time = time.time()
+            print(f"started the {what}: pid {proc.pid}, port {port}, log {log_path}", flush=True)
+            url = f"http://{host}:{port}"
+            _wait_healthy(proc, url, what, log_path, server["health_timeout_s"])
+            try:
+                yield url
+            except PipelineError as exc:
+                code = proc.poll()
+                if code is None:
+                    raise
+                raise PipelineError(
+                    f"{exc}: the {what} exited with code {code}; last lines of {log_path}:\n"
+                    f"{log_tail(log_path)}"
+                ) from None
+        finally:
+            if proc is not None:
+                _stop(proc, create_time, instance_id)
+                if not wait_port_free(host, port, PORT_RELEASE_TIMEOUT_S):
+                    print(f"warning: port {port} still held after stopping the {what}", flush=True)
+            lease.release()
+
+
+def _wait_healthy(proc: subprocess.Popen, url: str, what: str, log_path: Path, timeout_s: float):
+    started = time.monotonic()
+    last_print = 0.0
+    while True:
+        code = proc.poll()
+        if code is not None:
+            raise PipelineError(
+                f"the {what} exited with code {code} before becoming healthy; last lines of "
+                f"{log_path}:\n{log_tail(log_path)}"
+            )
+        if probe_health(url) is None:
+            print(f"the {what} is healthy after {time.monotonic() - started:.0f}s", flush=True)
+            return
+        elapsed = time.monotonic() - started
+        if elapsed > timeout_s:
+            raise PipelineError(
+                f"the {what} was not healthy within {timeout_s:g}s (server.health_timeout_s); "
+                f"last lines of {log_path}:\n{log_tail(log_path)}"
+            )
+        if elapsed - last_print >= 10:
+            print(f"waiting for the {what}: {elapsed:.0f}s / {timeout_s:g}s", flush=True)
+            last_print = elapsed
+        time.sleep(0.5)
+
+
+def release_pipeline_server(config: dict) -> None:
+    """Stop this run's idle hidden-state server: the live servers need its GPUs. A server in
+    use, pinned, or started by another run is left alone, with a warning."""
+    paths = ServerPaths.for_this_host()
+    state = read_json(paths.state)
+    if not state or supervisor_process(state) is None:
+        return
+    if live_leases(paths, config["server"]["lease_ttl_s"]):
+        print(
+            "warning: the hidden-state server is in use by another job and keeps its GPUs; "
+            "the live servers may not fit",
+            flush=True,
+        )
+    elif not stop_if_started_by(current_run_token()):
+        print(
+            f"warning: a hidden-state server this run did not start (port {state['port']}) "
+            "keeps its GPUs (`eaglepipe server stop` ends it); the live servers may not fit",
+            flush=True,
+        )
+
+
+# ---------------------------------------------------------------- requests and answers
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One greedy /generate answer of SGLang, with its speculative counters when present."""
+
+    output_ids: list[int]
+    completion_tokens: int
+    spec_verify_ct: int | None
+    spec_num_correct_drafts: int | None
+    spec_accept_length: float | None
+
+
+def parse_generation(answer, *, speculative: bool, where: str) -> Generation:
+    """Check and read SGLang's non-streaming /generate answer (`text`, `output_ids`,
+    `meta_info`); with `speculative`, the counters SGLang adds when it drafted."""
+    if not isinstance(answer, dict) or not isinstance(answer.get("meta_info"), dict):
+        raise PipelineError(f"{where}: the answer is not SGLang's JSON with meta_info")
+    meta = answer["meta_info"]
+    output = answer.get("output_ids")
+    if not isinstance(output, list) or any(
+        isinstance(t, bool) or not isinstance(t, int) for t in output
+    ):
+        raise PipelineError(f"{where}: output_ids is not a list of token ids")
+    completion = meta.get("completion_tokens")
+    if completion != len(output):
+        raise PipelineError(f"{where}: completion_tokens {completion} but {len(output)} output_ids")
+    verify = meta.get("spec_verify_ct")
+    correct = meta.get("spec_num_correct_drafts")
+    if speculative and (not isinstance(verify, int) or not isinstance(correct, int) or verify <= 0):
+        raise PipelineError(
+            f"{where}: the answer has no speculative counters (spec_verify_ct {verify!r}, "
+            f"spec_num_correct_drafts {correct!r}): SGLang did not draft"
+        )
+    return Generation(output, completion, verify, correct, meta.get("spec_accept_length"))
+
+
+def generate_greedy(
+    url: str, input_ids: list[int], new_tokens: int, timeout_s: float, *, speculative: bool
+) -> Generation:
+    payload = {
+        "input_ids": [int(t) for t in input_ids],
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": new_tokens, "ignore_eos": True},
+    }
+    request = urllib.request.Request(
+        f"{url}/generate",
+        data=json.dumps(payload).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with _DIRECT.open(request, timeout=timeout_s) as response:
+            answer = json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        body = exc.read()[:300].decode(errors="replace")
+        raise PipelineError(f"{url}/generate answered {exc.code}: {body}") from None
+    except (urllib.error.URLError, OSError, TimeoutError) as exc:
+        raise PipelineError(f"{url}/generate failed: {exc}") from None
+    except ValueError:
+        raise PipelineError(f"{url}/generate answered with something other than JSON") from None
+    return parse_generation(answer, speculative=speculative, where=f"{url}/generate")
+
+
+# ---------------------------------------------------------------- the harness
+
+
+def run_sglang(
+    config: dict, export: ExportInfo, captured: list[int], prompts: list[tuple[int, list[int]]]
+) -> tuple[list[PromptRun], dict]:
+    """Greedy outputs from SGLang without the drafter, then with it; the counters per prompt."""
+    new_tokens, k = config["evaluate"]["live_new_tokens"], config["train"]["ttt_length"]
+    timeout = config["extract"]["request_timeout_s"]
+    host = config["server"]["host"]
+    release_pipeline_server(config)
+
+    greedy: dict[int, list[int]] = {}
+    port = free_port(host)
+    with served(serve_command(config, host=host, port=port), config=config, name="target",
+                host=host, port=port) as url:  # fmt: skip
+        version = _server_version(url)
+        for row_id, prompt in prompts:
+            plain = generate_greedy(url, prompt, new_tokens, timeout, speculative=False)
+            greedy[row_id] = plain.output_ids
+
+    runs = []
+    port = free_port(host)
+    command = serve_command(config, host=host, port=port, draft_dir=export.directory, num_steps=k)
+    with served(command, config=config, name="target+drafter", host=host, port=port) as url:
+        completion = verify = 0
+        for i, (row_id, prompt) in enumerate(prompts, 1):
+            answer = generate_greedy(url, prompt, new_tokens, timeout, speculative=True)
+            completion += answer.completion_tokens
+            verify += answer.spec_verify_ct
+            run = PromptRun(
+                row_id,
+                answer.output_ids,
+                greedy[row_id],
+                answer.spec_verify_ct,
+                answer.spec_num_correct_drafts,
+                {"spec_accept_length": answer.spec_accept_length},
+            )
+            runs.append(run)
+            print(
+                f"live prompt {i}/{len(prompts)} (row {row_id}): acceptance length "
+                f"{1 + run.accepted / run.rounds:.2f} (SGLang spec_accept_length "
+                f"{answer.spec_accept_length})",
+                flush=True,
+            )
+    extra = {
+        "sglang": {
+            "version": version,
+            "command": command,
+            # SGLang's own per-request figure, pooled: completion tokens per verification round.
+            "accept_length": completion / verify if verify else None,
+        }
+    }
+    return runs, extra
+
+
+def _server_version(url: str) -> str | None:
+    try:
+        return http_get_json(f"{url}/server_info", 10.0).get("version")
+    except (urllib.error.URLError, OSError, ValueError):
+        return None

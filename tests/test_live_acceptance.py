@@ -1,0 +1,378 @@
+"""Live acceptance: the transformers harness on either export, the SGLang harness against a
+stand-in SGLang (tests/fake_sglang: the same flags and answers, the project's transformers
+harness as its engine) run as a real server process, the skip, and the rule's inputs.
+
+SGLang itself does not run here; tests/test_live_sglang_contract.py checks the flags and answer
+fields used against the SGLang sources.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from conftest import PYTHON, REPO_ROOT, build_tiny_llama
+from drafter_helpers import synthetic_rows, write_config, write_table
+from pipeline_run import run_snakemake, small_config
+from pipeline_run import write_config as write_run_config
+
+from eaglepipe.config import load_config
+from eaglepipe.drafter.export import export
+from eaglepipe.drafter.live import ExportInfo, first_difference, live_acceptance, live_export_engine
+from eaglepipe.drafter.live_sglang import (
+    free_port,
+    parse_generation,
+    serve_command,
+    served,
+)
+from eaglepipe.drafter.live_transformers import load_exported_drafter
+from eaglepipe.drafter.target_head import load_target_head
+from eaglepipe.drafter.train import build_drafter, save_drafter
+from eaglepipe.drafter.vocab import build_draft_vocab, save_vocab
+from eaglepipe.errors import PipelineError
+from eaglepipe.server.ports import port_is_free
+
+FAKE_SGLANG = REPO_ROOT / "tests" / "fake_sglang"
+EXTRA_ARGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch"]
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> dict:
+    """A tiny target, held-out prompts, and an (untrained) drafter exported for both engines."""
+    import pandas as pd
+
+    root = tmp_path_factory.mktemp("live")
+    model_dir = build_tiny_llama(root / "target")
+    rows = synthetic_rows(20, vocab_size=300)
+    table = write_table(rows, root / "prepared" / "tokenized.parquet")
+    config_path = write_config(root / "config.yaml", model_dir)
+    config = load_config(config_path)
+    vocab, _ = build_draft_vocab(pd.read_parquet(table), 300, config["train"]["draft_vocab_size"])
+    save_vocab(vocab, root / "vocab.safetensors")
+    drafter = build_drafter(config, vocab, load_target_head(model_dir), seed=0)
+    save_drafter(drafter, root / "model.safetensors", {"aux_layer_ids": [1, 3, 4]})
+    export(
+        config,
+        model_path=str(root / "model.safetensors"),
+        vocab_path=str(root / "vocab.safetensors"),
+        out_dir=str(root / "export"),
+        engines=["sglang", "vllm"],
+    )
+    return {"root": root, "config_path": config_path, "table": str(table)}
+
+
+def fresh_config(exported: dict, **evaluate) -> dict:
+    config = load_config(exported["config_path"])
+    config["evaluate"].update(evaluate)
+    return config
+
+
+def run_live(exported, config, engine_dir: str, out: Path) -> dict:
+    return live_acceptance(
+        config,
+        export_dir=str(exported["root"] / "export" / engine_dir),
+        table_path=exported["table"],
+        out_path=str(out),
+        eval_path=None,
+    )
+
+
+# --- the transformers harness -------------------------------------------------------------
+
+
+def test_the_vllm_export_loads_into_the_same_drafter_as_the_sglang_export(exported):
+    sglang = load_exported_drafter(ExportInfo.read(exported["root"] / "export" / "sglang"))
+    vllm = load_exported_drafter(ExportInfo.read(exported["root"] / "export" / "vllm"))
+    ours, theirs = sglang.state_dict(), vllm.state_dict()
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        if not name.startswith("embed_tokens"):  # the engines share the target's
+            assert torch.equal(ours[name], theirs[name]), name
+
+
+def test_live_acceptance_runs_from_whichever_export_exists(exported, tmp_path):
+    config = fresh_config(exported, live_prompts=2, live_new_tokens=8)
+    from_sglang = run_live(exported, config, "sglang", tmp_path / "a.json")
+    from_vllm = run_live(exported, config, "vllm", tmp_path / "b.json")
+    assert from_vllm["export_engine"] == "vllm" and from_vllm["aux_layer_ids_written"] == [2, 4, 5]
+    assert from_sglang["aux_layer_ids_written"] == [1, 3, 4]
+    for result in (from_sglang, from_vllm):
+        assert result["harness"] == "transformers" and result["skipped"] is None
+        assert result["aux_layers_captured"] == [1, 3, 4]
+        assert result["prompts"] == 2 and result["outputs_match_greedy"] == 2
+    assert from_vllm["per_prompt"] == from_sglang["per_prompt"]
+    assert json.loads((tmp_path / "b.json").read_text()) == from_vllm
+
+
+def test_live_prompts_zero_skips_and_says_so(exported, tmp_path):
+    """Regression: the schema allowed `evaluate.live_prompts: 0` and the stage raised on it."""
+    config = fresh_config(exported, live_prompts=0)
+    config_path = tmp_path / "config.json"
+    config_path.write_text(json.dumps(config))
+    (tmp_path / "eval.json").write_text(json.dumps({"acceptance_length": 2.5}))
+    out = tmp_path / "live.json"
+    result = subprocess.run(
+        [
+            PYTHON,
+            str(REPO_ROOT / "scripts" / "live_acceptance.py"),
+            "--config",
+            str(config_path),
+            "--table",
+            exported["table"],
+            "--eval",
+            str(tmp_path / "eval.json"),
+            "--out",
+            str(out),
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    live = json.loads(out.read_text())
+    assert live["skipped"] == "evaluate.live_prompts is 0"
+    assert live["acceptance_length"] is None and live["prompts"] == 0
+    assert live["offline_acceptance_length"] == 2.5
+    assert "live acceptance skipped" in result.stdout
+
+
+def test_the_export_engine_follows_the_config():
+    def config(engine, engines, prompts=3):
+        return {
+            "server": {"engine": engine},
+            "export": {"engines": engines},
+            "evaluate": {"live_prompts": prompts},
+        }
+
+    assert live_export_engine(config("reference", ["sglang", "vllm"])) == "sglang"
+    assert live_export_engine(config("reference", ["vllm"])) == "vllm"
+    assert live_export_engine(config("sglang", ["vllm", "sglang"])) == "sglang"
+    assert live_export_engine(config("sglang", ["vllm"], prompts=0)) is None
+    with pytest.raises(PipelineError, match=r"export.engines is \['vllm'\].*sglang"):
+        live_export_engine(config("sglang", ["vllm"]))
+
+
+def test_first_difference():
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2
+
+
+# --- the SGLang harness ---------------------------------------------------------------------
+
+
+def sglang_config(exported: dict) -> dict:
+    config = fresh_config(exported, live_prompts=2, live_new_tokens=8)
+    config["server"]["engine"] = "sglang"
+    config["server"]["sglang"].update(tp_size=1, extra_args=list(EXTRA_ARGS))
+    config["server"].update(health_timeout_s=120, idle_timeout_s=60, dtype="float32")
+    return config
+
+
+@pytest.fixture
+def fake_sglang(monkeypatch, tmp_path):
+    """`python -m sglang.launch_server` resolves to the stand-in; state and logs under tmp."""
+    monkeypatch.chdir(tmp_path)
+    path = os.pathsep.join(p for p in (str(FAKE_SGLANG), os.environ.get("PYTHONPATH")) if p)
+    monkeypatch.setenv("PYTHONPATH", path)
+    return tmp_path
+
+
+def test_serve_command_drafts_with_the_export_and_never_loads_the_hook(exported):
+    config = sglang_config(exported)
+    draft = exported["root"] / "export" / "sglang"
+    plain = serve_command(config, host="127.0.0.1", port=1234)
+    drafting = serve_command(config, host="127.0.0.1", port=1234, draft_dir=draft, num_steps=7)
+    assert plain[1:3] == ["-m", "sglang.launch_server"]
+    assert "--speculative-algorithm" not in plain and plain[-4:] == EXTRA_ARGS
+    flags = dict(zip(drafting[3::2], drafting[4::2], strict=False))
+    assert drafting[-4:] == EXTRA_ARGS and flags["--dtype"] == "float32"
+    start = drafting.index("--speculative-algorithm")
+    assert drafting[start : start + 10] == [
+        "--speculative-algorithm", "EAGLE3",
+        "--speculative-draft-model-path", str(draft.resolve()),
+        "--speculative-num-steps", "7",
+        "--speculative-eagle-topk", "1",
+        "--speculative-num-draft-tokens", "8",
+    ]  # fmt: skip
+    for argv in (plain, drafting):
+        assert "--forward-hooks" not in argv and not any("patch" in a for a in argv)
+        assert "--enable-return-aux-hidden-states" not in argv
+    config["server"]["sglang"]["extra_args"] = ["--speculative-algorithm", "EAGLE"]
+    with pytest.raises(PipelineError, match="server.sglang.extra_args: --speculative-algorithm"):
+        serve_command(config, host="127.0.0.1", port=1234)
+
+
+def test_sglang_harness_matches_the_transformers_harness(exported, fake_sglang, monkeypatch):
+    config = sglang_config(exported)
+    through_sglang = run_live(exported, config, "sglang", fake_sglang / "sglang.json")
+    config["server"]["engine"] = "reference"
+    in_transformers = run_live(exported, config, "sglang", fake_sglang / "reference.json")
+    assert through_sglang["harness"] == "sglang"
+    same = ("prompts", "rounds", "accepted", "acceptance_length", "outputs_match_greedy")
+    assert {k: through_sglang[k] for k in same} == {k: in_transformers[k] for k in same}
+    assert through_sglang["outputs_match_greedy"] == 2
+    for mine, theirs in zip(
+        through_sglang["per_prompt"], in_transformers["per_prompt"], strict=True
+    ):
+        assert mine["rounds"] == theirs["rounds"] and mine["accepted"] == theirs["accepted"]
+        assert mine["spec_accept_length"] == pytest.approx(8 / mine["rounds"])
+    sglang = through_sglang["sglang"]
+    assert sglang["version"] == "0.5.14-fake"
+    assert sglang["accept_length"] == pytest.approx(16 / through_sglang["rounds"])
+    assert "--speculative-draft-model-path" in sglang["command"]
+    logs = sorted((fake_sglang / "logs" / "live_acceptance").glob("*.log"))
+    assert len(logs) == 2  # the plain target, then the target with the drafter
+    assert "--speculative-algorithm" in logs[1].read_text() + logs[0].read_text()
+
+
+def test_a_server_that_dies_at_startup_fails_with_its_log_tail(exported, fake_sglang, monkeypatch):
+    monkeypatch.setenv("FAKE_SGLANG_FAIL", "1")
+    config = sglang_config(exported)
+    port = free_port("127.0.0.1")
+    with pytest.raises(PipelineError) as info:
+        with served(serve_command(config, host="127.0.0.1", port=port), config=config,
+                    name="target", host="127.0.0.1", port=port):  # fmt: skip
+            pass
+    message = str(info.value)
+    assert "SGLang server 'target' exited with code 3 before becoming healthy" in message
+    assert "CUDA out of memory (FAKE_SGLANG_FAIL)" in message
+    assert port_is_free("127.0.0.1", port)
+
+
+def test_a_held_port_is_refused_naming_its_holder(exported, fake_sglang):
+    config = sglang_config(exported)
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        with pytest.raises(
+            PipelineError, match=rf"port {port} on 127.0.0.1 is held by PID {os.getpid()}"
+        ):
+            with served(["true"], config=config, name="target", host="127.0.0.1", port=port):
+                pass
+
+
+def test_the_whole_process_group_is_stopped(exported, fake_sglang, monkeypatch):
+    pid_file = fake_sglang / "child.pid"
+    monkeypatch.setenv("FAKE_SGLANG_CHILD_PID_FILE", str(pid_file))
+    config = sglang_config(exported)
+    port = free_port("127.0.0.1")
+    argv = serve_command(config, host="127.0.0.1", port=port)
+    with served(argv, config=config, name="target", host="127.0.0.1", port=port) as url:
+        assert url == f"http://127.0.0.1:{port}"
+        child = psutil.Process(int(pid_file.read_text()))
+        assert child.is_running()
+        group = os.getpgid(child.pid)
+        assert group != os.getpgid(0)  # its own process group, not ours
+    assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
+    assert port_is_free("127.0.0.1", port)
+    leases = list((fake_sglang / ".eaglepipe" / "live-server").glob("*/leases/*.lease"))
+    assert leases == []
+
+
+SERVE_AND_WAIT = """
+import json, sys, time
+from eaglepipe.drafter.live_sglang import serve_command, served
+config, port = json.loads(sys.argv[1]), int(sys.argv[2])
+argv = serve_command(config, host="127.0.0.1", port=port)
+with served(argv, config=config, name="target", host="127.0.0.1", port=port):
+    print("serving", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_terminated_job_stops_its_server_group(exported, fake_sglang, monkeypatch):
+    """Snakemake cancels a job with SIGTERM: the server's whole group goes with it."""
+    pid_file = fake_sglang / "child.pid"
+    monkeypatch.setenv("FAKE_SGLANG_CHILD_PID_FILE", str(pid_file))
+    port = free_port("127.0.0.1")
+    job = subprocess.Popen(
+        [PYTHON, "-c", SERVE_AND_WAIT, json.dumps(sglang_config(exported)), str(port)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        for line in job.stdout:
+            if line.strip() == "serving":
+                break
+        child = psutil.Process(int(pid_file.read_text()))
+        assert not port_is_free("127.0.0.1", port)
+        job.send_signal(signal.SIGTERM)
+        assert job.wait(timeout=120) != 0
+    finally:
+        job.kill()
+        job.wait()
+    assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
+    assert port_is_free("127.0.0.1", port)
+
+
+def test_answers_without_speculative_counters_are_refused():
+    meta = {"id": "x", "prompt_tokens": 3, "completion_tokens": 2, "cached_tokens": 0}
+    plain = {"text": "", "output_ids": [5, 6], "meta_info": meta}
+    assert parse_generation(plain, speculative=False, where="w").output_ids == [5, 6]
+    with pytest.raises(PipelineError, match="no speculative counters .* SGLang did not draft"):
+        parse_generation(plain, speculative=True, where="w")
+    drafted = {
+        **plain,
+        "meta_info": {
+            **meta,
+            "spec_verify_ct": 1,
+            "spec_num_correct_drafts": 1,
+            "spec_accept_length": 2.0,
+        },  # fmt: skip
+    }
+    got = parse_generation(drafted, speculative=True, where="w")
+    assert (got.spec_verify_ct, got.spec_num_correct_drafts, got.spec_accept_length) == (1, 1, 2.0)
+    with pytest.raises(PipelineError, match="completion_tokens 2 but 1 output_ids"):
+        parse_generation({**plain, "output_ids": [5]}, speculative=False, where="w")
+    with pytest.raises(PipelineError, match="not SGLang's JSON"):
+        parse_generation({"error": "boom"}, speculative=False, where="w")
+
+
+# --- the rule ---------------------------------------------------------------------------------
+
+
+def dry_run_live(tmp_path: Path, **changes) -> subprocess.CompletedProcess:
+    config = small_config(tmp_path)
+    for key, value in changes.items():
+        section, name = key.split("__")
+        config[section][name] = value
+    write_run_config(tmp_path, config)
+    return run_snakemake(tmp_path, "-n", "-p", "drafter/live.json", check=False)
+
+
+def live_command(output: str) -> str:
+    lines = [line for line in output.splitlines() if "live_acceptance.py" in line]
+    assert len(lines) == 1, output
+    return lines[0]
+
+
+def test_the_rule_reads_the_export_that_exists(tmp_path):
+    """Regression: the rule read drafter/export/sglang even when only vLLM was exported."""
+    result = dry_run_live(tmp_path, export__engines=["vllm"])
+    assert result.returncode == 0, result.stderr
+    assert "--export-dir drafter/export/vllm" in live_command(result.stdout)
+    assert "drafter/export/sglang" not in result.stdout
+
+
+def test_the_rule_skips_without_an_export_when_live_prompts_is_zero(tmp_path):
+    result = dry_run_live(tmp_path, evaluate__live_prompts=0)
+    assert result.returncode == 0, result.stderr
+    assert "--export-dir" not in live_command(result.stdout)
+    assert "rule export:" not in result.stdout
+
+
+def test_the_sglang_engine_without_an_sglang_export_is_one_clear_error(tmp_path):
+    result = dry_run_live(tmp_path, export__engines=["vllm"], server__engine="sglang")
+    assert result.returncode != 0
+    assert "export.engines is ['vllm']: live acceptance with server.engine sglang" in (
+        result.stdout + result.stderr
+    )
