@@ -7,8 +7,8 @@ TP rank with the spec's `config` and registers the returned callable with
 positional inputs: (input_ids, hidden_states, lm_head, forward_batch, aux_hidden_states).
 `hidden_states` there is post-final-norm; `aux_hidden_states` is the residual stream entering the
 captured layers, either one packed [T, K*H] tensor (DeepSeek family) or a list of K [T, H]
-tensors (Llama family). Every name used here is checked against the pinned SGLang source by
-tests/test_sglang_contract.py.
+tensors (Llama family). Every name used here is checked against the source of both ends of the
+supported SGLang range (patch/sglang.toml) by tests/test_sglang_contract.py.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from eaglepipe.dump import DumpWriter, concat_aux, prepare_dump_dir
 
 logger = logging.getLogger("eaglepipe_hook")
 
-# sglang.srt.constants.HEALTH_CHECK_RID_PREFIX in the pinned version (contract-tested). Our
+# sglang.srt.constants.HEALTH_CHECK_RID_PREFIX across the supported range (contract-tested). Our
 # prefix filter (`<prefix>-`, prefix alphanumeric) already excludes these; checked anyway.
 HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"
 _FORWARD_BATCH_ARG = 3
@@ -31,18 +31,31 @@ _AUX_ARG = 4
 
 
 def _tensor_parallel_rank() -> int:
-    # The 0.5.23 way; sglang.srt.distributed's get_tensor_model_parallel_rank is deprecated
-    # there and left out of that package's star re-export.
+    # Present across the supported range; sglang.srt.distributed's get_tensor_model_parallel_rank
+    # is deprecated in 0.5.23 and left out of that package's star re-export.
     from sglang.srt.runtime_context import get_parallel
 
     return int(get_parallel().tp_rank)
 
 
+# Whether this process's factory already ran: SGLang calls it once per model runner, and a
+# speculative draft model's runner (live acceptance) comes after its target's in the same process.
+_FACTORY_CALLED = False
+
+
 def make_dump_hook(config: dict):
-    """SGLang's hook factory: a dump hook on TP rank 0, None (nothing registered) elsewhere."""
+    """SGLang's hook factory: a dump hook for the target model on TP rank 0, None (nothing
+    registered) on other ranks and for a speculative draft model's runner."""
+    global _FACTORY_CALLED
     missing = [k for k in ("dump_dir", "request_prefix", "aux_layer_ids") if k not in config]
     if missing:
         raise ValueError(f"eaglepipe forward hook: config lacks {', '.join(missing)}")
+    if _FACTORY_CALLED:
+        # SGLang builds the draft's model runner after the target's, in the target's scheduler
+        # process; the draft's logits processor sees the same rids with its own hidden states.
+        logger.info("eaglepipe dump hook: a second model runner (a speculative draft): not hooked")
+        return None
+    _FACTORY_CALLED = True
     rank = _tensor_parallel_rank()
     if rank != 0:
         logger.info("eaglepipe dump hook: TP rank %d does not write (rank 0 does)", rank)
@@ -142,8 +155,10 @@ class LogitsDumpHook:
         hidden_size = hidden_states.shape[-1]
         if aux is None:
             raise RuntimeError(
-                f"eaglepipe dump hook: no aux hidden states for {dumped_rids}; SGLang must run "
-                "with --enable-return-aux-hidden-states and --return-aux-hidden-state-layer-ids"
+                f"eaglepipe dump hook: no aux hidden states for {dumped_rids}; the capture is "
+                "off: start SGLang through eaglepipe's launcher (capture-only flags, or the "
+                "eaglepipe SGLang plugin on releases without them; its log lines start with "
+                "'[eaglepipe sglang plugin]')"
             )
         if isinstance(aux, torch.Tensor):
             packed = aux

@@ -1,5 +1,6 @@
-"""The SGLang dump hook's tensor logic, on plain CPU tensors shaped and packed as SGLang 0.5.23
-passes them to LogitsProcessor.forward (names verified by tests/test_sglang_contract.py):
+"""The SGLang dump hook's tensor logic, on plain CPU tensors shaped and packed as SGLang passes
+them to LogitsProcessor.forward (names verified against both ends of the supported range by
+tests/test_sglang_contract.py):
 a list of per-layer [T, H] captures (Llama family) or one packed [T, 3H] tensor (DeepSeek family,
 AuxHiddenStatePacker), several requests per prefill batch, split by `forward_batch.rids` and
 `extend_seq_lens_cpu`."""
@@ -41,9 +42,9 @@ class LogitsProcessorStandIn(nn.Module):
         return hidden_states.sum()
 
 
-@pytest.fixture
-def hook_module(monkeypatch):
-    """patch/eaglepipe_hook.py imported as SGLang imports it, with a stand-in TP rank."""
+def import_hook_module(monkeypatch):
+    """patch/eaglepipe_hook.py imported as one SGLang process imports it (a fresh module each
+    call: another scheduler process), with a stand-in TP rank."""
     rank = types.SimpleNamespace(tp_rank=0)
     runtime_context = types.ModuleType("sglang.srt.runtime_context")
     runtime_context.get_parallel = lambda: rank
@@ -55,7 +56,12 @@ def hook_module(monkeypatch):
     import eaglepipe_hook
 
     eaglepipe_hook.test_rank = rank
-    yield eaglepipe_hook
+    return eaglepipe_hook
+
+
+@pytest.fixture
+def hook_module(monkeypatch):
+    yield import_hook_module(monkeypatch)
     sys.modules.pop("eaglepipe_hook", None)
 
 
@@ -264,14 +270,32 @@ def test_extend_lengths_longer_than_the_hidden_states_fail(hook_module, tmp_path
     hook.close()
 
 
-def test_only_tensor_parallel_rank_zero_writes(hook_module, tmp_path):
+def test_only_tensor_parallel_rank_zero_writes(hook_module, tmp_path, monkeypatch):
     hook_module.test_rank.tp_rank = 3
     assert make_hook(hook_module, tmp_path / "rank3") is None
     assert not (tmp_path / "rank3").exists()
-    hook_module.test_rank.tp_rank = 0
-    hook = make_hook(hook_module, tmp_path / "rank0")
+    rank0 = import_hook_module(monkeypatch)  # rank 0 is another scheduler process
+    hook = make_hook(rank0, tmp_path / "rank0")
     assert (tmp_path / "rank0").stat().st_mode & 0o777 == 0o700
     hook.close()
+
+
+def test_a_speculative_draft_runner_in_the_same_process_is_not_hooked(hook_module, tmp_path):
+    """Live acceptance loads an EAGLE-3 draft beside the target; SGLang registers the forward
+    hooks on both runners (the draft's after the target's, in the same process). The draft's
+    logits processor sees the same rids with its own hidden states: only the target dumps."""
+    target_hook = make_hook(hook_module, tmp_path)
+    assert make_hook(hook_module, tmp_path) is None
+    target = attach(target_hook)
+    batch = Batch([(rid(1), 4), (rid(2), 3)])
+    run_forward(target, batch, batch.forward_batch(), batch.aux("list"))
+    # The draft's extend of the same requests: no aux captured there, and nothing hooked.
+    draft = LogitsProcessorStandIn()
+    run_forward(draft, batch, batch.forward_batch(), None)
+    target_hook.close()
+    aux, final, _ = read_dump(tmp_path / f"{rid(2)}.safetensors")
+    assert torch.equal(aux, batch.expected(1)[0]) and torch.equal(final, batch.expected(1)[1])
+    assert len(list(tmp_path.glob("*.safetensors"))) == 2
 
 
 def test_hook_attached_to_two_modules_fails(hook_module, tmp_path):
