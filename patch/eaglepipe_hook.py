@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
+import time
 from pathlib import Path
 
 import torch
@@ -28,6 +30,9 @@ logger = logging.getLogger("eaglepipe_hook")
 HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"
 _FORWARD_BATCH_ARG = 3
 _AUX_ARG = 4
+# Every this many dumped prefill batches the hook logs what it cost the forward thread so far.
+STATS_EVERY_ENV = "EAGLEPIPE_HOOK_STATS_EVERY"
+DEFAULT_STATS_EVERY = 256
 
 
 def _tensor_parallel_rank() -> int:
@@ -64,6 +69,7 @@ def make_dump_hook(config: dict):
         dump_dir=Path(config["dump_dir"]),
         request_prefix=str(config["request_prefix"]),
         aux_layer_ids=[int(i) for i in config["aux_layer_ids"]],
+        stats_every=int(os.environ.get(STATS_EVERY_ENV) or DEFAULT_STATS_EVERY),
     )
     atexit.register(hook.close)
     logger.info(
@@ -76,14 +82,49 @@ def make_dump_hook(config: dict):
     return hook
 
 
+class HookStats:
+    """What dumping cost the forward thread: host time inside the hook per dumped batch."""
+
+    def __init__(self, every: int):
+        self.every = max(1, every)
+        self.batches = self.requests = self.tokens = 0
+        self.seconds = self.max_seconds = 0.0
+
+    def add(self, seconds: float, requests: int, tokens: int) -> bool:
+        """Count one dumped batch; True when a summary line is due."""
+        self.batches += 1
+        self.requests += requests
+        self.tokens += tokens
+        self.seconds += seconds
+        self.max_seconds = max(self.max_seconds, seconds)
+        return self.batches % self.every == 0
+
+    def line(self, writer) -> str:
+        mean_ms = 1e3 * self.seconds / max(1, self.batches)
+        return (
+            f"eaglepipe dump hook: {self.batches} prefill batches dumped ({self.requests} "
+            f"requests, {self.tokens} tokens); in the hook per batch: mean {mean_ms:.3f} ms, "
+            f"max {1e3 * self.max_seconds:.3f} ms; writer: {writer.files_written} files, "
+            f"{writer.bytes_written / 1e9:.3f} GB"
+        )
+
+
 class LogitsDumpHook:
     """Forward hook on the logits processor; hands prefill batches to the dump writer."""
 
-    def __init__(self, *, dump_dir: Path, request_prefix: str, aux_layer_ids: list[int]):
+    def __init__(
+        self,
+        *,
+        dump_dir: Path,
+        request_prefix: str,
+        aux_layer_ids: list[int],
+        stats_every: int = DEFAULT_STATS_EVERY,
+    ):
         self.dump_dir = prepare_dump_dir(dump_dir)
         self.request_prefix = request_prefix
         self.aux_layer_ids = aux_layer_ids
         self.writer = DumpWriter(self.dump_dir, request_prefix, aux_layer_ids=aux_layer_ids)
+        self.stats = HookStats(stats_every)
         self._module_id: int | None = None
 
     def is_dumped(self, rid) -> bool:
@@ -115,10 +156,14 @@ class LogitsDumpHook:
                 f"{forward_batch.forward_mode.name} batch; only plain prefill (EXTEND) is "
                 "supported (chunked prefill, mixed chunks and speculative modes are off)"
             )
-        self._dump_prefill(args, forward_batch, rids, dumped)
+        started = time.perf_counter()
+        tokens = self._dump_prefill(args, forward_batch, rids, dumped)
+        if self.stats.add(time.perf_counter() - started, len(dumped), tokens):
+            logger.info(self.stats.line(self.writer))
         return None
 
-    def _dump_prefill(self, args, forward_batch, rids: list[str], dumped: list[int]) -> None:
+    def _dump_prefill(self, args, forward_batch, rids: list[str], dumped: list[int]) -> int:
+        """Hand the batch to the writer; returns how many of its tokens are dumped."""
         seq_lens = _host_list(forward_batch, "extend_seq_lens")[: len(rids)]
         prefix_lens = _host_list(forward_batch, "extend_prefix_lens")[: len(rids)]
         if len(seq_lens) != len(rids) or len(prefix_lens) != len(rids):
@@ -149,6 +194,7 @@ class LogitsDumpHook:
             )
         aux_packed = self._pack_aux(aux, hidden_states, [rids[i] for i in dumped])
         self.writer.submit(rids, seq_lens, aux_packed[:total], hidden_states[:total])
+        return sum(seq_lens[i] for i in dumped)
 
     def _pack_aux(self, aux, hidden_states: torch.Tensor, dumped_rids: list[str]):
         count = len(self.aux_layer_ids)
@@ -179,6 +225,8 @@ class LogitsDumpHook:
 
     def close(self) -> None:
         self.writer.close()
+        if self.stats.batches % self.stats.every:  # what the last periodic line left out
+            logger.info(self.stats.line(self.writer))
 
 
 def _host_list(forward_batch, name: str) -> list[int]:

@@ -313,3 +313,27 @@ def test_hook_attached_to_two_modules_fails(hook_module, tmp_path):
 def test_factory_rejects_a_config_without_its_keys(hook_module):
     with pytest.raises(ValueError, match="config lacks dump_dir, aux_layer_ids"):
         hook_module.make_dump_hook({"request_prefix": "eaglepipe"})
+
+
+def test_the_hook_logs_what_it_costs_the_forward_thread(hook_module, tmp_path, monkeypatch, caplog):
+    """Every EAGLEPIPE_HOOK_STATS_EVERY dumped batches, and at close, one line with the counts
+    and the host time spent inside the hook (the benchmarks read it from SGLang's log)."""
+    monkeypatch.setenv(hook_module.STATS_EVERY_ENV, "2")
+    hook = make_hook(hook_module, tmp_path)
+    processor = attach(hook)
+    caplog.set_level("INFO", logger="eaglepipe_hook")
+    for seed, rows in enumerate(([1, 2], [3], [4, 5])):
+        batch = Batch([(rid(r), 2 + r) for r in rows] + [("HEALTH_CHECK_x", 4)], seed=seed)
+        run_forward(processor, batch, batch.forward_batch(), batch.aux("list"))
+    undumped = Batch([("abcdef0123", 3)])
+    run_forward(processor, undumped, undumped.forward_batch(), undumped.aux("list"))
+    hook.close()
+    lines = [r.getMessage() for r in caplog.records if "prefill batches dumped" in r.getMessage()]
+    assert len(lines) == 2  # after the second batch, and the third at close
+    assert lines[0].startswith(
+        "eaglepipe dump hook: 2 prefill batches dumped (3 requests, 12 tokens)"
+    )
+    assert lines[1].startswith(
+        "eaglepipe dump hook: 3 prefill batches dumped (5 requests, 25 tokens)"
+    )
+    assert "in the hook per batch: mean " in lines[1] and "writer: 5 files" in lines[1]
