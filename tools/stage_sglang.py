@@ -39,6 +39,7 @@ DEFAULT_DEST = REPO_ROOT / ".whl-sglang"
 JIT_CACHE_DIR = REPO_ROOT / ".jit-sglang"
 SITES = ("common", "server")
 MIB = 1 << 20
+CALL_LIMIT_MIB = 64  # what one device call carries at most, the repository included
 
 # What each repacked wheel leaves out (regular expressions on archive member names).
 REPACK_DROP = {
@@ -54,6 +55,9 @@ REPACK_DROP = {
     "flashinfer-python": [r"^flashinfer/data/"],
     # Diffusion, SGLang's own tests and the gRPC core.
     "sglang": [r"^sglang/multimodal_gen/", r"^sglang/test/", r"^sglang/srt/grpc/_core\..*\.so$"],
+    # SQLAlchemy's optional Cython speed-ups (it falls back to pure Python): Snakemake's
+    # bookkeeping only.
+    "sqlalchemy": [r"^sqlalchemy/cyextension/.*\.so$"],
 }
 
 PLATFORM_ARGS = [
@@ -262,22 +266,28 @@ def main(argv=None) -> int:
     args.dest.parent.mkdir(parents=True, exist_ok=True)
     entries = stage(args.dest.resolve(), args.cache, specs)
     wheels, repo, jit = tree_bytes(args.dest), tracked_bytes(), tree_bytes(JIT_CACHE_DIR)
-    total = wheels + repo + jit
     for site in SITES:
         count = sum(1 for e in entries if e["site"] == site)
         size = sum(e["bytes"] for e in entries if e["site"] == site)
         print(f"{site}: {count} wheels, {size / MIB:.1f} MiB", flush=True)
     print(
-        f"one device call carries {total / MIB:.1f} MiB: wheels {wheels / MIB:.1f}, "
-        f"tracked files {repo / MIB:.1f}, JIT cache {jit / MIB:.1f} (limit {args.limit_mib:g})",
+        f"one device call carries {(wheels + repo) / MIB:.1f} MiB: wheels {wheels / MIB:.1f}, "
+        f"tracked files {repo / MIB:.1f} (limit {args.limit_mib:g}); with the JIT cache in "
+        f"{JIT_CACHE_DIR.name}/ ({jit / MIB:.1f} MiB): {(wheels + repo + jit) / MIB:.1f} MiB",
         flush=True,
     )
-    if total > args.limit_mib * MIB:
+    if wheels + repo > args.limit_mib * MIB:
         print(
             f"over the {args.limit_mib:g} MiB limit: a device call takes at most 64 MiB",
             file=sys.stderr,
         )
         return 1
+    if wheels + repo + jit > CALL_LIMIT_MIB * MIB:
+        print(
+            f"with {JIT_CACHE_DIR.name}/ a call would carry more than {CALL_LIMIT_MIB} MiB: "
+            f"leave it out of the call's carry list",
+            file=sys.stderr,
+        )
     return 0
 
 
