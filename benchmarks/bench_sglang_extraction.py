@@ -59,6 +59,7 @@ from common import (  # noqa: E402
     extract_in_parallel,
     free_port,
     log,
+    log_between,
     machine_info,
     markdown_table,
     prefill_batches,
@@ -106,13 +107,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", default=None)
     parser.add_argument("--dry-run", action="store_true", help="tiny model, commands, no server")
     parser.add_argument("--sglang-version", default=None, help="with --dry-run")
+    parser.add_argument(
+        "--engine",
+        choices=["sglang", "reference"],
+        default="sglang",
+        help="reference: the pipeline runs only, through the built-in server on CPU with a tiny "
+        "model (a check of this script itself)",
+    )
     args = parser.parse_args(argv)
     args.storages = [s.strip() for s in args.storages.split(",") if s.strip()]
     if not set(args.storages) <= {"shm", "disk"}:
         parser.error("--storages: shm and/or disk")
-    if args.dry_run:
-        if not args.sglang_version:
-            parser.error("--dry-run needs --sglang-version")
+    if args.dry_run and not args.sglang_version:
+        parser.error("--dry-run needs --sglang-version")
+    args.tiny = args.dry_run or args.engine == "reference"
+    if args.tiny:
         args.tokens = min(args.tokens, 3000)
         args.min_len, args.max_len = 16, 160
         args.raw_gb = min(args.raw_gb, 0.05)
@@ -179,7 +188,7 @@ def pipeline_config(run_dir: Path, model_dir: Path, dataset: Path, rows, args, s
     tokens = sum(len(r) for r in rows)
     row_bytes = token_bytes * tokens / len(rows)
     rows_per_shard = max(1, min(len(rows), int(args.shard_gb * 1e9 / row_bytes)))
-    if args.dry_run:
+    if args.tiny:
         rows_per_shard = max(1, len(rows) // 4)
     dump_parent = "/dev/shm" if shm_free_gb() > 8 else str(run_dir)
     config = load_config(REPO_ROOT / "config.yaml")
@@ -189,8 +198,9 @@ def pipeline_config(run_dir: Path, model_dir: Path, dataset: Path, rows, args, s
         rows_per_shard=rows_per_shard, chunk_max_bytes=max(4096, int(args.chunk_mb * 2**20))
     )
     config["server"].update(
-        engine="sglang",
-        dtype="bfloat16",
+        engine=args.engine,
+        dtype="bfloat16" if args.engine == "sglang" else "float32",
+        device="auto" if args.engine == "sglang" else "cpu",
         port=free_port(),
         dump_root=tempfile.mkdtemp(prefix="eaglepipe-bench-sglang-dumps-", dir=dump_parent),
         health_timeout_s=int(args.health_s),
@@ -332,9 +342,7 @@ def run_bare(config: dict, rows, warmup, args, work: Path) -> dict:
         result["tokens"] = tokens
         result["tokens_per_s"] = round(tokens / timed["seconds"], 1)
         time.sleep(0.5)
-        result["prefill"] = batch_summary(
-            prefill_batches(log_path.read_text(errors="replace")[offset:])
-        )
+        result["prefill"] = batch_summary(prefill_batches(log_between(log_path, offset)))
         if timed["answered"] != len(rows):
             raise RuntimeError(f"bare: {timed['answered']}/{len(rows)} answered: {timed['errors']}")
     finally:
@@ -436,7 +444,8 @@ def run_pipeline(run_dir: Path, config: dict, rows, warmup, args, deadline) -> d
                             run_dir, config, names, args.parallel_shards
                         )
                         seconds = time.perf_counter() - t0
-                    text = handle.log_path.read_text(errors="replace")[offset:]
+                    time.sleep(0.5)  # SGLang logs a prefill batch after running it
+                    text = log_between(handle.log_path, offset)
                     written = sum(m["num_tokens"] for m in manifests)
                     if written != tokens:
                         raise RuntimeError(f"the shards hold {written} tokens, the rows {tokens}")
@@ -454,6 +463,10 @@ def run_pipeline(run_dir: Path, config: dict, rows, warmup, args, deadline) -> d
                             for key in BREAKDOWN_KEYS
                         },
                         job_seconds_in_extract=round(job_seconds, 3),
+                        # Job time outside extract_shard: interpreter start, imports, lease.
+                        job_startup_s=round(
+                            sum(m["job_wall_s"] for m in manifests) - job_seconds, 3
+                        ),
                         **gpu.summary(),
                     )
                     entry["chunk_gb_per_s"] = round(entry["bytes_written"] / seconds / 1e9, 3)
@@ -552,6 +565,7 @@ def report(results: dict) -> str:
         breakdown_rows.append([name, entry.get("server_busy_share_est"),
                                entry.get("batch_ms_over_bare_est"),
                                entry.get("job_seconds_in_extract"),
+                               entry.get("job_startup_s"),
                                *[br.get(k) for k in BREAKDOWN_KEYS]])  # fmt: skip
     setup = results["setup"]
     version = results.get("pipeline", {}).get("engine_version")
@@ -581,6 +595,7 @@ def report(results: dict) -> str:
                 "server busy (est.)",
                 "ms/batch over bare (est.)",
                 "job s in extract",
+                "job start-up s",
                 *BREAKDOWN_KEYS,
             ],
             breakdown_rows,
@@ -596,8 +611,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     deadline = time.monotonic() + args.deadline_s
-    device = "cpu" if args.dry_run or not torch.cuda.is_available() else "cuda"
-    shape_name = "tiny" if args.dry_run else "8b"
+    device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
+    shape_name = "tiny" if args.tiny else "8b"
     shape = SHAPES[shape_name]
     os.environ.setdefault("EAGLEPIPE_HOOK_STATS_EVERY", "8")  # hook cost lines in the log
     work = Path(tempfile.mkdtemp(prefix="eaglepipe-bench-sglang-", dir=args.work_root))
@@ -633,7 +648,7 @@ def main(argv=None) -> int:
                 continue
             results["raw_write"][name] = raw_write(directory, args.raw_gb)
             log(f"raw writes to {name}: {results['raw_write'][name]['gb_per_s']} GB/s")
-        model_parent = Path("/dev/shm") if shm_free_gb() > 45 and not args.dry_run else work
+        model_parent = Path("/dev/shm") if shm_free_gb() > 45 and not args.tiny else work
         model_dir = Path(tempfile.mkdtemp(prefix="eaglepipe-bench-model-", dir=model_parent))
         t0 = time.monotonic()
         dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -668,8 +683,11 @@ def main(argv=None) -> int:
                                    "shards": len(names), "variants": {}}  # fmt: skip
         else:
             try:
-                results["bare"] = run_bare(config, rows, warmup, args, work)
-                log(f"bare: {results['bare']['tokens_per_s']:,.0f} tok/s")
+                if args.engine == "sglang":
+                    results["bare"] = run_bare(config, rows, warmup, args, work)
+                    log(f"bare: {results['bare']['tokens_per_s']:,.0f} tok/s")
+                else:
+                    results["bare"] = {"skipped": "the reference engine has no bare server"}
             except Exception as exc:
                 traceback.print_exc()
                 results["bare"] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}

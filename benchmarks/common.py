@@ -277,11 +277,14 @@ def extract_in_parallel(run_dir: Path, config: dict, names: list[str], jobs: int
     def one(name: str) -> dict:
         argv = [sys.executable, "-u", str(REPO_ROOT / "scripts" / "extract.py")]
         argv += ["--config", str(resolved), "--shard", name]
+        started = time.perf_counter()
         done = subprocess.run(argv, cwd=run_dir, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{name} failed: {done.stderr[-2000:]}")
         shard_dir = run_dir / "hidden_states" / name
         manifest = json.loads((shard_dir / "manifest.json").read_text())
+        # The job's whole life (interpreter start, imports, lease) beside the manifest's timing.
+        manifest["job_wall_s"] = round(time.perf_counter() - started, 3)
         shutil.rmtree(shard_dir)  # the disk holds only the shards in progress
         return manifest
 
@@ -375,3 +378,11 @@ def prefill_batches(log_text: str) -> list[dict]:
         }
         for m in _PREFILL_LINE.finditer(log_text)
     ]
+
+
+def log_between(path: Path, start: int, end: int | None = None) -> str:
+    """A log file's text between two byte offsets (st_size readings taken during the run)."""
+    with open(path, "rb") as f:
+        f.seek(start)
+        data = f.read() if end is None else f.read(max(0, end - start))
+    return data.decode(errors="replace")

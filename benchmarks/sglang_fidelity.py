@@ -61,6 +61,7 @@ from common import (  # noqa: E402
     command_line,
     free_port,
     log,
+    log_between,
     machine_info,
     markdown_table,
     prefill_batches,
@@ -158,6 +159,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--sglang-version", default=None, help="with --dry-run: the release to build argv for"
     )
     parser.add_argument("--keep", action="store_true", help="keep the scratch dir")
+    parser.add_argument(
+        "--engine",
+        choices=["sglang", "reference"],
+        default="sglang",
+        help="reference: the built-in server on CPU, a check of this script itself (no decode "
+        "request, no packing count)",
+    )
     args = parser.parse_args(argv)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = sorted(set(models) - set(MODELS))
@@ -414,14 +422,17 @@ def compare_runs(single: dict, packed: dict, count: int, floors: list[float]) ->
 # ----------------------------------------------------------------------------- the server
 
 
-def server_config(model_dir: Path, dump_root: Path, extra_args: list[str], health_s: float):
+def server_config(
+    model_dir: Path, dump_root: Path, extra_args: list[str], health_s: float, engine="sglang"
+):
     from eaglepipe.config import load_config, validate_config
 
     config = load_config(REPO_ROOT / "config.yaml")
     config["model"]["path"] = str(model_dir)
     config["server"].update(
-        engine="sglang",
-        dtype="bfloat16",
+        engine=engine,
+        dtype="bfloat16" if engine == "sglang" else "float32",
+        device="auto" if engine == "sglang" else "cpu",
         port=free_port(),
         dump_root=str(dump_root),
         health_timeout_s=max(60, int(health_s)),
@@ -466,20 +477,22 @@ def extract(handle, rows: list[list[int]], hidden: int, inflight: int, prefix: s
     return got
 
 
-def check_other_requests(handle, rows: list[list[int]], prefix: str) -> dict:
-    """Requests that must leave no dump, and a prefixed one that decodes: one dump, its prompt."""
+def check_other_requests(handle, rows: list[list[int]], prefix: str, decode: bool) -> dict:
+    """Requests that must leave no dump, and (`decode`) a prefixed one that decodes: one dump,
+    of its prompt."""
     from eaglepipe.dump import make_rid, read_dump
 
     dump_dir = Path(handle.dump_dir)
     ids = rows[2]
-    for rid, new_tokens in (
-        (f"other{prefix}-0123456789ab-1-0", 0),
-        (f"{prefix}X-decode-1", 4),
-        ("0123456789abcdef0123456789abcdef", 0),
-    ):
+    others = [(f"other{prefix}-0123456789ab-1-0", 0), ("0123456789abcdef0123456789abcdef", 0)]
+    if decode:
+        others.append((f"{prefix}X-decode-1", 4))
+    for rid, new_tokens in others:
         post_generate(handle.url, ids, rid, new_tokens)
     time.sleep(1.0)
     stray = sorted(p.name for p in dump_dir.iterdir())
+    if not decode:
+        return {"stray_dumps": stray, "ok": not stray}
     rid = make_rid(prefix, "fedcba987654", 999, 0)
     answer = post_generate(handle.url, ids, rid, 4)
     deadline = time.monotonic() + 30
@@ -524,7 +537,8 @@ def serve_and_compare(name, model_dir, rows, refs, info, work, args, started) ->
     run_dir = work / f"run-{name}"
     run_dir.mkdir()
     dump_root = Path(tempfile.mkdtemp(prefix=f"eaglepipe-fidelity-{name}-", dir=shm_or(work)))
-    config = server_config(model_dir, dump_root, extra, min(400, left - 60))
+    config = server_config(model_dir, dump_root, extra, min(400, left - 60), args.engine)
+    sglang = args.engine == "sglang"
     num_layers, hidden = info["num_layers"], info["hidden_size"]
     aux_ids = aux_layer_ids(config)
     result["aux_layer_ids"] = aux_ids
@@ -541,17 +555,22 @@ def serve_and_compare(name, model_dir, rows, refs, info, work, args, started) ->
             }
             served = result["server_info"]
             log(
-                f"{name}: SGLang {served['engine_version']} healthy after {result['startup_s']}s;"
-                f" capture ids {served['sglang_capture_layer_ids']}"
+                f"{name}: {args.engine} {served['engine_version']} healthy after "
+                f"{result['startup_s']}s; capture ids {served['sglang_capture_layer_ids']}"
             )
             offset = handle.log_path.stat().st_size
             single = extract(handle, rows, hidden, 1, prefix)
+            time.sleep(0.5)  # SGLang logs a prefill batch after running it
             between = handle.log_path.stat().st_size
             packed = extract(handle, rows, hidden, len(rows), prefix)
-            text = handle.log_path.read_text(errors="replace")
-            result["prefill_batches_single"] = prefill_batches(text[offset:between])
-            result["prefill_batches_packed"] = prefill_batches(text[between:])
-            result["other_requests"] = check_other_requests(handle, rows, prefix)
+            time.sleep(0.5)
+            result["prefill_batches_single"] = prefill_batches(
+                log_between(handle.log_path, offset, between)
+            )
+            result["prefill_batches_packed"] = prefill_batches(
+                log_between(handle.log_path, between)
+            )
+            result["other_requests"] = check_other_requests(handle, rows, prefix, sglang)
         except Exception as exc:  # the other models still run; the error is the result
             result["status"] = "unavailable" if handle is None else "error"
             result["error"] = f"{type(exc).__name__}: {exc}"[:3000]
@@ -572,8 +591,8 @@ def serve_and_compare(name, model_dir, rows, refs, info, work, args, started) ->
     result["packed_batch_max_seqs"] = max(
         (b["seqs"] for b in result["prefill_batches_packed"]), default=0
     )
-    packing = result["packed_batch_max_seqs"] >= 2
-    result["checks"]["packing_observed"] = packing
+    if sglang:  # the reference server logs no prefill batches
+        result["checks"]["packing_observed"] = result["packed_batch_max_seqs"] >= 2
     result["checks"]["other_requests"] = result["other_requests"]["ok"]
     result["status"] = "ok" if all(result["checks"].values()) else "mismatch"
     return result

@@ -275,3 +275,41 @@ def test_the_pipeline_driver_runs_snakemake_with_the_sglang_overrides(tmp_path):
     assert "engine: sglang" in overrides and "num_heads: 2" in overrides
     assert zipfile.is_zipfile(out / "pipeline_results.tgz") is False  # a gzip'd tar
     assert (out / "pipeline_results.tgz").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_the_fidelity_harness_end_to_end_on_the_reference_server(tmp_path):
+    """The live path of sglang_fidelity.py (lifecycle start, the project's client single and
+    packed, the comparison, stray-dump check, stop) with the built-in server on CPU."""
+    out = tmp_path / "fidelity.json"
+    done = run_script(
+        "benchmarks/sglang_fidelity.py", "--engine", "reference", "--small", "--models",
+        "llama", "--device", "cpu", "--work-root", str(tmp_path), "--out", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    llama = json.loads(out.read_text())["models"]["llama"]
+    assert llama["status"] == "ok" and llama["aux_layer_ids"] == [1, 3, 4]
+    assert llama["checks"]["one_dump_per_request"] and llama["other_requests"]["stray_dumps"] == []
+    assert [e["layer"] for e in llama["single"]] == ["aux 1", "aux 3", "aux 4", "final"]
+    assert not list(tmp_path.glob("eaglepipe-fidelity-*"))  # the scratch dir is gone
+
+
+@pytest.mark.slow
+def test_the_extraction_benchmark_end_to_end_on_the_reference_server(tmp_path):
+    """The pipeline half of bench_sglang_extraction.py (lifecycle, concurrent shard jobs,
+    chunks on tmpfs, the breakdown) with the built-in server on CPU."""
+    out = tmp_path / "r.json"
+    done = run_script(
+        "benchmarks/bench_sglang_extraction.py", "--engine", "reference", "--tokens", "700",
+        "--storages", "shm", "--parallel-shards", "2", "--work-root", str(tmp_path),
+        "--out", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads(out.read_text())
+    shm = results["pipeline"]["variants"]["shm"]
+    assert shm["tokens"] == results["setup"]["tokens"] >= 700
+    assert shm["chunks"] >= 1 and shm["job_startup_s"] > 0
+    assert set(shm["client_breakdown_s"]) == {
+        "budget_wait_s", "dump_wait_s", "read_dump_s", "lookahead_wait_s", "chunk_write_s",
+    }  # fmt: skip
+    assert results["bare"] == {"skipped": "the reference engine has no bare server"}
