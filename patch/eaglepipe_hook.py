@@ -30,6 +30,9 @@ logger = logging.getLogger("eaglepipe_hook")
 HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"
 _FORWARD_BATCH_ARG = 3
 _AUX_ARG = 4
+# Speculative decoding's steps (the target verifying draft tokens, the draft extending): decoding,
+# not a request's prefill, so never dumped (live acceptance serves the target with a draft).
+SPECULATIVE_DECODE_MODES = ("TARGET_VERIFY", "DRAFT_EXTEND_V2")
 # Every this many dumped prefill batches the hook logs what it cost the forward thread so far.
 STATS_EVERY_ENV = "EAGLEPIPE_HOOK_STATS_EVERY"
 DEFAULT_STATS_EVERY = 256
@@ -148,12 +151,13 @@ class LogitsDumpHook:
         forward_batch = args[_FORWARD_BATCH_ARG]
         rids = list(getattr(forward_batch, "rids", None) or [])
         dumped = [i for i, rid in enumerate(rids) if self.is_dumped(rid)]
-        if not dumped or forward_batch.forward_mode.is_decode_or_idle():
+        mode = forward_batch.forward_mode
+        if not dumped or mode.is_decode_or_idle() or mode.name in SPECULATIVE_DECODE_MODES:
             return None
-        if forward_batch.forward_mode.name != "EXTEND":
+        if mode.name != "EXTEND":
             raise RuntimeError(
                 f"eaglepipe dump hook: requests {[rids[i] for i in dumped]} arrived in a "
-                f"{forward_batch.forward_mode.name} batch; only plain prefill (EXTEND) is "
+                f"{mode.name} batch; only plain prefill (EXTEND) is "
                 "supported (chunked prefill, mixed chunks and speculative modes are off)"
             )
         started = time.perf_counter()

@@ -806,6 +806,16 @@ def test_forward_batch_fields_the_hook_reads(src):
     mode = find_class(tree, "ForwardMode")
     members = {t.id for n in mode.body if isinstance(n, ast.Assign) for t in n.targets}
     assert {"EXTEND", "DECODE", "IDLE", "MIXED"} <= members
+    # Speculative decoding's steps, which the hook passes by: set by the speculative workers.
+    sys.path.insert(0, str(REPO_ROOT / "patch"))
+    try:
+        import eaglepipe_hook
+    finally:
+        sys.path.remove(str(REPO_ROOT / "patch"))
+    assert set(eaglepipe_hook.SPECULATIVE_DECODE_MODES) <= members
+    speculative = "".join(p.read_text() for p in sorted((src / "srt/speculative").glob("*.py")))
+    for name in eaglepipe_hook.SPECULATIVE_DECODE_MODES:
+        assert f"ForwardMode.{name}" in speculative, name
     is_decode_or_idle = ast.unparse(find_function(mode.body, "is_decode_or_idle"))
     assert "self == ForwardMode.DECODE or self == ForwardMode.IDLE" in is_decode_or_idle
 

@@ -32,6 +32,8 @@ class ForwardMode(enum.IntEnum):
     DECODE = enum.auto()
     MIXED = enum.auto()
     IDLE = enum.auto()
+    TARGET_VERIFY = enum.auto()
+    DRAFT_EXTEND_V2 = enum.auto()
 
     def is_decode_or_idle(self):
         return self == ForwardMode.DECODE or self == ForwardMode.IDLE
@@ -213,6 +215,19 @@ def test_decode_and_idle_batches_do_nothing(hook_module, tmp_path):
         # Decode batches carry one token per request and earlier tokens as prefix.
         fb = batch.forward_batch(mode=mode, prefix_lens=[9, 12])
         run_forward(processor, batch, fb, batch.aux("packed"))
+    hook.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_speculative_decoding_steps_are_not_dumped(hook_module, tmp_path):
+    """With a draft model (live acceptance), the target verifies draft tokens and the draft
+    extends: decode steps of requests whose prefill was dumped, never dumped themselves."""
+    hook = make_hook(hook_module, tmp_path)
+    processor = attach(hook)
+    batch = Batch([(rid(1), 4), (rid(2), 4)])
+    for mode in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2):
+        fb = batch.forward_batch(mode=mode, prefix_lens=[9, 12])
+        run_forward(processor, batch, fb, batch.aux("list"))
     hook.close()
     assert list(tmp_path.iterdir()) == []
 
