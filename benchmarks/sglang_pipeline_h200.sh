@@ -3,7 +3,7 @@
 # prepare through extraction, validation (its spot check through SGLang), training, evaluation,
 # export and live acceptance, in a fresh copy of the workflow, then the results into OUT.
 #
-#   bash benchmarks/sglang_pipeline_h200.sh OUT [--default-toy] [snakemake args...]
+#   bash benchmarks/sglang_pipeline_h200.sh OUT [--default-toy] [--quick] [snakemake args...]
 #
 # Run it through tools/h200.sh (which installs the staged SGLang and sets PYTHONPATH, the SGLang
 # server's path and `python`): `bash tools/h200.sh pipeline OUT`.
@@ -12,7 +12,9 @@
 # 8 layers): the embedded default toy's heads are 16 wide (hidden 64, 4 heads), narrower than any
 # head SGLang's triton attention kernels ran with here (64, and MLA's 192/576); the wider toy
 # trains for 150 steps, so its CPU pre-training takes about what the default one does.
-# --default-toy keeps the default toy instead. The other overrides: engine sglang with the flags
+# --default-toy keeps the default toy instead. --quick shortens the run where its quality does not
+# matter to the check (60 toy pre-training steps, 2 training epochs, 4 live prompts of 32 tokens),
+# for a second attempt when the whole run does not fit one call. The other overrides: engine sglang with the flags
 # that ran live (../../shared/sglang-h200), bf16, half the GPU for SGLang's static memory (the
 # drafter trains on the same GPU), `--scheduler greedy` (the ilp scheduler needs pulp, which is
 # not staged).
@@ -30,10 +32,15 @@ fi
 OUT=$(mkdir -p "$1" && cd "$1" && pwd)
 shift
 TOY=wide
-if [ "${1:-}" = "--default-toy" ]; then
-    TOY=default
+QUICK=0
+while [ $# -gt 0 ]; do
+    case "$1" in
+    --default-toy) TOY=default ;;
+    --quick) QUICK=1 ;;
+    *) break ;;
+    esac
     shift
-fi
+done
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 RUN=${EAGLEPIPE_H200_ROOT:-/tmp/eaglepipe-h200}/pipeline-run
 LIMIT_S=${EAGLEPIPE_PIPELINE_LIMIT_S:-520}
@@ -46,16 +53,29 @@ for item in Snakefile config.yaml rules scripts schemas data profiles envs; do
     cp -r "$REPO/$item" "$RUN/"
 done
 {
+    echo "model:"
+    echo "  toy:"
     if [ "$TOY" = wide ]; then
         cat <<'EOF'
-model:
-  toy:
     hidden_size: 128
     num_heads: 2
     num_kv_heads: 1
     intermediate_size: 352
-    train_steps: 150
 EOF
+    fi
+    if [ "$QUICK" = 1 ]; then
+        cat <<'EOF'
+    train_steps: 60
+train:
+  epochs: 2
+evaluate:
+  live_prompts: 4
+  live_new_tokens: 32
+EOF
+    elif [ "$TOY" = wide ]; then
+        echo "    train_steps: 150"
+    else
+        echo "    train_steps: 300"
     fi
     cat <<'EOF'
 server:
@@ -68,7 +88,7 @@ server:
     extra_args: [--attention-backend, triton, --sampling-backend, pytorch, --grammar-backend, none]
 EOF
 } >"$RUN/h200-sglang.yaml"
-say "workflow copied to $RUN; overrides ($TOY toy):"
+say "workflow copied to $RUN; overrides ($TOY toy, quick $QUICK):"
 cat "$RUN/h200-sglang.yaml"
 
 cd "$RUN" || exit 1

@@ -253,7 +253,8 @@ def test_the_fidelity_check_needs_a_version_for_its_dry_run():
     assert done.returncode == 2 and "--sglang-version" in done.stderr
 
 
-def test_the_pipeline_driver_runs_snakemake_with_the_sglang_overrides(tmp_path):
+@pytest.mark.parametrize("options", [[], ["--quick"]])
+def test_the_pipeline_driver_runs_snakemake_with_the_sglang_overrides(tmp_path, options):
     """A dry run of the driver's snakemake call: the overrides pass the config schema and the
     plan reaches live acceptance; the summary and the archive are written anyway."""
     env = {
@@ -263,7 +264,8 @@ def test_the_pipeline_driver_runs_snakemake_with_the_sglang_overrides(tmp_path):
     }
     out = tmp_path / "out"
     done = subprocess.run(
-        ["bash", str(REPO_ROOT / "benchmarks" / "sglang_pipeline_h200.sh"), str(out), "-n"],
+        ["bash", str(REPO_ROOT / "benchmarks" / "sglang_pipeline_h200.sh"), str(out), *options,
+         "-n"],
         capture_output=True, text=True, env=env, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -273,6 +275,7 @@ def test_the_pipeline_driver_runs_snakemake_with_the_sglang_overrides(tmp_path):
     assert summary["snakemake_exit"] == 0
     overrides = (tmp_path / "pipeline-run" / "h200-sglang.yaml").read_text()
     assert "engine: sglang" in overrides and "num_heads: 2" in overrides
+    assert ("epochs: 2" in overrides) is bool(options)
     assert zipfile.is_zipfile(out / "pipeline_results.tgz") is False  # a gzip'd tar
     assert (out / "pipeline_results.tgz").stat().st_size > 0
 
