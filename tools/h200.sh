@@ -154,7 +154,7 @@ stop_leftovers() {
     for env_file in /proc/[0-9]*/environ; do
         pid=${env_file#/proc/}
         pid=${pid%/environ}
-        if tr '\0' '\n' <"$env_file" 2>/dev/null | grep -qx "EAGLEPIPE_H200_CALL=$CALL_MARK"; then
+        if { tr '\0' '\n' <"$env_file"; } 2>/dev/null | grep -qx "EAGLEPIPE_H200_CALL=$CALL_MARK"; then
             pids+=("$pid")
         fi
     done
