@@ -63,7 +63,7 @@ _ADDS_ONE = "adds-one"
 # given (layer-input convention); DeepseekV3 inherits it and Kimi-K2.5 delegates to it.
 _ADDS_ONE_IF_FIRST_IS_ONE = "adds-one-if-first-is-one"
 
-# Architectures whose capture behaviour the contract test verified in the pinned source.
+# Architectures whose capture behaviour the contract test verified in both ends' source.
 LAYER_ID_RULES = {
     "LlamaForCausalLM": _ADDS_ONE,
     "MistralForCausalLM": _ADDS_ONE,
@@ -182,7 +182,8 @@ def capture_mechanism(version: str) -> str:
 def sglang_layer_ids(
     architecture: str, our_ids: list[int], *, num_layers: int | None = None
 ) -> list[int]:
-    """The `--return-aux-hidden-state-layer-ids` values that make SGLang capture `our_ids`.
+    """The capture ids that make SGLang capture `our_ids` (passed as
+    `--return-aux-hidden-state-layer-ids`, or to the plugin, by release).
 
     Our id k is the output of decoder layer k, which SGLang captures as the input of layer
     k + 1 (`model.layers_to_capture`). With `num_layers`, the last layer's output is refused:
