@@ -32,13 +32,11 @@ import json
 import os
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import traceback
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -47,8 +45,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
+    BREAKDOWN_KEYS,
     REPO_ROOT,
+    GpuUtilisation,
+    chunk_storage,
     command_line,
+    extract_in_parallel,
+    free_port,
     log,
     machine_info,
     machine_line,
@@ -56,7 +59,10 @@ from common import (  # noqa: E402
     random_llama,
     rate,
     ratio,
+    seeded_rows,
     timed,
+    working_directory,
+    write_prepared,
     write_results,
 )
 
@@ -158,13 +164,7 @@ def save_target(model, model_dir: Path) -> None:
 
 def make_rows(args, vocab: int) -> list[np.ndarray]:
     """Seeded rows of uniform length in [min_len, max_len] until --tokens is reached."""
-    rng = np.random.default_rng(args.seed)
-    rows, total = [], 0
-    while total < args.tokens:
-        n = int(rng.integers(args.min_len, args.max_len + 1))
-        rows.append(rng.integers(0, vocab, n, dtype=np.int64).astype(np.int32))
-        total += n
-    return rows
+    return seeded_rows(args.tokens, args.min_len, args.max_len, vocab, args.seed)
 
 
 def server_batches(lengths: list[int], budget: int) -> list[list[int]]:
@@ -236,12 +236,6 @@ def run_bare(model, rows, batches, device) -> dict:
 # ----------------------------------------------------------------------------- (b) server
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def handoff_root(work: Path, need_bytes: int) -> Path:
     shm = Path("/dev/shm")
     if shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > 4 * need_bytes:
@@ -249,49 +243,11 @@ def handoff_root(work: Path, need_bytes: int) -> Path:
     return work / "dumps"
 
 
-@contextmanager
-def working_directory(path: Path):
-    previous = Path.cwd()
-    os.chdir(path)
-    try:
-        yield
-    finally:
-        os.chdir(previous)
-
-
 def make_run_dir(run_dir: Path, model_dir: Path, rows, args, shape, device: str) -> dict:
     """A run directory as the pipeline sees it: dataset, prepared table, summary, config."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     from eaglepipe.config import load_config, validate_config
-    from eaglepipe.prepare import table_schema
 
-    prepared = run_dir / "prepared"
-    prepared.mkdir(parents=True)
-    # The source the prepared table stands for (the shard plan counts its rows).
-    dataset = run_dir / "conversations.jsonl"
-    with open(dataset, "w") as f:
-        for i in range(len(rows)):
-            turns = [{"from": "human", "value": f"row {i}"}, {"from": "gpt", "value": "ok"}]
-            f.write(json.dumps({"conversations": turns}) + "\n")
-    table = pa.Table.from_pylist(
-        [
-            {
-                "row_id": i,
-                "split": "train",
-                "num_tokens": len(ids),
-                "input_ids": ids.tolist(),
-                "loss_mask": [1] * len(ids),
-                "truncated": False,
-            }
-            for i, ids in enumerate(rows)
-        ],
-        schema=table_schema(),
-    )
-    pq.write_table(table, prepared / "tokenized.parquet")
-    provenance = {"dataset_hash": "bench", "tokenizer_fingerprint": "bench"}
-    (prepared / "summary.json").write_text(json.dumps({"rows": len(rows), **provenance}))
+    dataset = write_prepared(run_dir, rows)
 
     token_bytes = 4 * shape["hidden"] * 2  # three aux layers and the final one, bf16
     row_bytes = token_bytes * args.tokens / len(rows)
@@ -353,63 +309,6 @@ def warm_up_server(url: str, rows, count: int) -> None:
         list(pool.map(post, range(min(count, len(rows)))))
 
 
-def extract_in_parallel(run_dir: Path, config: dict, names: list[str], jobs: int) -> list[dict]:
-    """Each shard as its own `scripts/extract.py` process, `jobs` at a time (Snakemake's way)."""
-    import subprocess
-
-    from eaglepipe.config import write_resolved
-
-    resolved = write_resolved(config, run_dir / ".eaglepipe" / "config.json")
-
-    def one(name: str) -> dict:
-        argv = [sys.executable, "-u", str(REPO_ROOT / "scripts" / "extract.py")]
-        argv += ["--config", str(resolved), "--shard", name]
-        done = subprocess.run(argv, cwd=run_dir, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"{name} failed: {done.stderr[-2000:]}")
-        shard_dir = run_dir / "hidden_states" / name
-        manifest = json.loads((shard_dir / "manifest.json").read_text())
-        shutil.rmtree(shard_dir)  # the disk holds only the shards in progress
-        return manifest
-
-    with ThreadPoolExecutor(jobs) as pool:
-        return list(pool.map(one, names))
-
-
-class GpuUtilisation:
-    """Samples `nvidia-smi` GPU utilisation every 200 ms while in use (mean and samples)."""
-
-    def __init__(self):
-        self.samples: list[int] = []
-        self._proc = None
-
-    def __enter__(self) -> GpuUtilisation:
-        import subprocess
-
-        if shutil.which("nvidia-smi"):
-            self._proc = subprocess.Popen(
-                ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
-                 "-lms", "200", "-i", "0"],
-                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-            )  # fmt: skip
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._proc is None:
-            return
-        self._proc.terminate()
-        out, _ = self._proc.communicate(timeout=10)
-        self.samples = [int(x) for x in out.split() if x.strip().isdigit()]
-
-    def summary(self) -> dict:
-        if not self.samples:
-            return {}
-        return {
-            "gpu_util_mean_pct": round(sum(self.samples) / len(self.samples), 1),
-            "gpu_util_samples": len(self.samples),
-        }
-
-
 def server_stats(url: str) -> dict:
     with urllib.request.urlopen(f"{url}/stats", timeout=30) as response:
         return json.loads(response.read())
@@ -423,31 +322,6 @@ def stats_delta(before: dict, after: dict) -> dict:
     if delta.get("computed_tokens"):
         delta["fill"] = round(delta["tokens"] / delta["computed_tokens"], 4)
     return delta
-
-
-BREAKDOWN_KEYS = (
-    "budget_wait_s",
-    "dump_wait_s",
-    "read_dump_s",
-    "lookahead_wait_s",
-    "chunk_write_s",
-)
-
-
-def chunk_storage(run_dir: Path, storage: str) -> Path | None:
-    """Point run_dir/hidden_states at the storage under test; returns a dir to remove after."""
-    target = run_dir / "hidden_states"
-    if target.is_symlink():
-        target.unlink()
-    else:
-        shutil.rmtree(target, ignore_errors=True)
-    if storage == "disk":
-        return None
-    if storage != "shm":
-        raise ValueError(f"storage {storage!r}: choose disk or shm")
-    shm_dir = Path(tempfile.mkdtemp(prefix="eaglepipe-bench-chunks-", dir="/dev/shm"))
-    target.symlink_to(shm_dir)
-    return shm_dir
 
 
 def run_server(

@@ -8,18 +8,24 @@ run never leaves a result file that looks complete.
 
 from __future__ import annotations
 
+import json
 import os
 import platform
+import re
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 
+import numpy as np
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -194,3 +200,189 @@ def random_llama(
     )
     torch.manual_seed(seed)
     return random_model_on(config, device, dtype)
+
+
+# ----------------------------------------------------------------------------- extraction runs
+
+
+def seeded_rows(tokens: int, min_len: int, max_len: int, vocab: int, seed: int) -> list[np.ndarray]:
+    """Seeded rows of uniform length in [min_len, max_len] until `tokens` is reached."""
+    rng = np.random.default_rng(seed)
+    rows, total = [], 0
+    while total < tokens:
+        n = int(rng.integers(min_len, max_len + 1))
+        rows.append(rng.integers(0, vocab, n, dtype=np.int64).astype(np.int32))
+        total += n
+    return rows
+
+
+def write_prepared(run_dir: Path, rows) -> Path:
+    """A run directory's dataset and prepared table for `rows` as the pipeline sees them
+    (conversations.jsonl, prepared/tokenized.parquet, prepared/summary.json); returns the
+    dataset path (the shard plan counts its rows)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from eaglepipe.prepare import table_schema
+
+    prepared = run_dir / "prepared"
+    prepared.mkdir(parents=True)
+    dataset = run_dir / "conversations.jsonl"
+    with open(dataset, "w") as f:
+        for i in range(len(rows)):
+            turns = [{"from": "human", "value": f"row {i}"}, {"from": "gpt", "value": "ok"}]
+            f.write(json.dumps({"conversations": turns}) + "\n")
+    table = pa.Table.from_pylist(
+        [
+            {
+                "row_id": i,
+                "split": "train",
+                "num_tokens": len(ids),
+                "input_ids": ids.tolist(),
+                "loss_mask": [1] * len(ids),
+                "truncated": False,
+            }
+            for i, ids in enumerate(rows)
+        ],
+        schema=table_schema(),
+    )
+    pq.write_table(table, prepared / "tokenized.parquet")
+    provenance = {"dataset_hash": "bench", "tokenizer_fingerprint": "bench"}
+    (prepared / "summary.json").write_text(json.dumps({"rows": len(rows), **provenance}))
+    return dataset
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def working_directory(path: Path):
+    previous = Path.cwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(previous)
+
+
+def extract_in_parallel(run_dir: Path, config: dict, names: list[str], jobs: int) -> list[dict]:
+    """Each shard as its own `scripts/extract.py` process, `jobs` at a time (Snakemake's way)."""
+    from eaglepipe.config import write_resolved
+
+    resolved = write_resolved(config, run_dir / ".eaglepipe" / "config.json")
+
+    def one(name: str) -> dict:
+        argv = [sys.executable, "-u", str(REPO_ROOT / "scripts" / "extract.py")]
+        argv += ["--config", str(resolved), "--shard", name]
+        started = time.perf_counter()
+        done = subprocess.run(argv, cwd=run_dir, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{name} failed: {done.stderr[-2000:]}")
+        shard_dir = run_dir / "hidden_states" / name
+        manifest = json.loads((shard_dir / "manifest.json").read_text())
+        # The job's whole life (interpreter start, imports, lease) beside the manifest's timing.
+        manifest["job_wall_s"] = round(time.perf_counter() - started, 3)
+        shutil.rmtree(shard_dir)  # the disk holds only the shards in progress
+        return manifest
+
+    with ThreadPoolExecutor(jobs) as pool:
+        return list(pool.map(one, names))
+
+
+class GpuUtilisation:
+    """Samples `nvidia-smi` GPU utilisation every 200 ms while in use (mean and samples)."""
+
+    def __init__(self):
+        self.samples: list[int] = []
+        self._proc = None
+
+    def __enter__(self) -> GpuUtilisation:
+        if shutil.which("nvidia-smi"):
+            self._proc = subprocess.Popen(
+                ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
+                 "-lms", "200", "-i", "0"],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            )  # fmt: skip
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._proc is None:
+            return
+        self._proc.terminate()
+        out, _ = self._proc.communicate(timeout=10)
+        self.samples = [int(x) for x in out.split() if x.strip().isdigit()]
+
+    def summary(self) -> dict:
+        if not self.samples:
+            return {}
+        return {
+            "gpu_util_mean_pct": round(sum(self.samples) / len(self.samples), 1),
+            "gpu_util_samples": len(self.samples),
+        }
+
+
+BREAKDOWN_KEYS = (
+    "budget_wait_s",
+    "dump_wait_s",
+    "read_dump_s",
+    "lookahead_wait_s",
+    "chunk_write_s",
+)
+
+
+def chunk_storage(run_dir: Path, storage: str) -> Path | None:
+    """Point run_dir/hidden_states at the storage under test; returns a dir to remove after."""
+    target = run_dir / "hidden_states"
+    if target.is_symlink():
+        target.unlink()
+    else:
+        shutil.rmtree(target, ignore_errors=True)
+    if storage == "disk":
+        return None
+    if storage != "shm":
+        raise ValueError(f"storage {storage!r}: choose disk or shm")
+    shm_dir = Path(tempfile.mkdtemp(prefix="eaglepipe-bench-chunks-", dir="/dev/shm"))
+    target.symlink_to(shm_dir)
+    return shm_dir
+
+
+# ----------------------------------------------------------------------------- SGLang runs
+
+# The server flags that ran live on the H200 with SGLang 0.5.14 (../shared/sglang-h200):
+# triton attention (no FA3 or flashinfer kernels), torch sampling, no grammar backend.
+SGLANG_EXTRA_ARGS = [
+    "--attention-backend",
+    "triton",
+    "--sampling-backend",
+    "pytorch",
+    "--grammar-backend",
+    "none",
+]
+_PREFILL_LINE = re.compile(
+    r"Prefill batch[^\n]*?#new-seq: (\d+), #new-token: (\d+)"
+    r"(?:[^\n]*?input throughput \(token/s\): ([0-9.]+))?"
+)
+
+
+def prefill_batches(log_text: str) -> list[dict]:
+    """SGLang's "Prefill batch" log lines: requests, tokens and (when logged) the input
+    throughput SGLang measured for each prefill."""
+    return [
+        {
+            "seqs": int(m.group(1)),
+            "tokens": int(m.group(2)),
+            "tokens_per_s": float(m.group(3)) if m.group(3) else None,
+        }
+        for m in _PREFILL_LINE.finditer(log_text)
+    ]
+
+
+def log_between(path: Path, start: int, end: int | None = None) -> str:
+    """A log file's text between two byte offsets (st_size readings taken during the run)."""
+    with open(path, "rb") as f:
+        f.seek(start)
+        data = f.read() if end is None else f.read(max(0, end - start))
+    return data.decode(errors="replace")

@@ -1,9 +1,10 @@
-"""The pinned SGLang wheel's source tree, for contract tests that read it (never import it).
+"""SGLang wheels' source trees, for contract tests that read them (never import them).
 
-The wheel named by patch/SGLANG_VERSION is downloaded once with pip (no dependencies, the
-CPython 3.11 manylinux build, whatever Python runs the tests) into a cache directory,
-`$EAGLEPIPE_WHEEL_CACHE` or `~/.cache/eaglepipe/wheels`, and its Python files are extracted
-beside it. Tests skip only when PyPI cannot be reached at all; any other failure is an error.
+The supported range's ends (patch/sglang.toml: oldest and newest) are each downloaded once with
+pip (no dependencies, the CPython 3.11 manylinux build, whatever Python runs the tests) into a
+cache directory, `$EAGLEPIPE_WHEEL_CACHE` or `~/.cache/eaglepipe/wheels`, and their Python files
+are extracted beside them. Tests skip only when PyPI cannot be reached at all; any other failure
+is an error.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import tomllib
 import zipfile
 from pathlib import Path
 
@@ -21,12 +23,19 @@ import pytest
 from filelock import FileLock
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-VERSION_FILE = REPO_ROOT / "patch" / "SGLANG_VERSION"
+RANGE_FILE = REPO_ROOT / "patch" / "sglang.toml"
 PYPI_HOST = "pypi.org"
 
 
-def pinned_version() -> str:
-    return VERSION_FILE.read_text().strip()
+def supported() -> dict:
+    """patch/sglang.toml: oldest, newest, recommended."""
+    return tomllib.loads(RANGE_FILE.read_text())
+
+
+def range_ends() -> list[str]:
+    """The releases every contract test runs against."""
+    data = supported()
+    return [data["oldest"], data["newest"]]
 
 
 def cache_dir() -> Path:
@@ -68,9 +77,8 @@ def _download_wheel(version: str, into: Path) -> Path:
         return target
 
 
-def sglang_source_root() -> Path:
-    """The extracted `sglang` package directory of the pinned wheel (Python files only)."""
-    version = pinned_version()
+def sglang_source_root(version: str) -> Path:
+    """The extracted `sglang` package directory of that release's wheel (Python files only)."""
     base = cache_dir()
     extracted = base / f"sglang-{version}-src"
     with FileLock(str(base / f"sglang-{version}.lock")):
@@ -89,9 +97,9 @@ def sglang_source_root() -> Path:
     return extracted / "sglang"
 
 
-def wheel_metadata_version() -> str:
+def wheel_metadata_version(version: str) -> str:
     """The Version field of the extracted wheel's METADATA."""
-    root = sglang_source_root().parent
+    root = sglang_source_root(version).parent
     for meta in root.glob("sglang-*.dist-info/METADATA"):
         for line in meta.read_text().splitlines():
             if line.startswith("Version:"):

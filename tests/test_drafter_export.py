@@ -1,9 +1,10 @@
 """Export contracts: key names and shapes SGLang/vLLM load, and layer ids each engine reads.
 
-The SGLang side is checked against the pinned wheel's own source (parsed with ast, never
-imported): the name tables of LlamaForCausalLMEagle3.load_weights, the module attributes that
-make up its parameter names, and the targets' set_eagle3_layers_to_capture functions, which
-are executed on a stand-in object to see which layers they would capture.
+The SGLang side is checked against the source of both ends of the supported range
+(patch/sglang.toml; parsed with ast, never imported): the name tables of
+LlamaForCausalLMEagle3.load_weights, the module attributes that make up its parameter names,
+and the targets' set_eagle3_layers_to_capture functions, which are executed on a stand-in
+object to see which layers they would capture.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save
-from sglang_source import sglang_source_root
+from sglang_source import range_ends, sglang_source_root
 from transformers import DeepseekV3Config, LlamaConfig
 
 from eaglepipe.atomic import atomic_write_bytes
@@ -46,9 +47,10 @@ EXPECTED_KEYS = {
 }
 
 
-@pytest.fixture(scope="module")
-def sglang_root() -> Path:
-    return sglang_source_root()
+@pytest.fixture(scope="module", params=range_ends())
+def sglang_root(request) -> Path:
+    """Each end of the supported SGLang range (patch/sglang.toml)."""
+    return sglang_source_root(request.param)
 
 
 def parse(path: Path) -> ast.Module:
@@ -149,7 +151,7 @@ def deepseek_config(num_layers=8) -> dict:
 # Key names and shapes
 
 
-def test_name_tables_match_the_pinned_sglang_source(sglang_root):
+def test_name_tables_match_the_sglang_source(sglang_root):
     tree = parse(sglang_root / "srt" / "models" / "llama_eagle3.py")
     load = find_function(tree, "LlamaForCausalLMEagle3", "load_weights")
     assert assigned_literal(load, "stacked_params_mapping") == ex.SGLANG_STACKED_PARAMS
@@ -219,7 +221,7 @@ def test_sglang_mapping_round_trip_reproduces_the_drafter(tmp_path):
 
 
 def sglang_capture(sglang_root: Path, family: str, written: list[int], num_layers: int):
-    """Run the pinned SGLang's set_eagle3_layers_to_capture for the family on a stand-in."""
+    """Run that SGLang's set_eagle3_layers_to_capture for the family on a stand-in."""
     module, cls = {
         "llama": ("llama.py", "LlamaForCausalLM"),
         "deepseek": ("deepseek_v2.py", "DeepseekV2ForCausalLM"),
@@ -239,9 +241,11 @@ def sglang_capture(sglang_root: Path, family: str, written: list[int], num_layer
 
 
 def sglang_reads_ids_from_eagle_config(sglang_root: Path) -> bool:
-    """SGLang takes the ids from the draft config's `eagle_config[...]` (a dict lookup)."""
-    path = sglang_root / "srt" / "model_executor" / "model_runner_components"
-    tree = parse(path / "spec_aux_hidden_state.py")
+    """SGLang takes the ids from the draft config's `eagle_config[...]` (a dict lookup), in
+    the model runner's spec component (0.5.16 on) or the model runner itself (earlier)."""
+    executor = sglang_root / "srt" / "model_executor"
+    path = executor / "model_runner_components" / "spec_aux_hidden_state.py"
+    tree = parse(path if path.is_file() else executor / "model_runner.py")
     return any(
         isinstance(node, ast.Subscript)
         and isinstance(node.value, ast.Name)

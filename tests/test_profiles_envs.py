@@ -288,24 +288,27 @@ def test_env_pins_equal_pyproject(env):
 
 
 def test_sglang_pin_agrees_everywhere():
+    """The extra and the SGLang environment pin the range's recommended release."""
     (pin,) = project_requirements("sglang")["sglang"].specifier
     assert pin.operator == "=="
     assert (
         env_requirements("sglang")["sglang"].specifier
         == project_requirements("sglang")["sglang"].specifier
     )
-    version_file = REPO_ROOT / "patch" / "SGLANG_VERSION"
-    if version_file.exists():
-        assert version_file.read_text().strip() == pin.version
+    supported = tomllib.loads((REPO_ROOT / "patch" / "sglang.toml").read_text())
+    assert supported["recommended"] == pin.version
+    assert Version(supported["oldest"]) <= Version(pin.version) <= Version(supported["newest"])
 
 
 @pytest.mark.network
-def test_sglang_exact_pins_fit_the_pipeline_ranges():
-    """The SGLang environment resolves: every package SGLang pins exactly that the pipeline
-    also lists must fall inside the pipeline's range."""
-    from sglang_source import sglang_source_root
+@pytest.mark.parametrize("end", ["oldest", "newest"])
+def test_sglang_exact_pins_fit_the_pipeline_ranges(end):
+    """The SGLang environment resolves at both ends of the supported range: every package
+    SGLang pins exactly that the pipeline also lists must fall inside the pipeline's range."""
+    from sglang_source import sglang_source_root, supported
 
-    (metadata,) = sglang_source_root().parent.glob("sglang-*.dist-info/METADATA")
+    root = sglang_source_root(supported()[end]).parent
+    (metadata,) = root.glob("sglang-*.dist-info/METADATA")
     ours = project_requirements()
     checked = []
     for line in metadata.read_text().splitlines():

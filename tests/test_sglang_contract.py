@@ -1,10 +1,13 @@
-"""Contract test: every SGLang assumption of patch/ and eaglepipe/server/sglang.py, checked
-against the source of the pinned wheel (parsed with ast, never imported).
+"""Contract test: every SGLang assumption of patch/, eaglepipe/server/sglang.py and
+eaglepipe/server/sglang_plugin.py, checked against the source of both ends of the supported
+range (patch/sglang.toml: oldest and newest; parsed with ast, never imported). Every test that
+reads a wheel runs once per end, with the launch command that release gets (capture-only flags,
+or the project's plugin where the release has no such flags).
 
 Where a piece of SGLang logic decides the outcome (the capture-only validation, the layer-id
 arithmetic of set_eagle3_layers_to_capture, the hook manager's pattern matching, the aux
-packer's layout) the function is extracted from the wheel's source and executed on stand-in
-objects, so the test follows the pinned code rather than a reading of it.
+packer's layout, the plugin hook registry) the code is taken from the wheel's source and
+executed on stand-in objects, so the test follows that release's code rather than a reading of it.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any
 
 import pytest
 import torch
-from sglang_source import REPO_ROOT, pinned_version, sglang_source_root
+from sglang_source import REPO_ROOT, range_ends, sglang_source_root
 from torch import nn
 
 from eaglepipe.errors import PipelineError
@@ -43,9 +46,43 @@ ARCHITECTURE_FILES = {
 }
 
 
+@pytest.fixture(scope="module", params=range_ends())
+def version(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def src() -> Path:
-    return sglang_source_root()
+def src(version) -> Path:
+    return sglang_source_root(version)
+
+
+@pytest.fixture(scope="module")
+def mechanism(version) -> str:
+    return recipe.capture_mechanism(version)
+
+
+def write_plugin_dist(root: Path) -> Path:
+    """A distribution declaring pyproject.toml's SGLang plugin entry points, as `pip install`
+    writes it: where the launcher looks, whatever this test environment has installed."""
+    declared = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+    points = declared["entry-points"][recipe.PLUGIN_GROUP]
+    dist = root / "eaglepipe_under_test-0.0.0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: eaglepipe-under-test\nVersion: 0\n"
+    )
+    lines = [f"[{recipe.PLUGIN_GROUP}]"] + [f"{k} = {v}" for k, v in points.items()]
+    (dist / "entry_points.txt").write_text("\n".join(lines) + "\n")
+    return root
+
+
+@pytest.fixture(scope="module", autouse=True)
+def plugin_on_server_path(tmp_path_factory):
+    """The project's plugin registered on the server's path for this module's launches."""
+    root = write_plugin_dist(tmp_path_factory.mktemp("plugin-dist"))
+    with pytest.MonkeyPatch.context() as patcher:
+        patcher.setenv(recipe.SGLANG_PATH_ENV, str(root))
+        yield root
 
 
 @functools.cache
@@ -132,8 +169,15 @@ def _field_flag(name: str, annotation: ast.expr) -> tuple[list[str], Flag] | Non
 
 
 @pytest.fixture(scope="module")
-def cli_flags(src) -> dict[str, Flag]:
-    """Every `--flag` of `sglang.launch_server`: field-derived plus add_cli_args' manual ones."""
+def cli_flags(version) -> dict[str, Flag]:
+    return flags_of(version)
+
+
+@functools.cache
+def flags_of(version: str) -> dict[str, Flag]:
+    """Every `--flag` of that release's `sglang.launch_server`: field-derived plus
+    add_cli_args' manual ones."""
+    src = sglang_source_root(version)
     flags: dict[str, Flag] = {}
     for path in sorted((src / "srt/arg_groups/fields").glob("*.py")):
         for cls in ast.parse(path.read_text()).body:
@@ -158,7 +202,20 @@ def cli_flags(src) -> dict[str, Flag]:
                         for flag_name in derived[0]:
                             flags[flag_name] = derived[1]
     server_args = parse(src, "srt/server_args.py")
-    add_cli_args = find_function(find_class(server_args, "ServerArgs").body, "add_cli_args")
+    server_args_cls = find_class(server_args, "ServerArgs")
+    # Releases before the field groups declare the fields on ServerArgs itself.
+    for node in server_args_cls.body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            derived = _field_flag(node.target.id, node.annotation)
+            if derived and node.value is not None:
+                try:
+                    derived[1].default = ast.literal_eval(node.value)
+                except ValueError:
+                    derived[1].default = None
+            if derived:
+                for flag_name in derived[0]:
+                    flags[flag_name] = derived[1]
+    add_cli_args = find_function(server_args_cls.body, "add_cli_args")
     for call in ast.walk(add_cli_args):
         if isinstance(call, ast.Call) and getattr(call.func, "attr", "") == "add_argument":
             kw = {k.arg: k.value for k in call.keywords}
@@ -166,8 +223,12 @@ def cli_flags(src) -> dict[str, Flag]:
             kind = {"'store_true'": "store_true"}.get(action, action or "manual")
             for arg in call.args:
                 flags[ast.literal_eval(arg)] = Flag("manual", kind)
-    # The field collection must be what ServerArgs is built from.
-    assert "collect_input_fields" in (src / "srt/server_args.py").read_text()
+    # The fields collected above must be what the parser is built from.
+    text = (src / "srt/server_args.py").read_text()
+    assert (
+        "collect_input_fields" in text
+        or "add_cli_args_from_dataclass(parser, ServerArgs)" in ast.unparse(add_cli_args)
+    )
     return flags
 
 
@@ -195,7 +256,7 @@ def _argparse_from(flags: dict[str, Flag]) -> argparse.ArgumentParser:
 
 
 @pytest.fixture(scope="module")
-def launch(tmp_path_factory):
+def launch(tmp_path_factory, version):
     """launch_command for a 61-layer DeepSeek-V3 config with tp 8 (the motivating shape)."""
     model = tmp_path_factory.mktemp("dsv3")
     (model / "config.json").write_text(
@@ -209,7 +270,12 @@ def launch(tmp_path_factory):
     )
     config = _config(model, tp_size=8)
     argv, env = recipe.launch_command(
-        config, host="127.0.0.1", port=31555, dump_dir="/dev/shm/x/inst1", instance_id="inst1"
+        config,
+        host="127.0.0.1",
+        port=31555,
+        dump_dir="/dev/shm/x/inst1",
+        instance_id="inst1",
+        sglang_version=version,
     )
     return argv, env, config
 
@@ -238,60 +304,91 @@ EXPECTED_FLAG_KINDS = {
     "--mem-fraction-static": "float",
     "--trust-remote-code": "store_true",
     "--dtype": "str",
-    "--speculative-algorithm": "str",
-    "--enable-return-aux-hidden-states": "store_true",
-    "--return-aux-hidden-state-layer-ids": "list",
     "--forward-hooks": "parser:json_list_type",
     "--disable-radix-cache": "store_true",
     "--chunked-prefill-size": "int",
     "--disable-prefill-cuda-graph": "store_true",
     "--disable-decode-cuda-graph": "store_true",
 }
+# Capture-only EAGLE3, passed only to releases that have it.
+CAPTURE_FLAG_KINDS = {
+    "--speculative-algorithm": "str",
+    "--enable-return-aux-hidden-states": "store_true",
+    "--return-aux-hidden-state-layer-ids": "list",
+}
 
 
-def test_every_flag_the_launcher_passes_exists_with_the_expected_kind(cli_flags, launch):
+def test_every_flag_the_launcher_passes_exists_with_the_expected_kind(
+    cli_flags, launch, mechanism, version
+):
     argv, _, _ = launch
     assert argv[1:3] == ["-m", "sglang.launch_server"]
     used = {token.split("=", 1)[0] for token in argv[3:] if token.startswith("--")}
-    assert used == set(EXPECTED_FLAG_KINDS)
+    expected = dict(EXPECTED_FLAG_KINDS)
+    if mechanism == recipe.CAPTURE_BY_FLAGS:
+        expected |= CAPTURE_FLAG_KINDS
+    assert used == set(expected)
     for flag in used:
-        assert flag in cli_flags, f"{flag} is not a flag of sglang {pinned_version()}"
-        assert cli_flags[flag].kind == EXPECTED_FLAG_KINDS[flag], flag
-    assert cli_flags["--return-aux-hidden-state-layer-ids"].elem == "int"
+        assert flag in cli_flags, f"{flag} is not a flag of sglang {version}"
+        assert cli_flags[flag].kind == expected[flag], flag
+    if mechanism == recipe.CAPTURE_BY_FLAGS:
+        assert cli_flags["--return-aux-hidden-state-layer-ids"].elem == "int"
     assert {"bfloat16", "float16", "float32"} <= set(cli_flags["--dtype"].choices)
 
 
-def test_launch_argv_parses_to_the_intended_values(cli_flags, launch):
+def test_the_capture_mechanism_follows_the_release(cli_flags, mechanism, version):
+    """Capture-only flags where the release has them; the plugin exactly where it lacks them
+    (0.5.14's parser refused them live: `unrecognized arguments`)."""
+    has_flags = all(flag in cli_flags for flag in CAPTURE_FLAG_KINDS)
+    assert has_flags == (mechanism == recipe.CAPTURE_BY_FLAGS), version
+    if not has_flags:
+        assert not any(flag in cli_flags for flag in list(CAPTURE_FLAG_KINDS)[1:])
+
+
+def test_launch_argv_parses_to_the_intended_values(cli_flags, launch, mechanism):
     argv, env, config = launch
     ns = _argparse_from(cli_flags).parse_args(argv[3:])
     assert ns.tp_size == 8 and ns.port == 31555 and ns.host == "127.0.0.1"
     assert ns.mem_fraction_static == 0.85 and ns.trust_remote_code and ns.dtype == "bfloat16"
-    assert ns.speculative_algorithm == "EAGLE3" and ns.enable_return_aux_hidden_states
     # Ours are [1, 29, 57] for 61 layers; DeepSeek takes layer-input ids when the first is not 1.
-    assert ns.return_aux_hidden_state_layer_ids == [2, 30, 58]
+    from eaglepipe.server.sglang_plugin import CAPTURE_ENV, capture_layer_ids
+
+    if mechanism == recipe.CAPTURE_BY_FLAGS:
+        assert ns.speculative_algorithm == "EAGLE3" and ns.enable_return_aux_hidden_states
+        assert ns.return_aux_hidden_state_layer_ids == [2, 30, 58]
+        assert env[CAPTURE_ENV] == "" and capture_layer_ids(env) is None
+    else:
+        # No speculative algorithm: 0.5.14 would load a draft model (none given) and crash.
+        assert ns.speculative_algorithm is None
+        assert capture_layer_ids(env) == [2, 30, 58]
     assert ns.disable_radix_cache and ns.chunked_prefill_size == -1
     assert ns.disable_prefill_cuda_graph and ns.disable_decode_cuda_graph
     [spec] = ns.forward_hooks
     assert spec["hook_factory"] == "eaglepipe_hook:make_dump_hook"
     assert spec["config"]["dump_dir"] == "/dev/shm/x/inst1"
     assert spec["config"]["aux_layer_ids"] == [1, 29, 57]
+    assert spec["config"]["capture_layer_ids"] == [2, 30, 58]
     assert spec["config"]["request_prefix"] == config["extract"]["request_prefix"]
     assert env["PYTHONPATH"].split(":")[0] == str(REPO_ROOT / "patch")
     assert (REPO_ROOT / "patch" / "eaglepipe_hook.py").is_file()
 
 
-def test_refused_and_launcher_owned_flags_are_real_flags(cli_flags):
-    """A refusal list naming a flag SGLang does not have would refuse nothing."""
+def test_refused_and_launcher_owned_flags_are_real_flags():
+    """A refusal list naming a flag no supported SGLang has would refuse nothing. A flag only
+    newer releases have needs no refusal in older ones: their parser refuses it itself."""
     named = (
         set(recipe._REFUSED_FLAGS)
         | set(recipe._LAUNCHER_FLAGS)
         | set(recipe._MUST_BE_ONE)
         | {"--chunked-prefill-size", "--cuda-graph-backend-prefill"}
     )
-    missing = sorted(f for f in named if f not in cli_flags)
-    assert not missing, f"not flags of sglang {pinned_version()}: {missing}"
-    for flag in ("--dp-size", "--attn-dp-size", "--pp-size"):
-        assert cli_flags[flag].kind == "int"
+    per_release = {v: flags_of(v) for v in range_ends()}
+    missing = sorted(f for f in named if not any(f in flags for flags in per_release.values()))
+    assert not missing, f"not flags of any supported sglang: {missing}"
+    for flags in per_release.values():
+        for flag in recipe._MUST_BE_ONE:
+            if flag in flags:
+                assert flags[flag].kind == "int", flag
 
 
 @pytest.mark.parametrize(
@@ -305,11 +402,13 @@ def test_refused_and_launcher_owned_flags_are_real_flags(cli_flags):
         ["--chunked-prefill-size", "8192"],
         ["--cuda-graph-backend-prefill", "full"],
         ["--enable-hierarchical-cache"],
+        ["--enable-prefill-cp"],
+        ["--attn-cp-size", "2"],
         ["--speculative-draft-model-path", "/x"],
         ["--tp-size", "4"],
     ],
 )
-def test_launcher_refuses_extra_args_that_break_capture(tmp_path, extra):
+def test_launcher_refuses_extra_args_that_break_capture(tmp_path, extra, version):
     (tmp_path / "config.json").write_text(
         json.dumps({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 8})
     )
@@ -320,16 +419,22 @@ def test_launcher_refuses_extra_args_that_break_capture(tmp_path, extra):
             port=1,
             dump_dir=tmp_path,
             instance_id="i",
+            sglang_version=version,
         )
 
 
-def test_launcher_keeps_harmless_extra_args(tmp_path):
+def test_launcher_keeps_harmless_extra_args(tmp_path, version):
     (tmp_path / "config.json").write_text(
         json.dumps({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 8})
     )
     extra = ["--dp-size", "1", "--log-level", "info", "--chunked-prefill-size=-1"]
     argv, _ = recipe.launch_command(
-        _config(tmp_path, extra_args=extra), host="h", port=2, dump_dir=tmp_path, instance_id="i"
+        _config(tmp_path, extra_args=extra),
+        host="h",
+        port=2,
+        dump_dir=tmp_path,
+        instance_id="i",
+        sglang_version=version,
     )
     assert argv[-len(extra) :] == extra
 
@@ -356,7 +461,15 @@ def _capture_validation(src: Path):
     return fn, declared
 
 
-def test_capture_only_mode_is_accepted_without_a_draft_model(src, cli_flags, launch):
+def flags_release_only(mechanism: str, version: str) -> None:
+    if mechanism != recipe.CAPTURE_BY_FLAGS:
+        pytest.skip(f"sglang {version} has no capture-only flags (the plugin switches the capture)")
+
+
+def test_capture_only_mode_is_accepted_without_a_draft_model(
+    src, cli_flags, launch, mechanism, version
+):
+    flags_release_only(mechanism, version)
     argv, _, _ = launch
     ns = _argparse_from(cli_flags).parse_args(argv[3:])
     handle, declared = _capture_validation(src)
@@ -368,7 +481,8 @@ def test_capture_only_mode_is_accepted_without_a_draft_model(src, cli_flags, lau
         _capture_validation(src)[0](ns)
 
 
-def test_capture_validation_runs_before_speculative_setup(src):
+def test_capture_validation_runs_before_speculative_setup(src, mechanism, version):
+    flags_release_only(mechanism, version)
     text = (src / "srt/arg_groups/pipeline.py").read_text()
     assert "run_hook(handle_aux_hidden_state_capture, server_args)" in text
     runner = src / "srt/model_executor/model_runner_components/spec_aux_hidden_state.py"
@@ -467,31 +581,51 @@ def test_hook_factory_path_resolves_as_module_colon_function(hook_manager, monke
 
 def test_forward_hooks_are_registered_after_cuda_graph_capture(src, cli_flags):
     """Hooks fire on the eager path only: they are attached after every graph capture."""
-    tree = parse(src, "srt/model_executor/model_runner_components/cuda_graph_setup.py")
-    finalize = find_function(tree.body, "finalize_cuda_graph_capture")
-    assert "register_forward_hooks(model_runner.model, get_observability().forward_hooks)" in (
-        ast.unparse(finalize)
-    )
+    setup = src / "srt/model_executor/model_runner_components/cuda_graph_setup.py"
+    if setup.is_file():  # the graph setup moved out of ModelRunner
+        tree = parse(src, "srt/model_executor/model_runner_components/cuda_graph_setup.py")
+        finalize = find_function(tree.body, "finalize_cuda_graph_capture")
+        assert "register_forward_hooks(model_runner.model, get_observability().forward_hooks)" in (
+            ast.unparse(finalize)
+        )
+        hook_call, captures = (
+            "finalize_cuda_graph_capture",
+            (
+                "capture_prefill_graph",
+                "capture_decode_graph",
+            ),
+        )
+        functions = [fn for fn in tree.body if isinstance(fn, ast.FunctionDef)]
+        observability = (src / "srt/arg_groups/fields/observability.py").read_text()
+        assert "forward_hooks: A[" in observability
+    else:
+        runner = find_class(parse(src, "srt/model_executor/model_runner.py"), "ModelRunner")
+        init_graphs = find_function(runner.body, "init_cuda_graphs")
+        assert "register_forward_hooks(self.model, self.server_args.forward_hooks)" in (
+            ast.unparse(init_graphs)
+        )
+        hook_call, captures = (
+            "register_forward_hooks",
+            (
+                "self.init_prefill_cuda_graph",
+                "self.init_decode_cuda_graph",
+            ),
+        )
+        functions = [init_graphs]
     callers = [
         fn
-        for fn in tree.body
-        if isinstance(fn, ast.FunctionDef)
-        and any(
-            isinstance(c, ast.Call) and getattr(c.func, "id", "") == "finalize_cuda_graph_capture"
-            for c in ast.walk(fn)
-        )
+        for fn in functions
+        if any(isinstance(c, ast.Call) and ast.unparse(c.func) == hook_call for c in ast.walk(fn))
     ]
     assert callers
     for fn in callers:
-        lines = {}
+        lines: dict[str, int] = {}
         for call in ast.walk(fn):
-            if isinstance(call, ast.Call) and isinstance(call.func, ast.Name):
-                lines.setdefault(call.func.id, call.lineno)
-        for capture in ("capture_prefill_graph", "capture_decode_graph"):
+            if isinstance(call, ast.Call):
+                lines.setdefault(ast.unparse(call.func), call.lineno)
+        for capture in captures:
             if capture in lines:
-                assert lines[capture] < lines["finalize_cuda_graph_capture"], fn.name
-    observability = (src / "srt/arg_groups/fields/observability.py").read_text()
-    assert "forward_hooks: A[" in observability
+                assert lines[capture] < lines[hook_call], fn.name
     assert cli_flags["--forward-hooks"].field == "forward_hooks"
 
 
@@ -550,14 +684,9 @@ def test_models_call_the_logits_processor_positionally_with_aux(src, rel, cls_na
 
 
 @pytest.mark.parametrize(
-    "rel,model_cls,collector,returned",
+    "rel,model_cls,collector,packed_return",
     [
-        (
-            "srt/models/llama.py",
-            "LlamaModel",
-            "AuxHiddenStateList",
-            "(hidden_states, aux_hidden_states)",
-        ),
+        ("srt/models/llama.py", "LlamaModel", "AuxHiddenStateList", None),
         (
             "srt/models/deepseek_v2.py",
             "DeepseekV2Model",
@@ -567,13 +696,21 @@ def test_models_call_the_logits_processor_positionally_with_aux(src, rel, cls_na
     ],
 )
 def test_final_is_post_norm_and_capture_precedes_each_layer(
-    src, rel, model_cls, collector, returned
+    src, rel, model_cls, collector, packed_return
 ):
     forward = find_function(find_class(parse(src, rel), model_cls).body, "forward")
     text = ast.unparse(forward)
-    assert f"aux_hidden_states = {collector}(" in text
+    if f"aux_hidden_states = {collector}(" in text:
+        returned = packed_return or "(hidden_states, aux_hidden_states)"
+    else:  # older releases collect a plain list, whatever the model
+        assert "aux_hidden_states = []" in text
+        returned = "(hidden_states, aux_hidden_states)"
     # The final norm is applied before the (hidden, aux) pair is returned.
-    norm = text.index("residual_batch.final_norm(hidden_states, forward_batch, self.norm)")
+    final_norms = (
+        "residual_batch.final_norm(hidden_states, forward_batch, self.norm)",
+        "hidden_states, _ = self.norm(hidden_states, residual)",
+    )
+    norm = min(text.index(n) for n in final_norms if n in text)
     assert text.rindex(f"return {returned}") > norm
     # Capture id i is the residual entering layer i, inside the loop over this rank's layers.
     loops = [n for n in ast.walk(forward) if isinstance(n, ast.For)]
@@ -582,8 +719,53 @@ def test_final_is_post_norm_and_capture_precedes_each_layer(
     assert "i in self.layers_to_capture" in ast.unparse(loop)
 
 
+def test_the_captured_value_is_the_residual_stream_entering_the_layer(src):
+    """Llama adds the pending residual before layer i; DeepSeek's layer communicator hands over
+    the residual it fused in before attention (releases without the collector classes)."""
+    llama = ast.unparse(
+        find_function(find_class(parse(src, "srt/models/llama.py"), "LlamaModel").body, "forward")
+    )
+    if "AuxHiddenStateList(" in llama:
+        # The layer hands its input to the collector it is given.
+        capture = "capture_output=aux_hidden_states.capture if i in self.layers_to_capture"
+        assert capture in llama
+    else:
+        capture = "if i in self.layers_to_capture:\n            aux_hidden_states.append("
+        assert capture + "hidden_states + residual)" in llama
+        assert llama.index(capture) < llama.index("hidden_states, residual = layer(")
+    deepseek = ast.unparse(
+        find_function(
+            find_class(parse(src, "srt/models/deepseek_v2.py"), "DeepseekV2Model").body, "forward"
+        )
+    )
+    assert "captured_last_layer_outputs=aux_hidden_states if i in self.layers_to_capture" in (
+        deepseek
+    )
+    communicator = src / "srt/layers/communicator.py"
+    if communicator.is_file():
+        fn = ast.unparse(
+            find_function(
+                find_class(parse(src, "srt/layers/communicator.py"), "LayerCommunicator").body,
+                "prepare_attn_and_capture_last_layer_outputs",
+            )
+        )
+        assert "hidden_states=residual" in fn and "captured_last_layer_outputs.append(" in fn
+        assert fn.index("self.prepare_attn(") < fn.index("captured_last_layer_outputs.append(")
+    else:  # the layer's attention boundary gathers and captures its input
+        layer = (src / "srt/models/deepseek_v2.py").read_text()
+        assert "capture_gathered=captured_last_layer_outputs" in layer
+
+
 def test_aux_packer_layout_is_concatenation_in_capture_order(src):
     path = src / "srt/layers/aux_hidden_states.py"
+    if not path.is_file():
+        # No packer in this release: both families hand the logits processor a list of
+        # [T, H] tensors in capture order, which the hook concatenates (test_sglang_hook.py).
+        for rel, cls in (("srt/models/llama.py", "LlamaModel"),
+                         ("srt/models/deepseek_v2.py", "DeepseekV2Model")):  # fmt: skip
+            forward = ast.unparse(find_function(find_class(parse(src, rel), cls).body, "forward"))
+            assert "aux_hidden_states = []" in forward, rel
+        return
     module = types.ModuleType("sglang_aux_under_test")
     exec(compile(path.read_text(), str(path), "exec"), module.__dict__)
     captures = [torch.randn(5, 4) for _ in range(3)]
@@ -612,14 +794,28 @@ def test_forward_batch_fields_the_hook_reads(src):
         "extend_prefix_lens",
         "extend_seq_lens_cpu",
         "extend_prefix_lens_cpu",
-        "contains_last_prefill_chunk",
     }
     assert wanted <= fields
+    if "contains_last_prefill_chunk" not in fields:
+        # Older releases lack the flag; the hook reads it with a default (no chunking: the
+        # launcher passes --chunked-prefill-size=-1 and refuses any other value).
+        hook_text = (REPO_ROOT / "patch" / "eaglepipe_hook.py").read_text()
+        assert 'getattr(forward_batch, "contains_last_prefill_chunk", True)' in hook_text
     text = (src / "srt/model_executor/forward_batch_info.py").read_text()
     assert "rids=[req.rid for req in batch.reqs]" in text
     mode = find_class(tree, "ForwardMode")
     members = {t.id for n in mode.body if isinstance(n, ast.Assign) for t in n.targets}
     assert {"EXTEND", "DECODE", "IDLE", "MIXED"} <= members
+    # Speculative decoding's steps, which the hook passes by: set by the speculative workers.
+    sys.path.insert(0, str(REPO_ROOT / "patch"))
+    try:
+        import eaglepipe_hook
+    finally:
+        sys.path.remove(str(REPO_ROOT / "patch"))
+    assert set(eaglepipe_hook.SPECULATIVE_DECODE_MODES) <= members
+    speculative = "".join(p.read_text() for p in sorted((src / "srt/speculative").glob("*.py")))
+    for name in eaglepipe_hook.SPECULATIVE_DECODE_MODES:
+        assert f"ForwardMode.{name}" in speculative, name
     is_decode_or_idle = ast.unparse(find_function(mode.body, "is_decode_or_idle"))
     assert "self == ForwardMode.DECODE or self == ForwardMode.IDLE" in is_decode_or_idle
 
@@ -635,17 +831,29 @@ def test_tensor_parallel_rank_function(src):
         and ast.unparse(n.value) == "ParallelContext()"
         for n in tree.body
     )
-    spawn = find_function(tree.body, "derive_spawn_ranks")
-    returned = next(n.value for n in ast.walk(spawn) if isinstance(n, ast.Return))
-    keys = {k.value for k in returned.keys}
-    assert "tp_rank" in keys and "pp_rank" in keys
-    # SGLang itself reads the TP rank this way.
-    loader = (src / "srt/model_loader/loader.py").read_text()
-    assert "get_parallel().tp_rank" in loader
-    # The older getter is deprecated and excluded from `from sglang.srt.distributed import *`.
-    state = (src / "srt/distributed/parallel_state.py").read_text()
-    assert '"get_tensor_model_parallel_rank": "tp_rank"' in state
-    assert "_public not in _CONTEXT_NAME_OF" in state
+    context = find_class(tree, "ParallelContext")
+    tp_rank = next(
+        (n for n in context.body if isinstance(n, ast.FunctionDef) and n.name == "tp_rank"), None
+    )
+    if tp_rank is not None:
+        # A read-through property onto parallel_state's getter.
+        assert "get_tensor_model_parallel_rank" in ast.unparse(tp_rank)
+        assert any(ast.unparse(d) == "property" for d in tp_rank.decorator_list)
+        state = (src / "srt/distributed/parallel_state.py").read_text()
+        assert "def get_tensor_model_parallel_rank(" in state
+    else:
+        # Ranks published by the launcher for each spawned process.
+        spawn = find_function(tree.body, "derive_spawn_ranks")
+        returned = next(n.value for n in ast.walk(spawn) if isinstance(n, ast.Return))
+        keys = {k.value for k in returned.keys}
+        assert "tp_rank" in keys and "pp_rank" in keys
+        # The older getter is deprecated and excluded from `from sglang.srt.distributed import *`.
+        state = (src / "srt/distributed/parallel_state.py").read_text()
+        assert '"get_tensor_model_parallel_rank": "tp_rank"' in state
+        assert "_public not in _CONTEXT_NAME_OF" in state
+    # SGLang itself reads the TP rank this way (its vocab-parallel embedding, in both ends).
+    embedding = (src / "srt/layers/vocab_parallel_embedding.py").read_text()
+    assert "get_parallel().tp_rank" in embedding
     hook_text = (REPO_ROOT / "patch" / "eaglepipe_hook.py").read_text()
     assert "from sglang.srt.runtime_context import get_parallel" in hook_text
     assert "get_parallel().tp_rank" in hook_text
@@ -766,6 +974,13 @@ def _capture_of(src: Path, architecture: str, passed_ids, num_layers: int) -> li
 
 
 def _range_check(src: Path):
+    """What the release accepts as capture ids: its capture-only range check where it has one;
+    without it (the plugin's releases) any list reaches set_eagle3_layers_to_capture, and an id
+    at or past the last layer is never reached by the layer loop (the `wanted` check below)."""
+    path = src / "srt/model_executor/model_runner_components/spec_aux_hidden_state.py"
+    text = path.read_text() if path.is_file() else ""
+    if "def _check_capture_layer_ids_in_range" not in text:
+        return lambda ids, num_layers: True
     tree = parse(src, "srt/model_executor/model_runner_components/spec_aux_hidden_state.py")
     fn = compile_function(find_function(tree.body, "_check_capture_layer_ids_in_range"), {})
 
@@ -891,21 +1106,191 @@ def test_supported_architectures_are_registered_model_classes(src):
 
 
 # ---------------------------------------------------------------------------------------------
-# The pin
+# The project's SGLang plugin (capture switch where the release has no capture-only flags)
 # ---------------------------------------------------------------------------------------------
 
 
-def test_version_pin_agrees_everywhere():
+def test_sglang_loads_general_plugins_from_our_entry_point_group(src):
+    """SGLang's loader reads the `sglang.srt.plugins` entry points (filtered by SGLANG_PLUGINS)
+    and runs them first in the launcher and in every scheduler process."""
+    plugins = parse(src, "srt/plugins/__init__.py")
+    group = next(
+        ast.literal_eval(n.value)
+        for n in plugins.body
+        if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "GENERAL_PLUGINS_GROUP"
+    )
+    assert group == recipe.PLUGIN_GROUP
+    by_group = ast.unparse(find_function(plugins.body, "load_plugins_by_group"))
+    assert "entry_points(group=group)" in by_group and "envs.SGLANG_PLUGINS.get()" in by_group
+    assert "ep.name not in allowed_set" in by_group
+    load = ast.unparse(find_function(plugins.body, "load_plugins"))
+    assert "HookRegistry.apply_hooks()" in load
+    environ = (src / "srt/environ.py").read_text()
+    assert f"{recipe.SGLANG_PLUGINS_ENV} = EnvStr(" in environ
+    scheduler = find_function(parse(src, "srt/managers/scheduler.py").body, "run_scheduler_process")
+    assert ast.unparse(scheduler.body[0]) == "load_plugins()"
+    launch = (src / "launch_server.py").read_text()
+    assert launch.index("load_plugins()") < launch.index("prepare_server_args(sys.argv[1:])")
+
+
+def test_the_model_runner_attributes_the_plugin_reads(src):
+    from eaglepipe.server.sglang_plugin import LOAD_MODEL
+
+    module_path, cls_name, method = LOAD_MODEL.rsplit(".", 2)
+    rel = module_path.removeprefix("sglang.").replace(".", "/") + ".py"
+    runner = find_class(parse(src, rel), cls_name)
+    init = find_function(runner.body, "__init__")
+    lines = {}
+    for node in ast.walk(init):
+        if isinstance(node, ast.Assign):
+            lines.setdefault(ast.unparse(node.targets[0]), node.lineno)
+        if isinstance(node, ast.Call) and ast.unparse(node.func) == "self.initialize":
+            lines["initialize"] = node.lineno
+    assert lines["self.is_draft_worker"] < lines["initialize"]
+    assert lines["self.spec_algorithm"] < lines["initialize"]
+    load_model = ast.unparse(find_function(runner.body, method))
+    assert "self.model = " in load_model
+    initialize = ast.unparse(find_function(runner.body, "initialize"))
+    assert "self.load_model()" in initialize
+    spec_info = parse(src, "srt/speculative/spec_info.py")
+    algorithm = find_class(spec_info, "SpeculativeAlgorithm")
+    assert "return self == SpeculativeAlgorithm.NONE" in ast.unparse(
+        find_function(algorithm.body, "is_none")
+    )
+    from_string = ast.unparse(find_function(algorithm.body, "from_string"))
+    assert "if name is None:\n        return cls.NONE" in from_string
+
+
+def test_nothing_after_model_loading_resets_the_capture(src):
+    """The release's own capture configuration calls set_eagle3_layers_to_capture only when a
+    draft (or capture-only mode) asks for it; the models start with nothing to capture."""
+    calls = []
+    for path in sorted((src / "srt/model_executor").rglob("*.py")):
+        text = path.read_text()
+        if ".set_eagle3_layers_to_capture(" not in text:
+            continue
+        for fn in ast.walk(ast.parse(text)):
+            if not isinstance(fn, ast.FunctionDef):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, ast.If) and ".set_eagle3_layers_to_capture(" in ast.unparse(
+                    node
+                ):
+                    calls.append(ast.unparse(node.test))
+    assert calls and all("eagle_use_aux_hidden_state" in test for test in calls), calls
+    for rel, cls in (("srt/models/llama.py", "LlamaModel"),
+                     ("srt/models/deepseek_v2.py", "DeepseekV2Model")):  # fmt: skip
+        init = ast.unparse(find_function(find_class(parse(src, rel), cls).body, "__init__"))
+        assert "self.layers_to_capture = []" in init, rel
+
+
+def test_the_kernel_workaround_names_exist(src):
+    """The slim-flashinfer workaround sets topk.fused_topk_deepseek to None; SGLang then takes
+    the sgl_kernel path (sgl_kernel's own `_has_flashinfer` flags ran live on 0.5.14)."""
+    topk = (src / "srt/layers/moe/topk.py").read_text()
+    assert "fused_topk_deepseek = None" in topk
+    assert "fused_topk_deepseek is not None" in topk
+
+
+class _ModelStandIn:
+    def __init__(self):
+        self.calls: list[list[int]] = []
+
+    def set_eagle3_layers_to_capture(self, layer_ids=None):
+        self.calls.append(layer_ids)
+
+
+class _AlgorithmStandIn:
+    def __init__(self, name):
+        self.name = name
+
+    def is_none(self):
+        return self.name is None
+
+
+def test_the_plugin_switches_the_capture_on_for_the_target_only(src, monkeypatch, capfd):
+    """The wheel's own plugin hook registry applies the plugin's hook to a model-runner
+    stand-in at the plugin's target path: the target's model captures the launcher's ids, a
+    draft runner and a target serving a real EAGLE-3 draft are left alone."""
+    from eaglepipe.server import sglang_plugin
+
+    path = src / "srt/plugins/hook_registry.py"
+    tree = ast.parse(path.read_text())
+    imported = {
+        alias.name.split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for alias in (node.names if isinstance(node, ast.Import) else [ast.alias(node.module)])
+    }
+    assert imported <= set(sys.stdlib_module_names) | {"__future__"}
+    registry = types.ModuleType("sglang.srt.plugins.hook_registry")
+    monkeypatch.setitem(sys.modules, registry.__name__, registry)
+    exec(compile(tree, str(path), "exec"), registry.__dict__)
+
+    class ModelRunner:
+        def __init__(self, *, is_draft_worker=False, spec=None):
+            self.is_draft_worker = is_draft_worker
+            self.spec_algorithm = _AlgorithmStandIn(spec)
+
+        def load_model(self):
+            self.model = _ModelStandIn()
+            return "loaded"
+
+    module_path, cls_name, _ = sglang_plugin.LOAD_MODEL.rsplit(".", 2)
+    parts = module_path.split(".")
+    for depth in range(1, len(parts) + 1):
+        name = ".".join(parts[:depth])
+        module = sys.modules.get(name) if name == registry.__name__ else types.ModuleType(name)
+        monkeypatch.setitem(sys.modules, name, module)
+        if depth > 1:
+            setattr(sys.modules[".".join(parts[: depth - 1])], parts[depth - 1], module)
+    setattr(sys.modules[module_path], cls_name, ModelRunner)
+    monkeypatch.setitem(sys.modules, "sglang.srt.plugins", types.ModuleType("sglang.srt.plugins"))
+    sys.modules["sglang.srt.plugins"].hook_registry = registry
+    monkeypatch.setenv(sglang_plugin.CAPTURE_ENV, "[2, 30, 58]")
+    monkeypatch.delenv(sglang_plugin.SLIM_FLASHINFER_ENV, raising=False)
+
+    sglang_plugin.register()
+    registry.HookRegistry.apply_hooks()
+    target = ModelRunner()
+    assert target.load_model() == "loaded"  # the AFTER hook keeps load_model's result
+    assert target.model.calls == [[2, 30, 58]]
+    draft = ModelRunner(is_draft_worker=True)
+    draft.load_model()
+    served_with_draft = ModelRunner(spec="EAGLE3")
+    served_with_draft.load_model()
+    assert draft.model.calls == [] and served_with_draft.model.calls == []
+    err = capfd.readouterr().err
+    assert "set_eagle3_layers_to_capture([2, 30, 58])" in err
+    assert "speculative draft model's runner" in err
+
+
+# ---------------------------------------------------------------------------------------------
+# The range
+# ---------------------------------------------------------------------------------------------
+
+
+def test_the_range_ends_are_the_wheels_tested(version):
     from sglang_source import wheel_metadata_version
 
-    pinned = (REPO_ROOT / "patch" / "SGLANG_VERSION").read_text().strip()
-    assert wheel_metadata_version() == pinned
+    assert wheel_metadata_version(version) == version
+    supported = recipe.supported_range()
+    assert version in (supported.oldest, supported.newest)
+
+
+def test_recommended_pin_agrees_everywhere():
+    recommended = recipe.supported_range().recommended
     pyproject = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
-    assert pyproject["project"]["optional-dependencies"]["sglang"] == [f"sglang=={pinned}"]
-    assert recipe.engine_info() == {"engine": "sglang", "engine_version": pinned}
+    assert pyproject["project"]["optional-dependencies"]["sglang"] == [f"sglang=={recommended}"]
     for env_file in sorted((REPO_ROOT / "envs").glob("*.y*ml")):
         for pin in re.findall(r"sglang(?:\[[^\]]*\])?\s*=+\s*([0-9][\w.]*)", env_file.read_text()):
-            assert pin == pinned, f"{env_file} pins sglang {pin}, patch/ pins {pinned}"
+            assert pin == recommended, (
+                f"{env_file} pins sglang {pin}, patch/ recommends {recommended}"
+            )
+    staged = (REPO_ROOT / "tools" / "h200_wheels.txt").read_text()
+    assert re.search(rf"^sglang=={re.escape(recommended)}\s", staged, re.MULTILINE)
+    points = pyproject["project"]["entry-points"][recipe.PLUGIN_GROUP]
+    assert points == {recipe.PLUGIN_NAME: recipe.PLUGIN_ENTRY}
 
 
 def test_launch_server_module_exists(src):
@@ -916,25 +1301,39 @@ def test_launch_server_module_exists(src):
 # ---------------------------------------------------------------- /server_info
 
 
-def test_server_info_echoes_the_hook_config_clients_check(src, launch):
-    """SGLang's /server_info is `build_server_info` = `server_args.resolved_dict()` plus
-    `version`; `forward_hooks` is a field holding the parsed JSON list, so our hook's config
-    (layers, hidden size, dump dir, instance) comes back to the pipeline's clients."""
+def test_server_info_echoes_the_hook_config_clients_check(src, launch, version, mechanism):
+    """SGLang's /server_info is the server arguments (0.5.23: `build_server_info` =
+    `server_args.resolved_dict()`; older: `dataclasses.asdict(server_args)`) plus `version`;
+    `forward_hooks` is a field holding the parsed JSON list, so our hook's config (layers,
+    hidden size, dump dir, instance, capture ids) comes back to the pipeline's clients."""
     http = (src / "srt/entrypoints/http_server.py").read_text()
-    assert '@app.get("/server_info")' in http and "build_server_info(server_args" in http
-    assert '"version": __version__' in http
-    common = (src / "srt/utils/common.py").read_text()
-    assert "result = server_args.resolved_dict()" in common
-    fields = (src / "srt/arg_groups/fields/observability.py").read_text()
+    assert '@app.get("/server_info")' in http and '"version": __version__' in http
+    if "build_server_info(server_args" in http:
+        common = (src / "srt/utils/common.py").read_text()
+        assert "result = server_args.resolved_dict()" in common
+        fields = (src / "srt/arg_groups/fields/observability.py").read_text()
+    else:
+        server_info = next(
+            ast.unparse(n)
+            for n in parse(src, "srt/entrypoints/http_server.py").body
+            if isinstance(n, ast.AsyncFunctionDef) and n.name == "server_info"
+        )
+        assert "**dataclasses.asdict(server_args)" in server_info
+        fields = (src / "srt/server_args.py").read_text()
     assert re.search(r"forward_hooks: A\[\s*Optional\[List\[dict\[str, Any\]\]\]", fields)
 
     argv, _env, config = launch
     hooks = json.loads(argv[argv.index("--forward-hooks") + 1])
-    raw = {"forward_hooks": hooks, "version": "0.5.23", "model_path": config["model"]["path"]}
+    raw = {"forward_hooks": hooks, "version": version, "model_path": config["model"]["path"]}
+    if mechanism == recipe.CAPTURE_BY_FLAGS:
+        ids_at = argv.index("--return-aux-hidden-state-layer-ids") + 1
+        raw["return_aux_hidden_state_layer_ids"] = [int(i) for i in argv[ids_at : ids_at + 3]]
     info = recipe.pipeline_server_info(raw)
-    assert info["engine"] == "sglang" and info["engine_version"] == "0.5.23"
+    assert info["engine"] == "sglang" and info["engine_version"] == version
     assert info["instance_id"] == "inst1" and info["dump_dir"] == "/dev/shm/x/inst1"
     assert info["hidden_size"] == 7168
+    # Reported by SGLang itself where it has the flag, by our hook's config where it does not.
+    assert info["sglang_capture_layer_ids"] == [2, 30, 58]
 
     from eaglepipe.config import aux_layer_ids
     from eaglepipe.extract import check_server_info

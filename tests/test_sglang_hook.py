@@ -1,5 +1,6 @@
-"""The SGLang dump hook's tensor logic, on plain CPU tensors shaped and packed as SGLang 0.5.23
-passes them to LogitsProcessor.forward (names verified by tests/test_sglang_contract.py):
+"""The SGLang dump hook's tensor logic, on plain CPU tensors shaped and packed as SGLang passes
+them to LogitsProcessor.forward (names verified against both ends of the supported range by
+tests/test_sglang_contract.py):
 a list of per-layer [T, H] captures (Llama family) or one packed [T, 3H] tensor (DeepSeek family,
 AuxHiddenStatePacker), several requests per prefill batch, split by `forward_batch.rids` and
 `extend_seq_lens_cpu`."""
@@ -31,6 +32,8 @@ class ForwardMode(enum.IntEnum):
     DECODE = enum.auto()
     MIXED = enum.auto()
     IDLE = enum.auto()
+    TARGET_VERIFY = enum.auto()
+    DRAFT_EXTEND_V2 = enum.auto()
 
     def is_decode_or_idle(self):
         return self == ForwardMode.DECODE or self == ForwardMode.IDLE
@@ -41,9 +44,9 @@ class LogitsProcessorStandIn(nn.Module):
         return hidden_states.sum()
 
 
-@pytest.fixture
-def hook_module(monkeypatch):
-    """patch/eaglepipe_hook.py imported as SGLang imports it, with a stand-in TP rank."""
+def import_hook_module(monkeypatch):
+    """patch/eaglepipe_hook.py imported as one SGLang process imports it (a fresh module each
+    call: another scheduler process), with a stand-in TP rank."""
     rank = types.SimpleNamespace(tp_rank=0)
     runtime_context = types.ModuleType("sglang.srt.runtime_context")
     runtime_context.get_parallel = lambda: rank
@@ -55,7 +58,12 @@ def hook_module(monkeypatch):
     import eaglepipe_hook
 
     eaglepipe_hook.test_rank = rank
-    yield eaglepipe_hook
+    return eaglepipe_hook
+
+
+@pytest.fixture
+def hook_module(monkeypatch):
+    yield import_hook_module(monkeypatch)
     sys.modules.pop("eaglepipe_hook", None)
 
 
@@ -211,6 +219,19 @@ def test_decode_and_idle_batches_do_nothing(hook_module, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_speculative_decoding_steps_are_not_dumped(hook_module, tmp_path):
+    """With a draft model (live acceptance), the target verifies draft tokens and the draft
+    extends: decode steps of requests whose prefill was dumped, never dumped themselves."""
+    hook = make_hook(hook_module, tmp_path)
+    processor = attach(hook)
+    batch = Batch([(rid(1), 4), (rid(2), 4)])
+    for mode in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2):
+        fb = batch.forward_batch(mode=mode, prefix_lens=[9, 12])
+        run_forward(processor, batch, fb, batch.aux("list"))
+    hook.close()
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_mixed_batch_with_our_requests_is_refused(hook_module, tmp_path):
     hook = make_hook(hook_module, tmp_path)
     processor = attach(hook)
@@ -264,14 +285,32 @@ def test_extend_lengths_longer_than_the_hidden_states_fail(hook_module, tmp_path
     hook.close()
 
 
-def test_only_tensor_parallel_rank_zero_writes(hook_module, tmp_path):
+def test_only_tensor_parallel_rank_zero_writes(hook_module, tmp_path, monkeypatch):
     hook_module.test_rank.tp_rank = 3
     assert make_hook(hook_module, tmp_path / "rank3") is None
     assert not (tmp_path / "rank3").exists()
-    hook_module.test_rank.tp_rank = 0
-    hook = make_hook(hook_module, tmp_path / "rank0")
+    rank0 = import_hook_module(monkeypatch)  # rank 0 is another scheduler process
+    hook = make_hook(rank0, tmp_path / "rank0")
     assert (tmp_path / "rank0").stat().st_mode & 0o777 == 0o700
     hook.close()
+
+
+def test_a_speculative_draft_runner_in_the_same_process_is_not_hooked(hook_module, tmp_path):
+    """Live acceptance loads an EAGLE-3 draft beside the target; SGLang registers the forward
+    hooks on both runners (the draft's after the target's, in the same process). The draft's
+    logits processor sees the same rids with its own hidden states: only the target dumps."""
+    target_hook = make_hook(hook_module, tmp_path)
+    assert make_hook(hook_module, tmp_path) is None
+    target = attach(target_hook)
+    batch = Batch([(rid(1), 4), (rid(2), 3)])
+    run_forward(target, batch, batch.forward_batch(), batch.aux("list"))
+    # The draft's extend of the same requests: no aux captured there, and nothing hooked.
+    draft = LogitsProcessorStandIn()
+    run_forward(draft, batch, batch.forward_batch(), None)
+    target_hook.close()
+    aux, final, _ = read_dump(tmp_path / f"{rid(2)}.safetensors")
+    assert torch.equal(aux, batch.expected(1)[0]) and torch.equal(final, batch.expected(1)[1])
+    assert len(list(tmp_path.glob("*.safetensors"))) == 2
 
 
 def test_hook_attached_to_two_modules_fails(hook_module, tmp_path):
@@ -306,3 +345,27 @@ def test_each_dump_records_the_forward_pass_it_came_from(hook_module, tmp_path):
     _, _, single = read_dump(dump_dir / f"{rid(21)}.safetensors")
     assert (batched["batch_requests"], batched["batch_tokens"]) == (3, 10)
     assert (single["batch_requests"], single["batch_tokens"]) == (1, 4)
+
+
+def test_the_hook_logs_what_it_costs_the_forward_thread(hook_module, tmp_path, monkeypatch, caplog):
+    """Every EAGLEPIPE_HOOK_STATS_EVERY dumped batches, and at close, one line with the counts
+    and the host time spent inside the hook (the benchmarks read it from SGLang's log)."""
+    monkeypatch.setenv(hook_module.STATS_EVERY_ENV, "2")
+    hook = make_hook(hook_module, tmp_path)
+    processor = attach(hook)
+    caplog.set_level("INFO", logger="eaglepipe_hook")
+    for seed, rows in enumerate(([1, 2], [3], [4, 5])):
+        batch = Batch([(rid(r), 2 + r) for r in rows] + [("HEALTH_CHECK_x", 4)], seed=seed)
+        run_forward(processor, batch, batch.forward_batch(), batch.aux("list"))
+    undumped = Batch([("abcdef0123", 3)])
+    run_forward(processor, undumped, undumped.forward_batch(), undumped.aux("list"))
+    hook.close()
+    lines = [r.getMessage() for r in caplog.records if "prefill batches dumped" in r.getMessage()]
+    assert len(lines) == 2  # after the second batch, and the third at close
+    assert lines[0].startswith(
+        "eaglepipe dump hook: 2 prefill batches dumped (3 requests, 12 tokens)"
+    )
+    assert lines[1].startswith(
+        "eaglepipe dump hook: 3 prefill batches dumped (5 requests, 25 tokens)"
+    )
+    assert "in the hook per batch: mean " in lines[1] and "writer: 5 files" in lines[1]

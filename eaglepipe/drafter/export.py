@@ -10,11 +10,12 @@ The aux layer ids are the subtle part. Ours are 0-based decoder-layer *outputs*
 (eaglepipe/layers.py); both engines capture the residual stream *entering* a layer, so the
 physical layer k is captured as engine layer k+1. What each engine does with the ids it reads:
 
-- SGLang 0.5.23 reads `eagle_config.eagle_aux_hidden_state_layer_ids` of the draft config
-  (model_runner_components/spec_aux_hidden_state.py) and hands them to the target's
-  `set_eagle3_layers_to_capture`: Llama (and Qwen, GLM) add 1 to every id (models/llama.py);
-  the DeepSeek family (DeepseekV2/V3, and Kimi-K2.5 which delegates to it) adds 1 only when
-  the first id is 1 and otherwise uses the ids as capture ids (models/deepseek_v2.py).
+- SGLang (0.5.14 to 0.5.23) reads `eagle_config.eagle_aux_hidden_state_layer_ids` of the draft
+  config (model_runner.py, or model_runner_components/spec_aux_hidden_state.py from 0.5.16) and
+  hands them to the target's `set_eagle3_layers_to_capture`: Llama (and Qwen, GLM) add 1 to
+  every id (models/llama.py); the DeepSeek family (DeepseekV2/V3, and Kimi-K2.5 which
+  delegates to it) adds 1 only when the first id is 1 and otherwise uses the ids as capture ids
+  (models/deepseek_v2.py).
 - vLLM reads the top-level `eagle_aux_hidden_state_layer_ids` of the draft config
   (v1/worker/gpu/spec_decode/eagle/eagle3_utils.py, get_eagle3_aux_layers_from_config) and
   uses them as capture ids directly: `if idx in self.aux_hidden_state_layers` appends the
@@ -49,8 +50,9 @@ DEEPSEEK_ARCHITECTURES = {
 }
 DEEPSEEK_MODEL_TYPES = {"deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "kimi_k25"}
 
-# SGLang 0.5.23, python/sglang/srt/models/llama_eagle3.py, LlamaForCausalLMEagle3.load_weights.
-# tests/test_drafter_export.py checks these against the pinned wheel's source.
+# SGLang 0.5.14 and 0.5.23, python/sglang/srt/models/llama_eagle3.py,
+# LlamaForCausalLMEagle3.load_weights.
+# tests/test_drafter_export.py checks these against both ends of the supported SGLang range.
 SGLANG_STACKED_PARAMS = [
     (".qkv_proj", ".q_proj", "q"),
     (".qkv_proj", ".k_proj", "k"),

@@ -1,28 +1,48 @@
 """The SGLang launch recipe: the command line, its environment, and the layer-id translation.
 
-SGLang (the version pinned in patch/SGLANG_VERSION) captures aux hidden states with its own
-flags and calls the project's hook (patch/eaglepipe_hook.py) through `--forward-hooks`; nothing
-in SGLang is edited. Every flag and behaviour used here is checked against that version's
-source by tests/test_sglang_contract.py; SGLang itself does not run on the development machines.
+SGLang captures aux hidden states and calls the project's hook (patch/eaglepipe_hook.py) through
+`--forward-hooks`; nothing in SGLang is edited. The supported releases are a range
+(patch/sglang.toml: oldest, newest, recommended); the launcher reads the installed version from
+the server's environment and refuses one outside the range. How the capture is switched on is
+the one thing that differs across the range, chosen here from the version:
+
+- `flags` (from CAPTURE_FLAGS_SINCE on): SGLang's capture-only mode,
+  `--speculative-algorithm EAGLE3 --enable-return-aux-hidden-states
+  --return-aux-hidden-state-layer-ids ...` with no draft model.
+- `plugin` (older releases, which lack those flags): the launcher passes the ids in
+  EAGLEPIPE_SGLANG_CAPTURE_LAYER_IDS and the project's SGLang plugin
+  (eaglepipe/server/sglang_plugin.py, entry point group `sglang.srt.plugins`, loaded by SGLang
+  in every scheduler process) calls the target model's `set_eagle3_layers_to_capture(ids)` right
+  after it is loaded, as capture-only mode does.
+
+Every flag and behaviour used for a version is checked against that version's source by
+tests/test_sglang_contract.py; docs/sglang.md records the live runs.
 
 How the hook module is found: `patch/` is prepended to PYTHONPATH in the environment returned by
 `launch_command`, so the server process (and its per-rank scheduler processes, which inherit the
 environment) import it as the top-level module `eaglepipe_hook`. It imports `eaglepipe.dump`,
-so SGLang must run in the environment where eaglepipe is installed (the `sglang` extra).
+so SGLang must run where eaglepipe is importable (the `sglang` extra). SGLANG_PATH_ENV adds path
+entries for the server only (an SGLang staged beside a Python whose own packages conflict).
 
 What SGLang's own `/server_info` reports (not the reference server's schema): its resolved
-arguments (`model_path`, `tp_size`, `return_aux_hidden_state_layer_ids` in SGLang's convention,
-`forward_hooks` including our hook's `config` with `dump_dir`, `request_prefix` and
-`aux_layer_ids` in our convention), `launch_command`, and `version`. The lifecycle code takes
-dump_dir and the rest from its own state file, not from that endpoint.
+arguments (`model_path`, `tp_size`, `return_aux_hidden_state_layer_ids` in SGLang's convention
+on releases with capture-only flags, `forward_hooks` including our hook's `config` with
+`dump_dir`, `request_prefix`, `aux_layer_ids` in our convention and SGLang's capture ids),
+`launch_command`, and `version`. The lifecycle code takes dump_dir and the rest from its own
+state file, not from that endpoint.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import sys
+import tomllib
+from dataclasses import dataclass
 from pathlib import Path
+
+from packaging.version import InvalidVersion, Version
 
 from ..errors import PipelineError
 from ..layers import CONVENTION
@@ -43,7 +63,7 @@ _ADDS_ONE = "adds-one"
 # given (layer-input convention); DeepseekV3 inherits it and Kimi-K2.5 delegates to it.
 _ADDS_ONE_IF_FIRST_IS_ONE = "adds-one-if-first-is-one"
 
-# Architectures whose capture behaviour the contract test verified in the pinned source.
+# Architectures whose capture behaviour the contract test verified in both ends' source.
 LAYER_ID_RULES = {
     "LlamaForCausalLM": _ADDS_ONE,
     "MistralForCausalLM": _ADDS_ONE,
@@ -55,23 +75,115 @@ LAYER_ID_RULES = {
 _DTYPE_FLAG_VALUES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
 
 
-def sglang_version() -> str:
-    path = PATCH_DIR / "SGLANG_VERSION"
+RANGE_FILE = PATCH_DIR / "sglang.toml"
+# Extra path entries (os.pathsep-separated) for the SGLang server process only, ahead of the rest.
+SGLANG_PATH_ENV = "EAGLEPIPE_SGLANG_PYTHONPATH"
+# The first release with capture-only EAGLE3 (--enable-return-aux-hidden-states and
+# --return-aux-hidden-state-layer-ids); 0.5.14 to 0.5.22 have neither flag.
+CAPTURE_FLAGS_SINCE = "0.5.23"
+CAPTURE_BY_FLAGS = "flags"
+CAPTURE_BY_PLUGIN = "plugin"
+# The project's SGLang general plugin: SGLang loads it through this entry point.
+PLUGIN_GROUP = "sglang.srt.plugins"
+PLUGIN_NAME = "eaglepipe"
+PLUGIN_ENTRY = "eaglepipe.server.sglang_plugin:register"
+# SGLang's whitelist of general plugins (comma-separated names); unset loads every plugin.
+SGLANG_PLUGINS_ENV = "SGLANG_PLUGINS"
+
+
+@dataclass(frozen=True)
+class SupportedRange:
+    oldest: str
+    newest: str
+    recommended: str
+
+    def contains(self, version: str) -> bool:
+        return Version(self.oldest) <= Version(version) <= Version(self.newest)
+
+    def __str__(self) -> str:
+        return f"SGLang {self.oldest} to {self.newest} (recommended {self.recommended})"
+
+
+def supported_range() -> SupportedRange:
+    """The SGLang releases the integration supports (patch/sglang.toml)."""
     try:
-        return path.read_text().strip()
+        data = tomllib.loads(RANGE_FILE.read_text())
+        found = SupportedRange(str(data["oldest"]), str(data["newest"]), str(data["recommended"]))
     except FileNotFoundError:
-        raise PipelineError(f"{path} is missing: the SGLang pin belongs to the checkout") from None
+        raise PipelineError(
+            f"{RANGE_FILE} is missing: the SGLang range belongs to the checkout"
+        ) from None
+    except (tomllib.TOMLDecodeError, KeyError) as exc:
+        raise PipelineError(f"{RANGE_FILE}: needs oldest, newest and recommended ({exc})") from None
+    if not found.contains(found.recommended):
+        raise PipelineError(f"{RANGE_FILE}: recommended {found.recommended} is outside the range")
+    return found
 
 
-def engine_info() -> dict:
-    """Provenance for manifests: which engine produced the hidden states."""
-    return {"engine": "sglang", "engine_version": sglang_version()}
+def server_path_entries(environ: dict | None = None) -> list[str]:
+    """The PYTHONPATH the SGLang server gets: patch/, SGLANG_PATH_ENV's entries, then the
+    caller's own PYTHONPATH."""
+    environ = os.environ if environ is None else environ
+    entries = [str(PATCH_DIR)]
+    for name in (SGLANG_PATH_ENV, "PYTHONPATH"):
+        entries += [p for p in environ.get(name, "").split(os.pathsep) if p]
+    return entries
+
+
+def _server_search_path(environ: dict | None = None) -> list[str]:
+    """Where the server's Python looks for packages: its PYTHONPATH, then this interpreter's
+    own entries (the server runs this interpreter, `sys.executable`)."""
+    return server_path_entries(environ) + [p for p in sys.path if p]
+
+
+def installed_sglang_version(environ: dict | None = None) -> str | None:
+    """The version of the SGLang the server would import (first on its path), or None."""
+    for dist in importlib.metadata.distributions(name="sglang", path=_server_search_path(environ)):
+        return dist.version
+    return None
+
+
+def plugin_registered(environ: dict | None = None) -> bool:
+    """Whether SGLang's plugin loader would find the project's plugin in the server's path."""
+    for dist in importlib.metadata.distributions(path=_server_search_path(environ)):
+        for entry in dist.entry_points:
+            if (entry.group, entry.name, entry.value) == (PLUGIN_GROUP, PLUGIN_NAME, PLUGIN_ENTRY):
+                return True
+    return False
+
+
+def check_supported(version: str | None) -> str:
+    """The installed version if the integration supports it; else one line naming both."""
+    supported = supported_range()
+    if version is None:
+        raise PipelineError(
+            f"server.engine sglang: no SGLang is installed for {sys.executable} (with "
+            f"{SGLANG_PATH_ENV}={os.environ.get(SGLANG_PATH_ENV, '')!r}); "
+            f"eaglepipe supports {supported}"
+        )
+    try:
+        inside = supported.contains(version)
+    except InvalidVersion:
+        inside = False
+    if not inside:
+        raise PipelineError(
+            f"server.engine sglang: SGLang {version} is installed; eaglepipe supports {supported}"
+        )
+    return version
+
+
+def capture_mechanism(version: str) -> str:
+    """How the capture is switched on in `version`: capture-only flags, or the plugin."""
+    if Version(version) >= Version(CAPTURE_FLAGS_SINCE):
+        return CAPTURE_BY_FLAGS
+    return CAPTURE_BY_PLUGIN
 
 
 def sglang_layer_ids(
     architecture: str, our_ids: list[int], *, num_layers: int | None = None
 ) -> list[int]:
-    """The `--return-aux-hidden-state-layer-ids` values that make SGLang capture `our_ids`.
+    """The capture ids that make SGLang capture `our_ids` (passed as
+    `--return-aux-hidden-state-layer-ids`, or to the plugin, by release).
 
     Our id k is the output of decoder layer k, which SGLang captures as the input of layer
     k + 1 (`model.layers_to_capture`). With `num_layers`, the last layer's output is refused:
@@ -108,11 +220,13 @@ def hook_spec(
     aux_layer_ids: list[int],
     instance_id: str,
     hidden_size: int | None = None,
+    capture_layer_ids: list[int] | None = None,
 ) -> dict:
     """The `--forward-hooks` entry: SGLang calls `make_dump_hook(spec["config"])` per rank.
 
-    The config also carries what the pipeline's clients check (hidden size, instance): SGLang
-    echoes it in `/server_info`, which `pipeline_server_info` reads back.
+    The config also carries what the pipeline's clients check (hidden size, instance) and the
+    ids SGLang captures: SGLang echoes it in `/server_info`, which `pipeline_server_info` reads
+    back (releases without capture-only flags report no capture ids of their own).
     """
     return {
         "name": HOOK_NAME,
@@ -124,6 +238,7 @@ def hook_spec(
             "aux_layer_ids": list(aux_layer_ids),
             "instance_id": instance_id,
             "hidden_size": hidden_size,
+            "capture_layer_ids": None if capture_layer_ids is None else list(capture_layer_ids),
         },
     }
 
@@ -141,6 +256,9 @@ def pipeline_server_info(raw: dict) -> dict:
             "hook: it was not started by this pipeline; stop it or use another server.port"
         )
     hook = hooks[0]["config"]
+    capture_ids = raw.get("return_aux_hidden_state_layer_ids")
+    if capture_ids is None:  # no capture-only flags in this release: the plugin's ids
+        capture_ids = hook.get("capture_layer_ids")
     return {
         "engine": "sglang",
         "engine_version": raw.get("version"),
@@ -151,7 +269,7 @@ def pipeline_server_info(raw: dict) -> dict:
         "dump_dir": hook["dump_dir"],
         "request_prefix": hook["request_prefix"],
         "instance_id": hook["instance_id"],
-        "sglang_capture_layer_ids": raw.get("return_aux_hidden_state_layer_ids"),
+        "sglang_capture_layer_ids": capture_ids,
     }
 
 
@@ -167,6 +285,7 @@ _REFUSED_FLAGS = {
     "--enable-mixed-chunk": "mixed chunks put partial prefills in a batch",
     "--enable-torch-compile": "compiled forwards may bypass Python forward hooks",
     "--cuda-graph-config": "it can re-enable the prefill CUDA graph, where hooks do not fire",
+    "--enable-prefill-cp": "prefill context parallelism splits each request's tokens across ranks",
 }
 # Flags the launcher sets itself: from the named config key, or always (None).
 _LAUNCHER_FLAGS = {
@@ -197,6 +316,9 @@ _MUST_BE_ONE = {
     "--attention-data-parallel-size": "data-parallel attention splits the batch across ranks",
     "--pp-size": "pipeline parallelism leaves the aux layers on other ranks",
     "--pipeline-parallel-size": "pipeline parallelism leaves the aux layers on other ranks",
+    "--attn-cp-size": "context parallelism splits each request's tokens across ranks",
+    "--attention-context-parallel-size": "context parallelism splits each request's tokens "
+    "across ranks",
 }
 
 
@@ -259,20 +381,39 @@ def check_extra_args(extra_args: list[str]) -> None:
 
 
 def launch_command(
-    config: dict, *, host: str, port: int, dump_dir: str | os.PathLike, instance_id: str
+    config: dict,
+    *,
+    host: str,
+    port: int,
+    dump_dir: str | os.PathLike,
+    instance_id: str,
+    sglang_version: str | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """The SGLang server command for `config`, and the extra environment it needs.
 
     `dump_dir` (`<dump_root>/<instance_id>/`, made by the caller) and `instance_id` travel in
-    the hook's config; the hook logs both when SGLang registers it.
+    the hook's config; the hook logs both when SGLang registers it. `sglang_version` defaults to
+    the SGLang installed for the server (`installed_sglang_version`); it decides the capture
+    mechanism, and a version outside patch/sglang.toml's range is refused.
     """
     from .. import config as cfg
+    from .sglang_plugin import CAPTURE_ENV
 
     if not (PATCH_DIR / f"{HOOK_MODULE}.py").is_file():
         raise PipelineError(f"{PATCH_DIR / (HOOK_MODULE + '.py')} is missing from the checkout")
     sglang_cfg = config["server"].get("sglang", {})
     extra_args = [str(a) for a in sglang_cfg.get("extra_args", [])]
     check_extra_args(extra_args)
+    version = check_supported(
+        sglang_version if sglang_version is not None else installed_sglang_version()
+    )
+    mechanism = capture_mechanism(version)
+    if mechanism == CAPTURE_BY_PLUGIN and not plugin_registered():
+        raise PipelineError(
+            f"server.engine sglang: SGLang {version} needs the eaglepipe SGLang plugin (entry "
+            f"point {PLUGIN_GROUP}: {PLUGIN_NAME}), which is not installed for {sys.executable}: "
+            "install the project into that environment (pip install -e .)"
+        )
 
     model_path = cfg.model_dir(config).resolve()
     model_config = cfg.read_model_config(config)
@@ -288,6 +429,7 @@ def launch_command(
         aux_layer_ids=our_ids,
         instance_id=instance_id,
         hidden_size=cfg.text_config(model_config).get("hidden_size"),
+        capture_layer_ids=capture_ids,
     )
 
     argv = [
@@ -310,12 +452,15 @@ def launch_command(
     dtype = _DTYPE_FLAG_VALUES.get(config["server"].get("dtype", "auto"))
     if dtype:
         argv += ["--dtype", dtype]
+    if mechanism == CAPTURE_BY_FLAGS:
+        argv += [
+            "--speculative-algorithm",
+            "EAGLE3",
+            "--enable-return-aux-hidden-states",
+            "--return-aux-hidden-state-layer-ids",
+            *[str(i) for i in capture_ids],
+        ]
     argv += [
-        "--speculative-algorithm",
-        "EAGLE3",
-        "--enable-return-aux-hidden-states",
-        "--return-aux-hidden-state-layer-ids",
-        *[str(i) for i in capture_ids],
         "--forward-hooks",
         json.dumps([spec], separators=(",", ":")),
         "--disable-radix-cache",
@@ -325,11 +470,14 @@ def launch_command(
         *extra_args,
     ]
 
-    # Extra environment, merged over os.environ by the lifecycle code.
+    # Extra environment, merged over os.environ by the lifecycle code. The capture ids are
+    # always set (empty with the flags), so none left in the caller's environment leaks in.
     env = {
-        "PYTHONPATH": os.pathsep.join(
-            p for p in (str(PATCH_DIR), os.environ.get("PYTHONPATH", "")) if p
-        ),
+        "PYTHONPATH": os.pathsep.join(server_path_entries()),
         "PYTHONUNBUFFERED": "1",
+        CAPTURE_ENV: json.dumps(capture_ids) if mechanism == CAPTURE_BY_PLUGIN else "",
     }
+    allowed = os.environ.get(SGLANG_PLUGINS_ENV)
+    if allowed and PLUGIN_NAME not in [name.strip() for name in allowed.split(",")]:
+        env[SGLANG_PLUGINS_ENV] = f"{allowed},{PLUGIN_NAME}"
     return argv, env

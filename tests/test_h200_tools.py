@@ -1,0 +1,318 @@
+"""The H200 tooling on CPU: the staged wheel list, the repacking of a wheel (installed with pip
+afterwards), the device runner's argument and precondition errors, and the GPU drivers' dry
+runs (commands built for each end of the SGLang range, no server)."""
+
+from __future__ import annotations
+
+import base64
+import csv
+import hashlib
+import importlib.util
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+VENV_BIN = str(Path(sys.executable).parent)
+
+
+def load_stage_tool():
+    spec = importlib.util.spec_from_file_location(
+        "stage_sglang", REPO_ROOT / "tools" / "stage_sglang.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["stage_sglang"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+stage = load_stage_tool()
+
+
+# ------------------------------------------------------------------------------ the wheel list
+
+
+def test_the_wheel_list_parses_and_pins_the_recommended_sglang():
+    specs = {s.name: s for s in stage.read_wheel_list()}
+    recommended = tomllib.loads((REPO_ROOT / "patch" / "sglang.toml").read_text())["recommended"]
+    assert specs["sglang"].version == recommended
+    # SGLang 0.5.14 does not import with the machine's transformers 5.17: its server alone
+    # sees these.
+    assert {n for n, s in specs.items() if s.site == "server"} == {"transformers", "tokenizers"}
+    assert specs["transformers"].version == "5.8.1" and specs["tokenizers"].version == "0.22.2"
+    assert specs["fastapi"].version == "0.140.0"
+    assert {n for n, s in specs.items() if s.repack} == set(stage.REPACK_DROP)
+    # The pipeline's own needs on the machine: snakemake and jsonschema (not in the image).
+    assert "snakemake" in specs and "jsonschema" in specs
+    assert "pulp" not in specs  # the runs use --scheduler greedy
+
+
+def test_every_project_dependency_is_in_the_image_or_staged():
+    """What eaglepipe imports on the H200: the machine's packages (KINDS.md) or a staged wheel."""
+    from packaging.requirements import Requirement
+
+    image = {
+        "torch", "transformers", "tokenizers", "safetensors", "pandas", "pyarrow", "pyyaml",
+        "aiohttp", "xxhash", "psutil", "filelock", "tqdm", "matplotlib", "jinja2", "packaging",
+    }  # fmt: skip
+    kinds = Path("/work/.library/device/KINDS.md")
+    if kinds.exists():  # the list as last read on the machine, where this checkout has it
+        listed = kinds.read_text().split("## Python packages already there", 1)[1]
+        for name in image:
+            assert f" {name}," in listed or f" {name}." in listed, name
+    staged = {s.name for s in stage.read_wheel_list()}
+    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+    for line in project["dependencies"]:
+        name = stage.canonical(Requirement(line).name)
+        assert name in image or name in staged, f"{name}: neither on the machine nor staged"
+
+
+@pytest.mark.parametrize(
+    "line,match",
+    [
+        ("sglang 0.5.14 common", "expected 'NAME==VERSION SITE"),
+        ("sglang==0.5.14 elsewhere", "expected 'NAME==VERSION SITE"),
+        ("sglang==0.5.14 common slim", "unknown flag 'slim'"),
+        ("numpy==2.0 common repack", "no repack rule for numpy"),
+        ("dill==0.4.1 common\nDill==0.4.0 server", "dill is listed twice"),
+    ],
+)
+def test_a_malformed_wheel_list_names_the_line(tmp_path, line, match):
+    path = tmp_path / "wheels.txt"
+    path.write_text(f"# header\n\n{line}\n")
+    with pytest.raises(ValueError, match=match) as error:
+        stage.read_wheel_list(path)
+    assert f"{path}:3:" in str(error.value) or f"{path}:4:" in str(error.value)
+
+
+def make_wheel(path: Path, files: dict[str, bytes]) -> Path:
+    """A minimal valid wheel with a RECORD over `files`."""
+    dist = "demo_pkg-1.0.dist-info"
+    files = {
+        **files,
+        f"{dist}/METADATA": b"Metadata-Version: 2.1\nName: demo-pkg\nVersion: 1.0\n",
+        f"{dist}/WHEEL": (
+            b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        ),
+    }
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    for name, data in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        writer.writerow((name, f"sha256={digest}", len(data)))
+    writer.writerow((f"{dist}/RECORD", "", ""))
+    with zipfile.ZipFile(path, "w") as archive:
+        for name, data in files.items():
+            archive.writestr(name, data)
+        archive.writestr(f"{dist}/RECORD", buffer.getvalue())
+    return path
+
+
+def test_repacking_drops_the_matched_members_and_stays_installable(tmp_path):
+    source = make_wheel(
+        tmp_path / "demo_pkg-1.0-py3-none-any.whl",
+        {
+            "demo_pkg/__init__.py": b"VALUE = 1\n",
+            "demo_pkg/data/huge.bin": b"x" * 4096,
+            "demo_pkg/data/more/huge2.bin": b"y" * 4096,
+        },
+    )
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    target = out_dir / source.name
+    dropped = stage.repack(source, target, [r"^demo_pkg/data/"])
+    assert dropped == 2
+    names = zipfile.ZipFile(target).namelist()
+    assert "demo_pkg/__init__.py" in names and not any("/data/" in n for n in names)
+    record = zipfile.ZipFile(target).read("demo_pkg-1.0.dist-info/RECORD").decode()
+    assert "huge" not in record and "demo_pkg/__init__.py,sha256=" in record
+    site = tmp_path / "site"
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+         "--disable-pip-version-check", "--target", str(site), str(target)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert (site / "demo_pkg" / "__init__.py").read_text() == "VALUE = 1\n"
+    assert not (site / "demo_pkg" / "data").exists()
+
+
+# ------------------------------------------------------------------------------ the device runner
+
+
+def run_h200(args: list[str], repo: Path, root: Path) -> subprocess.CompletedProcess:
+    env = {
+        **os.environ,
+        "EAGLEPIPE_H200_ROOT": str(root),
+        "PATH": f"{VENV_BIN}:{os.environ['PATH']}",
+    }
+    return subprocess.run(
+        ["bash", str(repo / "tools" / "h200.sh"), *args],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("args", [[], ["perf"], ["burn", "/tmp/x"]])
+def test_the_runner_refuses_bad_arguments(tmp_path, args):
+    done = run_h200(args, REPO_ROOT, tmp_path / "root")
+    assert done.returncode == 2
+    assert "check, fidelity, perf, pipeline" in done.stderr or "usage" in done.stderr
+
+
+def test_the_runner_stops_without_staged_wheels(tmp_path):
+    repo = tmp_path / "repo"
+    (repo / "tools").mkdir(parents=True)
+    shutil.copy(REPO_ROOT / "tools" / "h200.sh", repo / "tools" / "h200.sh")
+    out = tmp_path / "out"
+    done = run_h200(["check", str(out)], repo, tmp_path / "root")
+    assert done.returncode == 1
+    assert "no staged wheels in" in done.stdout and "tools/stage_sglang.py" in done.stdout
+    assert "no staged wheels" in (out / "h200_check.log").read_text()
+
+
+# ------------------------------------------------------------------------------ the drivers
+
+
+def run_script(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-u", *args], cwd=REPO_ROOT, capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("version,capture_flags", [("0.5.14", False), ("0.5.23", True)])
+def test_the_extraction_benchmark_builds_the_bare_and_pipeline_commands(
+    tmp_path, version, capture_flags
+):
+    out = tmp_path / "r.json"
+    done = run_script(
+        "benchmarks/bench_sglang_extraction.py", "--dry-run", "--sglang-version", version,
+        "--work-root", str(tmp_path), "--out", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads(out.read_text())
+    bare, pipeline = results["bare"], results["pipeline"]
+    for flag in ("--forward-hooks", "--speculative-algorithm", "--enable-return-aux-hidden-states"):
+        assert flag not in bare["argv"]
+    assert bare["env"]["EAGLEPIPE_SGLANG_CAPTURE_LAYER_IDS"] == ""
+    assert "--forward-hooks" in pipeline["argv"]
+    assert ("--enable-return-aux-hidden-states" in pipeline["argv"]) is capture_flags
+    captured = pipeline["env"]["EAGLEPIPE_SGLANG_CAPTURE_LAYER_IDS"]
+    assert captured == ("" if capture_flags else "[1, 3, 4]")
+    # Every other flag is the same in both runs.
+    hook_at = pipeline["argv"].index("--forward-hooks")
+    tail = pipeline["argv"][hook_at + 2 :]
+    assert bare["argv"][-len(tail) :] == tail
+    assert [a for a in bare["argv"] if a.startswith("--")][:6] == [
+        "--model-path", "--tp-size", "--host", "--port", "--mem-fraction-static", "--dtype",
+    ]  # fmt: skip
+    assert pipeline["shards"] >= 2
+    assert set(results["raw_write"]) >= {"disk"}
+    assert list(tmp_path.glob("eaglepipe-bench-sglang-*")) == []  # the scratch dir is removed
+
+
+def test_the_fidelity_check_builds_deepseek_and_kimi_and_catches_a_shifted_layer(tmp_path):
+    out = tmp_path / "fidelity.json"
+    done = run_script(
+        "benchmarks/sglang_fidelity.py", "--dry-run", "--small", "--models", "kimi",
+        "--sglang-version", "0.5.14", "--work-root", str(tmp_path), "--out", str(out),
+        "--device", "cpu",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert list(results["models"]) == ["deepseek", "kimi"]  # kimi brings its DeepSeek weights
+    deepseek, kimi = results["models"]["deepseek"], results["models"]["kimi"]
+    # transformers does not save these; SGLang 0.5.14 reads them without a default.
+    assert deepseek["config"]["moe_layer_freq"] == 1
+    assert deepseek["config"]["topk_method"] == "noaux_tc"
+    assert deepseek["config"]["first_k_dense_replace"] == 2
+    assert kimi["config"]["architectures"] == ["KimiK25ForConditionalGeneration"]
+    assert kimi["config"]["vision_config"]["text_hidden_size"] == 256
+    for entry in (deepseek, kimi):
+        assert entry["status"] == "ok", entry
+        assert entry["checks"]["shifted_copy_fails"]
+        assert all(not layer["ok"] for layer in entry["shifted_by_one_layer"][:-1])
+        # DeepSeek's capture arithmetic: ours [1, 3, 4] pass as [2, 4, 5], through the plugin.
+        assert entry["env"]["EAGLEPIPE_SGLANG_CAPTURE_LAYER_IDS"] == "[2, 4, 5]"
+        assert "--speculative-algorithm" not in entry["argv"]
+    assert kimi["argv"][kimi["argv"].index("--mm-attention-backend") + 1] == "sdpa"
+    table = out.with_suffix(".md").read_text()
+    assert "| kimi | packed | final | HF[8] |" in table
+
+
+def test_the_fidelity_check_needs_a_version_for_its_dry_run():
+    done = run_script("benchmarks/sglang_fidelity.py", "--dry-run", timeout=120)
+    assert done.returncode == 2 and "--sglang-version" in done.stderr
+
+
+@pytest.mark.parametrize("options", [[], ["--quick"]])
+def test_the_pipeline_driver_runs_snakemake_with_the_sglang_overrides(tmp_path, options):
+    """A dry run of the driver's snakemake call: the overrides pass the config schema and the
+    plan reaches live acceptance; the summary and the archive are written anyway."""
+    env = {
+        **os.environ,
+        "EAGLEPIPE_H200_ROOT": str(tmp_path),
+        "PATH": f"{VENV_BIN}:{os.environ['PATH']}",
+    }
+    out = tmp_path / "out"
+    done = subprocess.run(
+        ["bash", str(REPO_ROOT / "benchmarks" / "sglang_pipeline_h200.sh"), str(out), *options,
+         "-n"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "Config file config.yaml is extended" in done.stdout + done.stderr
+    assert "live_acceptance" in done.stdout
+    summary = json.loads((out / "pipeline_summary.json").read_text())
+    assert summary["snakemake_exit"] == 0
+    overrides = (tmp_path / "pipeline-run" / "h200-sglang.yaml").read_text()
+    assert "engine: sglang" in overrides and "num_heads: 2" in overrides
+    assert ("epochs: 2" in overrides) is bool(options)
+    assert zipfile.is_zipfile(out / "pipeline_results.tgz") is False  # a gzip'd tar
+    assert (out / "pipeline_results.tgz").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_the_fidelity_harness_end_to_end_on_the_reference_server(tmp_path):
+    """The live path of sglang_fidelity.py (lifecycle start, the project's client single and
+    packed, the comparison, stray-dump check, stop) with the built-in server on CPU."""
+    out = tmp_path / "fidelity.json"
+    done = run_script(
+        "benchmarks/sglang_fidelity.py", "--engine", "reference", "--small", "--models",
+        "llama", "--device", "cpu", "--work-root", str(tmp_path), "--out", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    llama = json.loads(out.read_text())["models"]["llama"]
+    assert llama["status"] == "ok" and llama["aux_layer_ids"] == [1, 3, 4]
+    assert llama["checks"]["one_dump_per_request"] and llama["other_requests"]["stray_dumps"] == []
+    assert [e["layer"] for e in llama["single"]] == ["aux 1", "aux 3", "aux 4", "final"]
+    assert not list(tmp_path.glob("eaglepipe-fidelity-*"))  # the scratch dir is gone
+
+
+@pytest.mark.slow
+def test_the_extraction_benchmark_end_to_end_on_the_reference_server(tmp_path):
+    """The pipeline half of bench_sglang_extraction.py (lifecycle, concurrent shard jobs,
+    chunks on tmpfs, the breakdown) with the built-in server on CPU."""
+    out = tmp_path / "r.json"
+    done = run_script(
+        "benchmarks/bench_sglang_extraction.py", "--engine", "reference", "--tokens", "700",
+        "--storages", "shm", "--parallel-shards", "2", "--work-root", str(tmp_path),
+        "--out", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads(out.read_text())
+    shm = results["pipeline"]["variants"]["shm"]
+    assert shm["tokens"] == results["setup"]["tokens"] >= 700
+    assert shm["chunks"] >= 1 and shm["job_startup_s"] > 0
+    assert set(shm["client_breakdown_s"]) == {
+        "budget_wait_s", "dump_wait_s", "read_dump_s", "lookahead_wait_s", "chunk_write_s",
+    }  # fmt: skip
+    assert results["bare"] == {"skipped": "the reference engine has no bare server"}

@@ -1,0 +1,215 @@
+#!/usr/bin/env bash
+# One device call on the lent H200: install the staged SGLang wheels, run one part, leave its
+# results in OUT. Every part ends inside the call's 10-minute limit and still writes what it has.
+#
+#   bash tools/h200.sh check    OUT     imports, versions, plugin registration (~1 min)
+#   bash tools/h200.sh fidelity OUT     benchmarks/sglang_fidelity.py (Llama, DeepSeek, Kimi)
+#   bash tools/h200.sh perf     OUT     benchmarks/bench_sglang_extraction.py (8B shape)
+#   bash tools/h200.sh pipeline OUT     benchmarks/sglang_pipeline_h200.sh (snakemake, engine sglang)
+#   (extra arguments after OUT go to the part's script)
+#
+# Needs .whl-sglang/ (python tools/stage_sglang.py, here; carried with the call). Uses
+# .jit-sglang/jitcache.tgz when carried: SGLang's JIT-compiled kernels from an earlier call
+# (saves ~40 s per cold start). Writes OUT/h200_<part>.log, the part's results and, when it fits
+# the 16 MiB a returned file may have, OUT/jitcache.tgz: copy it to .jit-sglang/ for the next call.
+#
+# Layout on the machine (EAGLEPIPE_H200_ROOT, default /tmp/eaglepipe-h200):
+#   site/         every wheel but two: on every process's PYTHONPATH (after the repository)
+#   site-sglang/  transformers 5.8.1 + tokenizers 0.22.2: on the SGLang server's path only
+#                 (EAGLEPIPE_SGLANG_PYTHONPATH), the rest keeps the machine's transformers
+#   jit/          TVM_FFI_CACHE_DIR and TRITON_CACHE_DIR
+set -u -o pipefail
+
+if [ $# -lt 2 ]; then
+    echo "usage: bash tools/h200.sh check|fidelity|perf|pipeline OUT [args...]" >&2
+    exit 2
+fi
+PART=$1
+OUT=$2
+shift 2
+case "$PART" in
+check | fidelity | perf | pipeline) ;;
+*)
+    echo "tools/h200.sh: unknown part '$PART' (check, fidelity, perf, pipeline)" >&2
+    exit 2
+    ;;
+esac
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+ROOT=${EAGLEPIPE_H200_ROOT:-/tmp/eaglepipe-h200}
+BUDGET_S=${EAGLEPIPE_H200_BUDGET_S:-570}
+WHEELS=$REPO/.whl-sglang
+JIT_CARRIED=$REPO/.jit-sglang/jitcache.tgz
+# Every process the part starts inherits this marker; the cleanup at the end finds the servers
+# it left (they run in their own sessions) by it.
+CALL_MARK="h200-$$-$(date +%s)"
+mkdir -p "$OUT" "$ROOT"
+LOG=$OUT/h200_$PART.log
+
+say() { echo "[h200 $(date -u +%H:%M:%S) +${SECONDS}s] $*"; }
+
+install_wheels() {
+    if [ ! -f "$WHEELS/manifest.json" ]; then
+        say "no staged wheels in $WHEELS: run 'python tools/stage_sglang.py' and carry .whl-sglang"
+        return 1
+    fi
+    local stamp
+    stamp=$(sha256sum "$WHEELS/manifest.json" | cut -c1-16)
+    if [ "$(cat "$ROOT/installed" 2>/dev/null)" = "$stamp" ]; then
+        say "wheels already installed ($stamp)"
+        return 0
+    fi
+    rm -rf "$ROOT/site" "$ROOT/site-sglang" "$ROOT/installed"
+    say "installing $(ls "$WHEELS"/common/*.whl | wc -l) + $(ls "$WHEELS"/server/*.whl | wc -l) wheels"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+        --disable-pip-version-check --target "$ROOT/site" "$WHEELS"/common/*.whl || return 1
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+        --disable-pip-version-check --target "$ROOT/site-sglang" "$WHEELS"/server/*.whl || return 1
+    echo "$stamp" >"$ROOT/installed"
+    say "installed"
+}
+
+setup_env() {
+    export PYTHONPATH="$REPO:$ROOT/site"
+    export EAGLEPIPE_SGLANG_PYTHONPATH="$ROOT/site-sglang"
+    export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+    export TVM_FFI_CACHE_DIR="$ROOT/jit/tvm-ffi" TRITON_CACHE_DIR="$ROOT/jit/triton"
+    mkdir -p "$TVM_FFI_CACHE_DIR" "$TRITON_CACHE_DIR"
+    if [ -z "${CUDA_HOME:-}" ] && [ -d /usr/local/cuda ]; then
+        export CUDA_HOME=/usr/local/cuda
+    fi
+    # The staged flashinfer has no JIT sources: the eaglepipe SGLang plugin then uses
+    # sgl_kernel's precompiled norm, sampling and top-k kernels (never on a full install).
+    if [ ! -d "$ROOT/site/flashinfer/data" ]; then
+        export EAGLEPIPE_SGLANG_SLIM_FLASHINFER=1
+    fi
+    # Snakemake's rules run `python`: the machine's python3, through a wrapper (a symlink to a
+    # virtual environment's interpreter would lose that environment).
+    mkdir -p "$ROOT/bin"
+    printf '#!/bin/sh\nexec %s "$@"\n' "$(command -v python3)" >"$ROOT/bin/python"
+    chmod +x "$ROOT/bin/python"
+    export PATH="$ROOT/bin:$PATH"
+    if [ -f "$JIT_CARRIED" ]; then
+        tar -xzf "$JIT_CARRIED" -C "$ROOT" && say "JIT cache restored from $JIT_CARRIED"
+    fi
+}
+
+check_imports() {
+    nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader
+    say "CPUs $(nproc); /dev/shm free $(df -h --output=avail /dev/shm | tail -1); /tmp free $(df -h --output=avail /tmp | tail -1)"
+    PYTHONPATH="$EAGLEPIPE_SGLANG_PYTHONPATH:$PYTHONPATH" timeout 180 python3 -c "
+import sglang, sgl_kernel, flashinfer, tvm_ffi, transformers, tokenizers
+print('server env: sglang', sglang.__version__, '| sgl_kernel', sgl_kernel.__version__,
+      '| flashinfer', flashinfer.__version__, '| transformers', transformers.__version__,
+      '| tokenizers', tokenizers.__version__)
+assert transformers.__version__ == '5.8.1', transformers.__version__
+" || return 1
+    timeout 180 python3 -c "
+import sys, torch, transformers, snakemake, jsonschema, eaglepipe
+from eaglepipe.server import sglang as recipe
+print('pipeline env: python', sys.version.split()[0], '| torch', torch.__version__,
+      '| transformers', transformers.__version__, '| snakemake', snakemake.__version__,
+      '| eaglepipe from', eaglepipe.__file__)
+assert eaglepipe.__file__.startswith('$REPO/'), 'eaglepipe must come from the repository'
+version = recipe.check_supported(recipe.installed_sglang_version())
+print('SGLang for the server:', version, '| capture:', recipe.capture_mechanism(version),
+      '| plugin registered:', recipe.plugin_registered())
+assert recipe.capture_mechanism(version) == 'flags' or recipe.plugin_registered()
+" || return 1
+    say "imports ok; slim flashinfer: ${EAGLEPIPE_SGLANG_SLIM_FLASHINFER:-0}"
+}
+
+run_part() {
+    local left=$((BUDGET_S - SECONDS - 30))
+    if [ "$left" -lt 60 ]; then
+        say "only ${left}s left for $PART: not started"
+        return 1
+    fi
+    say "$PART: start (limit ${left}s)"
+    (
+        export EAGLEPIPE_H200_CALL=$CALL_MARK
+        case "$PART" in
+        check) exit 0 ;;
+        fidelity)
+            timeout --signal=TERM --kill-after=20 "$left" python3 -u \
+                benchmarks/sglang_fidelity.py --out "$OUT/fidelity.json" \
+                --deadline-s $((left - 25)) --work-root "$ROOT" --keep "$@"
+            ;;
+        perf)
+            timeout --signal=TERM --kill-after=20 "$left" python3 -u \
+                benchmarks/bench_sglang_extraction.py --out "$OUT/sglang_extraction.json" \
+                --deadline-s $((left - 25)) --work-root /tmp "$@"
+            ;;
+        pipeline)
+            EAGLEPIPE_PIPELINE_LIMIT_S=$((left - 20)) timeout --signal=TERM --kill-after=20 \
+                "$left" bash benchmarks/sglang_pipeline_h200.sh "$OUT" "$@"
+            ;;
+        esac
+    )
+}
+
+stop_leftovers() {
+    # SGLang servers run in their own sessions and would outlive the call: stop every process
+    # that carries this call's marker (not this shell or its parents).
+    local pids=() pid
+    for env_file in /proc/[0-9]*/environ; do
+        pid=${env_file#/proc/}
+        pid=${pid%/environ}
+        if { tr '\0' '\n' <"$env_file"; } 2>/dev/null | grep -qx "EAGLEPIPE_H200_CALL=$CALL_MARK"; then
+            pids+=("$pid")
+        fi
+    done
+    [ ${#pids[@]} -eq 0 ] && return 0
+    say "stopping ${#pids[@]} leftover process(es) of this call: ${pids[*]}"
+    kill -TERM "${pids[@]}" 2>/dev/null
+    sleep 5
+    kill -KILL "${pids[@]}" 2>/dev/null
+    return 0
+}
+
+save_jit_cache() {
+    [ -d "$ROOT/jit" ] || return 0
+    local tgz=$OUT/jitcache.tgz
+    tar -czf "$tgz" --exclude='*.o' --exclude='*.ninja*' --exclude='*.lock' -C "$ROOT" jit
+    if [ "$(stat -c %s "$tgz")" -gt $((15 * 1024 * 1024)) ]; then
+        # The tvm-ffi builds are the slow part (~40 s); Triton recompiles quickly.
+        tar -czf "$tgz" --exclude='*.o' --exclude='*.ninja*' --exclude='*.lock' -C "$ROOT" jit/tvm-ffi
+    fi
+    if [ "$(stat -c %s "$tgz")" -gt $((15 * 1024 * 1024)) ]; then
+        say "JIT cache is $(du -h "$tgz" | cut -f1), over what a returned file may hold: not saved"
+        rm -f "$tgz"
+    else
+        say "JIT cache saved: $tgz ($(du -h "$tgz" | cut -f1)); carry it as .jit-sglang/jitcache.tgz"
+    fi
+}
+
+save_server_logs() {
+    # The fidelity runs keep their scratch dirs: their server logs travel back as one file.
+    local logs
+    logs=$(cd "$ROOT" && ls -d eaglepipe-fidelity-*/run-*/logs/server 2>/dev/null)
+    [ -n "$logs" ] || return 0
+    (cd "$ROOT" && tar -czf "$OUT/server_logs.tgz" $logs)
+    if [ "$(stat -c %s "$OUT/server_logs.tgz")" -gt $((15 * 1024 * 1024)) ]; then
+        rm -f "$OUT/server_logs.tgz"
+        say "server logs too large to return"
+    fi
+    rm -rf "$ROOT"/eaglepipe-fidelity-*
+}
+
+main() {
+    cd "$REPO" || return 1
+    say "part $PART, budget ${BUDGET_S}s, repository $REPO"
+    install_wheels || return 1
+    setup_env
+    check_imports || return 1
+    local rc=0
+    run_part "$@" || rc=$?
+    say "$PART: exit $rc"
+    stop_leftovers
+    save_server_logs
+    save_jit_cache
+    say "done in ${SECONDS}s; results in $OUT: $(ls "$OUT" | tr '\n' ' ')"
+    return $rc
+}
+
+main "$@" 2>&1 | tee -a "$LOG"
+exit "${PIPESTATUS[0]}"
