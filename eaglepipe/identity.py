@@ -16,26 +16,20 @@ the one the shard provenance uses too.
 
 from __future__ import annotations
 
-import importlib.metadata
-
 from . import config as cfg
 from .fingerprint import model_config_hash, weights_fingerprint
-
-
-def installed_version(distribution: str) -> str | None:
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def engine_identity(config: dict) -> dict:
     """Engine, version, device kind, dtype and layout, as the server on this node resolves them."""
     server = config["server"]
     if server["engine"] == "sglang":
+        from .server.sglang import installed_sglang_version
+
         return {
             "engine": "sglang",
-            "engine_version": installed_version("sglang"),
+            # The SGLang the server process imports (its own path may differ from ours).
+            "engine_version": installed_sglang_version(),
             # SGLang resolves `auto` from the model's own torch_dtype: the same on every node.
             "dtype": server["dtype"],
             "tp_size": server["sglang"]["tp_size"],
