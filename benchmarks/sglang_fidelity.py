@@ -51,6 +51,7 @@ import traceback
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -69,14 +70,20 @@ from common import (  # noqa: E402
     write_results,
 )
 
+from eaglepipe.validate import (  # noqa: E402
+    DEFAULT_NEIGHBOUR_FRACTION,
+    DEFAULT_NOISE_MARGIN,
+    rel_l2,
+    spot_check_verdict,
+    token_rel_l2,
+)
+
 MODELS = ("llama", "deepseek", "kimi")
 ROW_LENGTHS = [5, 17, 64, 128, 300, 511, 1000, 33, 2, 257]
-# Pass: within FLOOR_FACTOR x transformers' own bf16-vs-fp32 error (+ ABS_MARGIN), and closer
-# than NEIGHBOUR_FRACTION of the distance to either neighbouring layer.
+# Each layer is judged by the pipeline's spot-check rule (validate.spot_check_verdict). Packed
+# dumps must equal the single ones within FLOOR_FACTOR x the layer's bf16 floor (+ ABS_MARGIN).
 FLOOR_FACTOR = 2.0
 ABS_MARGIN = 0.005
-P99_MARGIN = 0.01
-NEIGHBOUR_FRACTION = 0.5
 CORPUS_WORDS = (
     "the quick brown fox jumps over the lazy dog while eagle drafts speculate tokens hidden "
     "states flow through decoder layers residual streams and final norms latent attention "
@@ -337,16 +344,8 @@ def references(model_dir: Path, rows: list[list[int]], device: str) -> dict[str,
 # ----------------------------------------------------------------------------- comparison
 
 
-def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.float(), b.float()
-    return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b).clamp_min(1e-30))
-
-
 def token_p99(a: torch.Tensor, b: torch.Tensor) -> float:
-    from eaglepipe.validate import per_token_errors
-
-    rel, _ = per_token_errors(a.float(), b.float())
-    return float(torch.tensor(rel).quantile(0.99))
+    return float(np.quantile(token_rel_l2(a.float(), b.float()), 0.99))
 
 
 def slots(aux_ids: list[int], num_layers: int) -> list[tuple[str, int, list[int]]]:
@@ -384,20 +383,44 @@ def compare(got: dict, refs: dict, aux_ids: list[int], num_layers: int) -> list[
             "floor_token_p99": round(token_p99(bf16, fp32), 5),
             "neighbours": {str(n): round(v, 4) for n, v in near.items()},
         }
-        within_floor = entry["rel_l2"] <= FLOOR_FACTOR * entry["floor_rel_l2"] + ABS_MARGIN
-        within_tails = entry["token_p99"] <= FLOOR_FACTOR * entry["floor_token_p99"] + P99_MARGIN
-        apart = entry["rel_l2"] < NEIGHBOUR_FRACTION * min(near.values())
-        entry["ok"] = bool(within_floor and within_tails and apart)
-        entry["why"] = ", ".join(
-            what
-            for what, bad in (
-                ("above the bf16 floor", not within_floor),
-                ("per-token tails above the floor's", not within_tails),
-                ("as close to a neighbouring layer", not apart),
-            )
-            if bad
+        # The pipeline's own spot-check rule (validate.spot_check_verdict, its defaults).
+        verdict = spot_check_verdict(
+            dumped,
+            fp32,
+            [torch.cat([refs["float32"][i][n] for i in ids]) for n in neighbours],
+            floor=rel_l2(bf16, fp32),
         )
+        entry["ok"] = verdict.ok
+        entry["why"] = "; ".join(verdict.failures())
         entries.append(entry)
+    return entries
+
+
+def compare_shifted(got: dict, refs: dict, aux_ids: list[int], num_layers: int) -> list[dict]:
+    """Each aux slot's dump judged as if it were the next layer's (a one-layer shift, the bug
+    the spot check exists for): the pipeline's rule must fail every one."""
+    ids = sorted(got)
+    entries = []
+    for index, k in enumerate(aux_ids):
+        claimed = k + 2  # HF index of layer k + 1's output
+        if claimed + 1 >= num_layers:
+            continue  # the shifted claim needs both its neighbours among the pre-norm layers
+        dumped = torch.cat([split_dump(*got[i], len(aux_ids))[index].float() for i in ids])
+        fp32 = torch.cat([refs["float32"][i][claimed] for i in ids])
+        bf16 = torch.cat([refs["bfloat16"][i][claimed] for i in ids])
+        neighbours = [
+            torch.cat([refs["float32"][i][n] for i in ids]) for n in (claimed - 1, claimed + 1)
+        ]
+        verdict = spot_check_verdict(dumped, fp32, neighbours, floor=rel_l2(bf16, fp32))
+        entries.append(
+            {
+                "layer": f"aux {k} claimed as {k + 1}",
+                "rel_l2": round(verdict.rel_l2, 5),
+                "noise_bound": round(verdict.noise_bound, 5),
+                "neighbour_bound": round(verdict.neighbour_bound, 5),
+                "fails": not verdict.ok,
+            }
+        )
     return entries
 
 
@@ -603,15 +626,18 @@ def verdicts(single, packed, refs, aux_ids, num_layers, row_count) -> dict:
     packed_layers = compare(packed, refs, aux_ids, num_layers)
     floors = [entry["floor_rel_l2"] for entry in single_layers]
     packed_vs_single = compare_runs(single, packed, len(aux_ids), floors)
+    shifted = compare_shifted(packed, refs, aux_ids, num_layers)
     return {
         "single": single_layers,
         "packed": packed_layers,
         "packed_vs_single": packed_vs_single,
+        "shifted_layer": shifted,
         "checks": {
             "one_dump_per_request": len(single) == row_count and len(packed) == row_count,
             "single_layers": all(e["ok"] for e in single_layers),
             "packed_layers": all(e["ok"] for e in packed_layers),
             "packed_equals_single": all(e["ok"] for e in packed_vs_single),
+            "shifted_layer_fails": bool(shifted) and all(e["fails"] for e in shifted),
         },
     }
 
@@ -673,6 +699,12 @@ def report(results: dict) -> str:
                 ])  # fmt: skip
     header = ["model", "requests", "layer", "vs", "rel L2", "token p99", "bf16 floor",
               "floor p99", "neighbours", "verdict"]  # fmt: skip
+    shifted_rows = [
+        [name, layer["layer"], layer["rel_l2"], layer["noise_bound"], layer["neighbour_bound"],
+         "fails (right)" if layer["fails"] else "PASSES (wrong)"]
+        for name, entry in results["models"].items()
+        for layer in entry.get("shifted_layer", [])
+    ]  # fmt: skip
     status_rows = []
     for name, entry in results["models"].items():
         checks = entry.get("checks", {})
@@ -687,6 +719,12 @@ def report(results: dict) -> str:
     return (
         "### SGLang dumps vs an independent transformers forward\n\n"
         + markdown_table(header, rows)
+        + "\nThe same packed dumps judged as the next layer's (a one-layer shift) by the "
+        "pipeline's spot-check rule:\n\n"
+        + markdown_table(
+            ["model", "dump", "rel L2", "noise bound", "neighbour bound", "verdict"],
+            shifted_rows,
+        )
         + "\n"
         + markdown_table(
             [
@@ -717,10 +755,11 @@ def main(argv=None) -> int:
         "dry_run": args.dry_run,
         "size": size,
         "criteria": {
-            "floor_factor": FLOOR_FACTOR,
-            "abs_margin": ABS_MARGIN,
-            "p99_margin": P99_MARGIN,
-            "neighbour_fraction": NEIGHBOUR_FRACTION,
+            "layers": "eaglepipe.validate.spot_check_verdict with its defaults",
+            "noise_margin": DEFAULT_NOISE_MARGIN,
+            "neighbour_fraction": DEFAULT_NEIGHBOUR_FRACTION,
+            "packed_vs_single_floor_factor": FLOOR_FACTOR,
+            "packed_vs_single_abs_margin": ABS_MARGIN,
         },
         "models": {},
     }
