@@ -189,7 +189,17 @@ def served(
         *("--idle-timeout", str(server["idle_timeout_s"])),
         *("--lease-ttl", str(server["lease_ttl_s"]), "--", *argv),
     ]
-    environment = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1", INSTANCE_ENV: instance_id}
+    # The server's own path first (patch/, EAGLEPIPE_SGLANG_PYTHONPATH): as the extraction server.
+    from ..server.sglang import server_path_entries
+
+    path = {"PYTHONPATH": os.pathsep.join(server_path_entries())}
+    environment = {
+        **os.environ,
+        **path,
+        **(env or {}),
+        "PYTHONUNBUFFERED": "1",
+        INSTANCE_ENV: instance_id,
+    }
     # SIGTERM (a cancelled Snakemake job) unwinds like Ctrl-C: the group is stopped below.
     with _sigterm_raises():
         proc = None
