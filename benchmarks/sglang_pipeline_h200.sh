@@ -47,7 +47,10 @@ LIMIT_S=${EAGLEPIPE_PIPELINE_LIMIT_S:-520}
 
 say() { echo "[pipeline $(date -u +%H:%M:%S) +${SECONDS}s] $*"; }
 
-rm -rf "$RUN"
+# EAGLEPIPE_PIPELINE_RESUME=1 continues the run left by an earlier call on a warm machine.
+if [ "${EAGLEPIPE_PIPELINE_RESUME:-0}" != 1 ]; then
+    rm -rf "$RUN"
+fi
 mkdir -p "$RUN"
 for item in Snakefile config.yaml rules scripts schemas data profiles envs; do
     cp -r "$REPO/$item" "$RUN/"
