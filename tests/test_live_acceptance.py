@@ -27,7 +27,6 @@ from eaglepipe.config import load_config
 from eaglepipe.drafter.export import export
 from eaglepipe.drafter.live import ExportInfo, first_difference, live_acceptance, live_export_engine
 from eaglepipe.drafter.live_sglang import (
-    free_port,
     parse_generation,
     serve_command,
     served,
@@ -38,6 +37,8 @@ from eaglepipe.drafter.train import build_drafter, save_drafter
 from eaglepipe.drafter.vocab import build_draft_vocab, save_vocab
 from eaglepipe.errors import PipelineError
 from eaglepipe.server.ports import port_is_free
+from eaglepipe.server.sglang import MAX_SERVER_PORT, check_port
+from eaglepipe.server.sglang import free_server_port as free_port
 
 FAKE_SGLANG = REPO_ROOT / "tests" / "fake_sglang"
 EXTRA_ARGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch"]
@@ -52,7 +53,7 @@ def exported(tmp_path_factory) -> dict:
     model_dir = build_tiny_llama(root / "target")
     rows = synthetic_rows(20, vocab_size=300)
     table = write_table(rows, root / "prepared" / "tokenized.parquet")
-    config_path = write_config(root / "config.yaml", model_dir)
+    config_path = write_config(root / "config.yaml", model_dir, root / "unused.jsonl", 20)
     config = load_config(config_path)
     vocab, _ = build_draft_vocab(pd.read_parquet(table), 300, config["train"]["draft_vocab_size"])
     save_vocab(vocab, root / "vocab.safetensors")
@@ -376,3 +377,15 @@ def test_the_sglang_engine_without_an_sglang_export_is_one_clear_error(tmp_path)
     assert "export.engines is ['vllm']: live acceptance with server.engine sglang" in (
         result.stdout + result.stderr
     )
+
+
+def test_sglang_servers_get_ports_whose_grpc_port_exists(monkeypatch):
+    # SGLang 0.5.14 refuses to start when --port + 10000 is past 65535 (seen live on the H200,
+    # where an ephemeral port of 56441 was picked for the live server).
+    monkeypatch.delenv("SGLANG_GRPC_PORT", raising=False)
+    assert all(free_port("127.0.0.1") <= MAX_SERVER_PORT for _ in range(50))
+    check_port(MAX_SERVER_PORT)
+    with pytest.raises(PipelineError, match=r"server.port 56441: SGLang also uses port 56441"):
+        check_port(56441)
+    monkeypatch.setenv("SGLANG_GRPC_PORT", "45123")
+    check_port(56441)

@@ -29,7 +29,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -63,7 +62,7 @@ from ..server.lifecycle import (
     stop_if_started_by,
 )
 from ..server.ports import describe_port_holders, port_is_free, wait_port_free
-from ..server.sglang import check_extra_args
+from ..server.sglang import check_extra_args, free_server_port
 from ..server.supervise import ENGINE_STOP_GRACE_S
 from .live import ExportInfo, PromptRun
 
@@ -130,13 +129,6 @@ def serve_command(
 
 
 # ---------------------------------------------------------------- the server process
-
-
-def free_port(host: str) -> int:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def _stop(proc: subprocess.Popen, create_time: float, instance_id: str) -> None:
@@ -362,7 +354,7 @@ def run_sglang(
     release_pipeline_server(config)
 
     greedy: dict[int, list[int]] = {}
-    port = free_port(host)
+    port = free_server_port(host)
     with served(serve_command(config, host=host, port=port), config=config, name="target",
                 host=host, port=port) as url:  # fmt: skip
         version = _server_version(url)
@@ -371,7 +363,7 @@ def run_sglang(
             greedy[row_id] = plain.output_ids
 
     runs = []
-    port = free_port(host)
+    port = free_server_port(host)
     command = serve_command(config, host=host, port=port, draft_dir=export.directory, num_steps=k)
     with served(command, config=config, name="target+drafter", host=host, port=port) as url:
         completion = verify = 0

@@ -37,6 +37,8 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import random
+import socket
 import sys
 import tomllib
 from dataclasses import dataclass
@@ -380,6 +382,34 @@ def check_extra_args(extra_args: list[str]) -> None:
             )
 
 
+# SGLang (0.5.14 on) derives a gRPC port, `--port` + 10000, and refuses to start when that is
+# past 65535 unless SGLANG_GRPC_PORT names another: so a server port must stay at or below this.
+GRPC_PORT_OFFSET = 10000
+MAX_SERVER_PORT = 65535 - GRPC_PORT_OFFSET
+GRPC_PORT_ENV = "SGLANG_GRPC_PORT"
+
+
+def check_port(port: int, what: str = "server.port") -> None:
+    if port > MAX_SERVER_PORT and not os.environ.get(GRPC_PORT_ENV):
+        raise PipelineError(
+            f"{what} {port}: SGLang also uses port {port} + {GRPC_PORT_OFFSET} (gRPC), past "
+            f"65535; choose a port up to {MAX_SERVER_PORT} (or set {GRPC_PORT_ENV})"
+        )
+
+
+def free_server_port(host: str, low: int = 20000) -> int:
+    """A port free on `host` that SGLang accepts (see `check_port`)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    for port in random.sample(range(low, MAX_SERVER_PORT + 1), 200):
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise PipelineError(f"no free port between {low} and {MAX_SERVER_PORT} on {host}")
+
+
 def launch_command(
     config: dict,
     *,
@@ -404,6 +434,7 @@ def launch_command(
     sglang_cfg = config["server"].get("sglang", {})
     extra_args = [str(a) for a in sglang_cfg.get("extra_args", [])]
     check_extra_args(extra_args)
+    check_port(port)
     version = check_supported(
         sglang_version if sglang_version is not None else installed_sglang_version()
     )
