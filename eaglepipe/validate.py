@@ -58,8 +58,9 @@ from . import shard_store
 from .atomic import atomic_write_json
 from .dump import dump_path, make_rid, read_dump, wait_for_dump
 from .errors import PipelineError
-from .fingerprint import hash_file, model_config_hash, tokenizer_files, tokenizer_fingerprint
+from .fingerprint import hash_file
 from .layers import CONVENTION, FINAL_CONVENTION, hf_hidden_state_index
+from .run import RunSpec, TargetModel
 from .shard_plan import parse_shard_name
 from .workflow import validation_settings
 
@@ -718,7 +719,7 @@ def check_norm_drift(
 # --- provenance ---------------------------------------------------------------------------
 
 
-def expected_provenance(config: dict, summary_path: Path = cfg.PREPARED_SUMMARY) -> dict:
+def expected_provenance(run: RunSpec, summary_path: Path = cfg.PREPARED_SUMMARY) -> dict:
     """The provenance the current configuration would give a freshly extracted shard."""
     try:
         summary = json.loads(Path(summary_path).read_text())
@@ -727,15 +728,15 @@ def expected_provenance(config: dict, summary_path: Path = cfg.PREPARED_SUMMARY)
             f"prepared summary {summary_path} does not exist: run prepare"
         ) from None
     summary_provenance = summary.get("provenance", summary)
-    model_dir = cfg.model_dir(config)
-    if tokenizer_files(model_dir):
-        tokenizer = tokenizer_fingerprint(model_dir)
+    model = run.model
+    if model.has_tokenizer:
+        tokenizer = model.tokenizer_fingerprint
     else:
         tokenizer = summary_provenance.get("tokenizer_fingerprint")
     return {
-        "model_config_hash": model_config_hash(model_dir),
+        "model_config_hash": model.config_hash,
         "tokenizer_fingerprint": tokenizer,
-        "aux_layer_ids": cfg.aux_layer_ids(config),
+        "aux_layer_ids": run.aux_layer_ids,
         "layer_convention": CONVENTION,
         "final_convention": FINAL_CONVENTION,
     }
@@ -996,8 +997,8 @@ def judge_layers(
             reference.values,
             reference.neighbours,
             reference.floor,
-            noise_margin=settings["noise_margin"],
-            neighbour_fraction=settings["neighbour_fraction"],
+            noise_margin=settings.noise_margin,
+            neighbour_fraction=settings.neighbour_fraction,
         )
         per_layer[name] = {**verdict.as_dict(), "floor_source": reference.floor_source}
         if verdict.ok:
@@ -1122,12 +1123,12 @@ def reextract_through(
 
 
 def reextract_rows(
-    config: dict, shard: str, stored_rows: list[StoredRow], hidden: int, aux_layer_ids: list[int]
+    run: RunSpec, shard: str, stored_rows: list[StoredRow], hidden: int, aux_layer_ids: list[int]
 ) -> tuple[dict[int, tuple[torch.Tensor, torch.Tensor]], dict]:
     """The rows re-extracted one at a time under an exclusive lease of the pipeline's server."""
     from .server.lifecycle import server_lease
 
-    with server_lease(config, exclusive=True) as handle:
+    with server_lease(run, exclusive=True) as handle:
         served = (handle.info.get("aux_layer_ids"), handle.info.get("hidden_size"))
         if served != (aux_layer_ids, hidden):
             raise ValidationFailure(
@@ -1140,14 +1141,15 @@ def reextract_rows(
             handle,
             shard,
             stored_rows,
-            prefix=config["extract"]["request_prefix"],
-            timeout=config["extract"]["request_timeout_s"],
+            prefix=run.extract.request_prefix,
+            timeout=run.extract.request_timeout_s,
         )
 
 
-def model_fp32_bytes(model_dir: Path) -> int:
+def model_fp32_bytes(model: TargetModel) -> int:
     """Parameter bytes of the model loaded in fp32, estimated from its weight files."""
-    model_config = cfg.text_config(json.loads((model_dir / "config.json").read_text()))
+    model_dir = model.directory
+    model_config = model.text_config
     stored_dtype = str(model_config.get("torch_dtype") or model_config.get("dtype") or "float32")
     width = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}.get(stored_dtype, 2)
     weights = sum(
@@ -1158,9 +1160,9 @@ def model_fp32_bytes(model_dir: Path) -> int:
     return weights * 4 // width
 
 
-def independent_forward_fits(model_dir: Path) -> tuple[bool, str]:
+def independent_forward_fits(model: TargetModel) -> tuple[bool, str]:
     """Whether an fp32 CPU forward leaves ample memory: weights at most a quarter of free RAM."""
-    need = model_fp32_bytes(model_dir)
+    need = model_fp32_bytes(model)
     available = psutil.virtual_memory().available
     reason = (
         f"model needs ~{shard_store.format_bytes(need)} in fp32, "
@@ -1181,7 +1183,7 @@ def _hidden_states_at(model, stored_rows: list[StoredRow], indices: set[int]) ->
 
 
 def independent_forward(
-    config: dict, stored_rows: list[StoredRow], aux_layer_ids: list[int]
+    run: RunSpec, stored_rows: list[StoredRow], aux_layer_ids: list[int]
 ) -> dict[str, LayerReference]:
     """The rows through plain transformers forwards on CPU, fp32 then bf16 (the noise floor).
 
@@ -1190,12 +1192,12 @@ def independent_forward(
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
-        cfg.model_dir(config),
+        run.model.directory,
         dtype=torch.float32,
-        trust_remote_code=config["model"]["trust_remote_code"],
+        trust_remote_code=run.model.trust_remote_code,
     )
     model.eval()
-    last = cfg.num_layers(config)
+    last = run.model.num_layers
     indices = {last - 1, last}
     for k in aux_layer_ids:
         indices |= {j for j in (k, k + 1, k + 2) if j <= last}
@@ -1230,16 +1232,16 @@ def _server_references(
     return references
 
 
-def _run_independent_forward(config, stored_rows, aux_ids, log) -> tuple[dict | None, dict]:
+def _run_independent_forward(run, stored_rows, aux_ids, log) -> tuple[dict | None, dict]:
     """The independent references and what the report says about them (ran, or why not)."""
-    if not config["validate"]["independent_forward"]:
+    if not run.validate.independent_forward:
         return None, {"ran": False, "reason": "validate.independent_forward is false"}
-    fits, reason = independent_forward_fits(cfg.model_dir(config))
+    fits, reason = independent_forward_fits(run.model)
     if not fits:
         return None, {"ran": False, "reason": reason}
     log(f"spot check: independent transformers forwards (fp32, bf16) on CPU ({reason})")
     try:
-        return independent_forward(config, stored_rows, aux_ids), {"ran": True}
+        return independent_forward(run, stored_rows, aux_ids), {"ran": True}
     except (OSError, ValueError, ImportError, KeyError, RuntimeError) as exc:
         # The server runs the model; transformers may not (e.g. an engine-only architecture).
         # That weakens the check, so it is said out loud and recorded, never silently skipped.
@@ -1248,18 +1250,18 @@ def _run_independent_forward(config, stored_rows, aux_ids, log) -> tuple[dict | 
         return None, {"ran": False, "reason": reason}
 
 
-def check_spot(config: dict, shard: str, shard_dir: Path, manifest: dict, log) -> dict:
+def check_spot(run: RunSpec, shard: str, shard_dir: Path, manifest: dict, log) -> dict:
     """Seeded random rows recomputed independently where the target fits, and re-extracted
     alone through the server; each stored layer judged against both (see the rule above)."""
-    settings = config["validate"]
+    settings = run.validate
     all_rows = [row for entry in manifest["chunks"] for row in entry["row_ids"]]
-    rows = pick_spot_rows(all_rows, settings["spot_check_rows"], settings["seed"], shard)
+    rows = pick_spot_rows(all_rows, settings.spot_check_rows, settings.seed, shard)
     if not rows:
         return {"ok": True, "rows": [], "note": "validate.spot_check_rows is 0: nothing checked"}
     hidden, aux_ids = manifest["hidden_size"], manifest["aux_layer_ids"]
     stored_rows = read_stored_rows(shard_dir, manifest, rows)
     # Before the exclusive lease: the CPU forwards need no server and must not hold it up.
-    independent, independent_report = _run_independent_forward(config, stored_rows, aux_ids, log)
+    independent, independent_report = _run_independent_forward(run, stored_rows, aux_ids, log)
     if independent is not None:
         independent_report["layers"] = judge_layers(
             shard,
@@ -1271,9 +1273,9 @@ def check_spot(config: dict, shard: str, shard_dir: Path, manifest: dict, log) -
             settings,
         )
     log(f"spot check: re-extracting rows {rows} one at a time through the server")
-    fresh, server = reextract_rows(config, shard, stored_rows, hidden, aux_ids)
+    fresh, server = reextract_rows(run, shard, stored_rows, hidden, aux_ids)
     references = _server_references(
-        stored_rows, fresh, hidden, independent, settings["server_noise_floor"]
+        stored_rows, fresh, hidden, independent, settings.server_noise_floor
     )
     return {
         "ok": True,
@@ -1314,7 +1316,7 @@ def _printer(progress: bool) -> Callable[[str], None]:
 
 
 def validate_shard(
-    config: dict, shard: str, paths: ShardPaths | None = None, progress: bool = True
+    run: RunSpec, shard: str, paths: ShardPaths | None = None, progress: bool = True
 ) -> dict:
     """Run every check on `shard`; write its report atomically only if all pass, and return it."""
     paths = paths or ShardPaths()
@@ -1331,7 +1333,7 @@ def validate_shard(
     manifest, manifest_hash = read_manifest_and_hash(shard_dir, shard)
     checks: dict[str, dict] = {}
     checks["provenance"] = check_provenance(
-        shard, manifest, expected_provenance(config, paths.prepared_summary)
+        shard, manifest, expected_provenance(run, paths.prepared_summary)
     )
     check_manifest_schema(shard, manifest)
     prepared = load_prepared_rows(
@@ -1381,16 +1383,16 @@ def validate_shard(
     comparable_on = norm_comparable_on(manifest)
     reference = find_norm_reference(paths.validated_dir, shard, comparable_on)
     checks["values"] = check_norm_drift(
-        shard, stats, reference, config["validate"]["norm_drift_factor"], manifest["aux_layer_ids"]
+        shard, stats, reference, run.validate.norm_drift_factor, manifest["aux_layer_ids"]
     )
-    checks["spot_check"] = check_spot(config, shard, shard_dir, manifest, log)
+    checks["spot_check"] = check_spot(run, shard, shard_dir, manifest, log)
 
     seconds = time.monotonic() - began
     report = {
         "shard": shard,
         "manifest_xxh3_128": manifest_hash,
         # What makes this report stale besides its manifest (eaglepipe.workflow).
-        "validation_settings": validation_settings(config),
+        "validation_settings": validation_settings(run),
         "provenance": provenance,
         "checks": {name: checks[name] for name in CHECKS},
         "layer_norms": stats.layer_means(),

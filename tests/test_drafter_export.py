@@ -27,6 +27,7 @@ from eaglepipe.drafter import export as ex
 from eaglepipe.drafter.model import DrafterConfig, Eagle3Drafter
 from eaglepipe.drafter.vocab import choose_draft_vocab, save_vocab
 from eaglepipe.errors import PipelineError
+from eaglepipe.run import resolve
 
 EXPECTED_KEYS = {
     "fc.weight",
@@ -108,7 +109,7 @@ def tiny_export(tmp_path: Path, target_config: dict, aux_ids: list[int]) -> Path
     atomic_write_bytes(tmp_path / "model.safetensors", save(tensors, metadata=meta))
     config = {"model": {"path": str(model_dir)}, "export": {"engines": ["sglang", "vllm"]}}
     ex.export(
-        config,
+        resolve(config),
         model_path=str(tmp_path / "model.safetensors"),
         vocab_path=str(tmp_path / "vocab.safetensors"),
         out_dir=str(tmp_path / "export"),
@@ -312,7 +313,7 @@ def test_export_refuses_a_model_trained_with_another_vocabulary(tmp_path):
     config = {"model": {"path": str(tmp_path / "target")}, "export": {"engines": ["sglang"]}}
     with pytest.raises(PipelineError, match="another vocabulary"):
         ex.export(
-            config,
+            resolve(config),
             model_path=str(tmp_path / "model.safetensors"),
             vocab_path=str(tmp_path / "other.safetensors"),
             out_dir=str(tmp_path / "export2"),

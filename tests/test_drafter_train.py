@@ -24,6 +24,7 @@ from eaglepipe.drafter.evaluate import eval_rows, evaluate_model
 from eaglepipe.drafter.target_head import load_target_head
 from eaglepipe.drafter.train import build_drafter
 from eaglepipe.drafter.vocab import load_vocab
+from eaglepipe.run import resolve
 
 TRAIN = {"batch_tokens": 256, "lr": 0.01, "epochs": 10, "warmup_steps": 10}
 
@@ -116,7 +117,7 @@ def test_trained_drafter_beats_an_untrained_one_on_held_out_rows(pipeline):
     assert (pipeline["drafter"] / "eval.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     vocab = load_vocab(pipeline["vocab"])
     head = load_target_head(Path(config["model"]["path"]))
-    untrained = build_drafter(config, vocab, head, seed=config["train"]["seed"])
+    untrained = build_drafter(resolve(config), vocab, head, seed=config["train"]["seed"])
     rows, _ = eval_rows(pipeline["table"], pipeline["manifests"], config["evaluate"]["max_rows"])
     baseline = evaluate_model(
         untrained,

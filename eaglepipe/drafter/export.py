@@ -33,8 +33,9 @@ from safetensors import safe_open
 from safetensors.torch import save
 
 from ..atomic import atomic_write_bytes, atomic_write_json
-from ..config import read_model_config, text_config
+from ..config import text_config
 from ..errors import PipelineError
+from ..run import RunSpec
 from .model import DrafterConfig, Eagle3Drafter, load_drafter, target_rope
 from .vocab import load_vocab
 
@@ -171,15 +172,15 @@ def vllm_param_name(name: str) -> tuple[str | None, object]:
     return name, None
 
 
-def sglang_param_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+def sglang_param_shapes(exported: dict) -> dict[str, tuple[int, ...]]:
     """Shapes of LlamaForCausalLMEagle3's parameters for an exported config (TP 1)."""
-    h, hd = config["hidden_size"], config["head_dim"]
-    nh, nkv = config["num_attention_heads"], config["num_key_value_heads"]
-    inter = config["intermediate_size"]
+    h, hd = exported["hidden_size"], exported["head_dim"]
+    nh, nkv = exported["num_attention_heads"], exported["num_key_value_heads"]
+    inter = exported["intermediate_size"]
     layer = "model.layers.0."
     return {
-        "model.embed_tokens.weight": (config["vocab_size"], h),
-        "model.fc.weight": (h, 3 * config["target_hidden_size"]),
+        "model.embed_tokens.weight": (exported["vocab_size"], h),
+        "model.fc.weight": (h, 3 * exported["target_hidden_size"]),
         layer + "self_attn.qkv_proj.weight": ((nh + 2 * nkv) * hd, 2 * h),
         layer + "self_attn.o_proj.weight": (h, nh * hd),
         layer + "mlp.gate_up_proj.weight": (2 * inter, h),
@@ -188,7 +189,7 @@ def sglang_param_shapes(config: dict) -> dict[str, tuple[int, ...]]:
         layer + "hidden_norm.weight": (h,),
         layer + "post_attention_layernorm.weight": (h,),
         "model.norm.weight": (h,),
-        "lm_head.weight": (config["draft_vocab_size"], h),
+        "lm_head.weight": (exported["draft_vocab_size"], h),
     }
 
 
@@ -199,8 +200,8 @@ def load_like_sglang(export_dir: str | os.PathLike) -> tuple[dict, dict[str, tor
     gate, up); `hot_token_id` is d2t + arange, as SGLang computes it.
     """
     export_dir = Path(export_dir)
-    config = json.loads((export_dir / "config.json").read_text())
-    shapes = sglang_param_shapes(config)
+    exported = json.loads((export_dir / "config.json").read_text())
+    shapes = sglang_param_shapes(exported)
     shards: dict[str, dict] = {}
     params: dict[str, torch.Tensor] = {}
     with safe_open(str(export_dir / "model.safetensors"), framework="pt") as f:
@@ -221,24 +222,24 @@ def load_like_sglang(export_dir: str | os.PathLike) -> tuple[dict, dict[str, tor
         if missing:
             raise PipelineError(f"{export_dir}: {target} lacks shard(s) {missing}")
         params[target] = torch.cat([parts[s] for s in order], dim=0)
-    return config, params
+    return exported, params
 
 
-def drafter_from_sglang_params(config: dict, params: dict[str, torch.Tensor]) -> Eagle3Drafter:
+def drafter_from_sglang_params(exported: dict, params: dict[str, torch.Tensor]) -> Eagle3Drafter:
     """Our module filled from SGLang-named parameters (embed_tokens left for the caller)."""
-    rope_theta, rope_scaling = target_rope(config)
+    rope_theta, rope_scaling = target_rope(exported)
     drafter_config = DrafterConfig(
-        hidden_size=config["hidden_size"],
-        num_attention_heads=config["num_attention_heads"],
-        num_key_value_heads=config["num_key_value_heads"],
-        head_dim=config["head_dim"],
-        intermediate_size=config["intermediate_size"],
-        vocab_size=config["vocab_size"],
-        draft_vocab_size=config["draft_vocab_size"],
-        rms_norm_eps=config["rms_norm_eps"],
+        hidden_size=exported["hidden_size"],
+        num_attention_heads=exported["num_attention_heads"],
+        num_key_value_heads=exported["num_key_value_heads"],
+        head_dim=exported["head_dim"],
+        intermediate_size=exported["intermediate_size"],
+        vocab_size=exported["vocab_size"],
+        draft_vocab_size=exported["draft_vocab_size"],
+        rms_norm_eps=exported["rms_norm_eps"],
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
-        max_position_embeddings=config["max_position_embeddings"],
+        max_position_embeddings=exported["max_position_embeddings"],
     )
     model = Eagle3Drafter(drafter_config)
     c = drafter_config
@@ -349,7 +350,7 @@ def export_tensors(model: Eagle3Drafter) -> dict[str, torch.Tensor]:
 
 
 def export(
-    config: dict,
+    run: RunSpec,
     *,
     model_path: str,
     vocab_path: str,
@@ -364,10 +365,10 @@ def export(
         aux_ids = json.loads((f.metadata() or {}).get("aux_layer_ids", "null"))
     if not aux_ids:
         raise PipelineError(f"{model_path} does not record the aux layer ids it was trained on")
-    target_config = read_model_config(config)
+    target_config = run.model.config
     tensors = export_tensors(model)
     written = []
-    for engine in engines or config["export"]["engines"]:
+    for engine in engines or run.export.engines:
         directory = Path(out_dir) / engine
         engine_config = export_config(model.config, target_config, engine, aux_ids)
         atomic_write_bytes(

@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 from safetensors import safe_open
 
-from ..config import model_dir
 from ..errors import PipelineError
+from ..run import RunSpec
 from .export import VLLM_PARAM_NAMES, drafter_from_sglang_params, load_like_sglang, vllm_param_name
 from .live import ExportInfo, PromptRun
 from .model import Eagle3Drafter
@@ -135,7 +135,7 @@ def load_like_vllm(export_dir) -> tuple[dict, dict[str, torch.Tensor]]:
         if missing:
             raise PipelineError(f"{export_dir}: {name} lacks shard(s) {missing}")
         params[name] = torch.cat([parts[s] for s in order], dim=0)
-    return info.config, params
+    return info.exported, params
 
 
 def load_exported_drafter(export: ExportInfo) -> Eagle3Drafter:
@@ -148,12 +148,12 @@ def load_exported_drafter(export: ExportInfo) -> Eagle3Drafter:
 
 
 def run_transformers(
-    config: dict, export: ExportInfo, captured: list[int], prompts: list[tuple[int, list[int]]]
+    run: RunSpec, export: ExportInfo, captured: list[int], prompts: list[tuple[int, list[int]]]
 ) -> tuple[list[PromptRun], dict]:
     """Every prompt decoded with the drafter and plainly, in transformers on one device."""
-    new_tokens, k = config["evaluate"]["live_new_tokens"], config["train"]["ttt_length"]
+    new_tokens, k = run.evaluate.live_new_tokens, run.train.ttt_length
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    target = Target(model_dir(config), captured, device, config["model"]["trust_remote_code"])
+    target = Target(run.model.directory, captured, device, run.model.trust_remote_code)
     drafter = load_exported_drafter(export)
     with torch.no_grad():
         drafter.embed_tokens.weight.copy_(target.model.get_input_embeddings().weight.float())
