@@ -236,7 +236,7 @@ def reextract_rows(
     run: RunSpec, shard: str, stored_rows: list[StoredRow], hidden: int, aux_layer_ids: list[int]
 ) -> tuple[dict[int, tuple[torch.Tensor, torch.Tensor]], dict]:
     """The rows re-extracted one at a time under an exclusive lease of the pipeline's server."""
-    from .server.lifecycle import server_lease
+    from ..server.lifecycle import server_lease
 
     with server_lease(run, exclusive=True) as handle:
         served = (handle.info.get("aux_layer_ids"), handle.info.get("hidden_size"))
