@@ -187,7 +187,7 @@ class TargetModel:
     directory: Path
     is_toy: bool
     trust_remote_code: bool
-    toy: ToySettings
+    toy: ToySettings | None  # the toy target's settings (set when is_toy)
 
     @property
     def config_file(self) -> Path:
@@ -299,7 +299,9 @@ def resolve(config: dict) -> RunSpec:
     """The run description of a validated configuration (`config.validate_config`'s result)."""
     model_cfg = config["model"]
     path = model_cfg["path"]
-    toy = _build(ToySettings, model_cfg["toy"])
+    if not path and not model_cfg.get("toy"):
+        raise PipelineError("config key model.toy: needed when model.path is null (the toy target)")
+    toy = _build(ToySettings, model_cfg["toy"]) if model_cfg.get("toy") else None
     dataset = dict(config["dataset"])
     dataset["holdout"] = _build(HoldoutSettings, dataset["holdout"])
     server = dict(config["server"])
