@@ -459,6 +459,21 @@ def test_server_started_in_a_slurm_job_stops_once_that_job_ended_and_nobody_uses
     assert port_is_free("127.0.0.1", state["port"])
 
 
+def test_a_server_stopped_by_a_signal_from_elsewhere_leaves_no_state(run, monkeypatch):
+    """SLURM's scancel or time limit SIGTERMs the supervisor directly, and may SIGKILL the job
+    before its own clean-up: the supervisor removes the state file that names it."""
+    run.use_fake_engine(monkeypatch)
+    proc, out = run.job("job")
+    wait_for(lambda: (out / "holding").exists(), "the job to hold its lease")
+    state = read_json(run.paths.state)
+    os.kill(state["pid"], signal.SIGTERM)
+    wait_for(lambda: not group_alive(state["pid"]), "the supervisor to stop its group")
+    assert read_json(run.paths.state) is None
+    (exit_event,) = [e for e in read_history(run.paths) if e["event"] == "exit"]
+    assert exit_event["reason"] == "received SIGTERM"
+    assert proc.wait(timeout=WAIT_S) != 0  # its client noticed the server was gone
+
+
 def test_exclusive_lease_waits_for_shared_users_and_keeps_them_out(run, monkeypatch):
     run.use_fake_engine(monkeypatch)
     # A shared user that yields between requests lets the exclusive user in while it lives.

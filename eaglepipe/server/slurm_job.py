@@ -7,10 +7,10 @@ runs in a session of its own, and it is orphaned once the job that started it ex
 then keep the node's GPUs after the job until its idle timeout, while SLURM may already have
 given the node to the next job.
 
-A job's processes carry `SLURM_JOB_ID`; slurmstepd, which starts them, does not. So the outermost
-ancestor of the process that starts the server with the same `SLURM_JOB_ID` is the job step's
-first process (the batch script, or the task that `srun` started), and it lives exactly as long
-as the step.
+A job's processes carry `SLURM_JOB_ID` in their environment; slurmstepd, which starts them, does
+not. The oldest process on this node with the job's id is the job's first one here: the batch
+script on the batch node, which lives exactly as long as the job. (Not an ancestor: the
+Snakemake plugin runs each job of a group job as a step of its own, through srun.)
 """
 
 from __future__ import annotations
@@ -28,28 +28,27 @@ JOB_ID_ENV = "SLURM_JOB_ID"
 @dataclass(frozen=True)
 class SlurmJob:
     job_id: str
-    step_leader: ProcessRef
+    first_process: ProcessRef
 
     def ended(self) -> bool:
-        return not self.step_leader.alive()
+        return not self.first_process.alive()
 
     def describe(self) -> str:
-        return f"SLURM job {self.job_id} (step process {self.step_leader.pid})"
+        return f"SLURM job {self.job_id} (first process {self.first_process.pid})"
 
 
 def current_slurm_job() -> SlurmJob | None:
-    """The SLURM job this process runs in, or None outside SLURM (or if its step is unseen)."""
+    """The SLURM job this process runs in, or None outside SLURM."""
     job_id = os.environ.get(JOB_ID_ENV)
     if not job_id:
         return None
-    leader = None
-    for proc in psutil.Process().parents():  # nearest first
+    first = None
+    for proc in psutil.process_iter(["create_time"]):
         try:
             if proc.environ().get(JOB_ID_ENV) != job_id:
-                break
-            leader = ProcessRef(proc.pid, proc.create_time())
+                continue
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            break
-    if leader is None:
-        return None
-    return SlurmJob(job_id, leader)
+            continue
+        if first is None or proc.info["create_time"] < first.create_time:
+            first = ProcessRef(proc.pid, proc.info["create_time"])
+    return SlurmJob(job_id, first) if first is not None else None

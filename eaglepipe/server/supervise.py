@@ -173,7 +173,27 @@ class Supervisor:
         code = engine.returncode
         return code if code >= 0 else 128 - code
 
+    def forget_state(self) -> None:
+        """Remove the state file if it still names this supervisor, so nobody reads a dead server
+        as running (after SLURM's SIGTERM, say, when the job's own clean-up was cut short).
+
+        Only if the lock is free now: a job holding it is stopping this server and removes the
+        file itself, and waiting for it would hold up the stop that job waits for.
+        """
+        lock = filelock.FileLock(self.paths.lock)
+        try:
+            lock.acquire(timeout=0)
+        except filelock.Timeout:
+            return
+        try:
+            state = read_json(self.paths.state)
+            if state and state.get("pid") == os.getpid():
+                self.paths.state.unlink(missing_ok=True)
+        finally:
+            lock.release()
+
     def clean_up(self, reason: str, code: int | None) -> None:
+        self.forget_state()
         if self.dump_dir is not None:
             shutil.rmtree(self.dump_dir, ignore_errors=True)
             owner_file(self.dump_dir).unlink(missing_ok=True)
