@@ -3,11 +3,13 @@
 It starts, each on its own socket or free port and with all state under one directory:
 munged (its own key), MariaDB (slurmdbd's database), slurmdbd (so `sacct` works as on a real
 cluster, and the Snakemake SLURM plugin polls job states with it, its default), slurmctld and
-one slurmd. The node has this machine's CPUs and memory (`slurmd -C`), no GPUs, and a hostname
-of its own (`node1`, set in a UTS namespace), so jobs on it see another host than the login
-side, as on a cluster: the pipeline's per-node server directory is `.eaglepipe/server/node1/`.
-Partitions: `main` (the default) and `gpu`. Accounting knows one account, `eaglepipe`, with
-the current user in it.
+one slurmd. The node has this machine's CPUs and memory (`slurmd -C`), no GPUs, and runs in
+UTS and mount namespaces of its own: its hostname is `node1`, so jobs on it see another host
+than the login side, as on a cluster (the pipeline's per-node server directory is
+`.eaglepipe/server/node1/`), and it sees the generated configuration in /etc/slurm, where
+compute nodes keep it (the Snakemake plugin starts job steps without SLURM_CONF). Partitions:
+`main` (the default) and `gpu`. Accounting knows one account, `eaglepipe`, with the current
+user in it.
 
 Containers without cgroups work: processes are tracked through the /proc parent tree
 (proctrack/linuxproc), tasks are not bound (task/none). Time limits, `scancel`, sacct and
@@ -47,9 +49,9 @@ INSTALL_COMMAND = (
     "apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y "
     f"--no-install-recommends {APT_PACKAGES}"
 )
-DAEMONS = ("munged", "mungekey", "mariadbd", "mariadb-install-db", "slurmdbd", "slurmctld")
-DAEMONS += ("slurmd", "unshare")
-CLIENTS = ("sbatch", "srun", "squeue", "sacct", "sacctmgr", "scancel", "scontrol", "sinfo")
+PROGRAMS = ("munged", "mungekey", "mariadbd", "mariadb-install-db", "slurmdbd", "slurmctld")
+PROGRAMS += ("slurmd", "unshare", "sbatch", "srun", "squeue", "sacct", "sacctmgr", "scancel")
+PROGRAMS += ("scontrol", "sinfo")
 NODE = "node1"
 DEFAULT_PARTITION = "main"
 GPU_PARTITION = "gpu"
@@ -67,7 +69,7 @@ class ClusterError(RuntimeError):
 
 def missing_requirements() -> str | None:
     """Why this machine cannot run the test cluster, or None when it can."""
-    missing = [name for name in DAEMONS + CLIENTS if shutil.which(name) is None]
+    missing = [name for name in PROGRAMS if shutil.which(name) is None]
     if missing:
         return f"SLURM test cluster: {', '.join(missing)} not installed; as root: {INSTALL_COMMAND}"
     if not SYSTEM_CONF_DIR.is_dir():
@@ -131,10 +133,6 @@ class SlurmCluster:
     @property
     def cpus(self) -> int:
         return int(self.node["CPUs"])
-
-    @property
-    def memory_mb(self) -> int:
-        return int(self.node["RealMemory"])
 
     # ------------------------------------------------------------------ start
 
@@ -214,9 +212,11 @@ SelectTypeParameters=CR_Core_Memory
 SchedulerType=sched/backfill
 MpiDefault=none
 ReturnToService=2
-# A cancelled or timed-out job gets SIGTERM, then SIGKILL after this many seconds.
+# A cancelled or timed-out job gets SIGTERM, then SIGKILL after this many seconds (SLURM's
+# default is 30): short, so tests are quick and the pipeline's clean-up must not need longer.
 KillWait=5
 InactiveLimit=0
+# How long squeue still shows an ended job (SLURM's default).
 MinJobAge=300
 NodeName={NODE} NodeHostname={NODE} NodeAddr=127.0.0.1 {node} State=UNKNOWN
 PartitionName={DEFAULT_PARTITION} Nodes={NODE} Default=YES MaxTime=INFINITE State=UP

@@ -117,7 +117,7 @@ def edit_profile(workdir: Path, cluster: SlurmCluster) -> None:
     """profiles/slurm/config.yaml edited for the test cluster, as docs/cluster.md says."""
     path = workdir / "profiles" / "slurm" / "config.yaml"
     profile = yaml.safe_load(path.read_text())
-    cpus = cluster.cpus // GROUP_SIZE
+    cpus = max(1, cluster.cpus // GROUP_SIZE)
     profile["default-resources"].update(
         slurm_account=ACCOUNT,
         slurm_partition=DEFAULT_PARTITION,
@@ -482,7 +482,7 @@ def test_a_group_killed_at_its_time_limit_is_reported_and_its_retry_resumes(
     proc = profile_run(workdir, cluster, *manifests([shard]), log="run.log", env=STALL_AFTER_ONE)
     log = finish(proc, workdir, "run.log")
     assert proc.returncode == 0, log[-6000:]
-    timed_out, retried = jobs_of(cluster, workdir)
+    timed_out, retried = [job for job in cluster.sacct("End") if Path(job["WorkDir"]) == workdir]
     assert (timed_out["State"], timed_out["Timelimit"]) == ("TIMEOUT", "00:01:00"), timed_out
     assert (retried["State"], retried["Timelimit"]) == ("COMPLETED", "00:20:00"), retried
     assert f"Error in group {GROUP}" in log, log[-6000:]
@@ -492,5 +492,8 @@ def test_a_group_killed_at_its_time_limit_is_reported_and_its_retry_resumes(
     extract_log = (workdir / "logs" / "extract" / f"{shard}.log").read_text()
     assert "1/2 chunk(s) verified from an earlier run" in extract_log, extract_log
     assert requests_sent(workdir, [shard]) == 1
+    first_chunk = workdir / "hidden_states" / shard / "chunk-00000.safetensors"
+    killed_at = time.mktime(time.strptime(timed_out["End"], "%Y-%m-%dT%H:%M:%S"))
+    assert first_chunk.stat().st_mtime <= killed_at + 1, "the retry rewrote the first chunk"
     assert_same_chunks_as(workdir, local_run, [shard])
     assert_nothing_left_on_the_node(workdir, server_port(workdir))
