@@ -200,7 +200,15 @@ class Run:
         self.processes.append(proc)
         return proc
 
-    def job(self, name: str, *, mode: str = "hold", token: str = "run-jobs", config=None):
+    def job(
+        self,
+        name: str,
+        *,
+        mode: str = "hold",
+        token: str = "run-jobs",
+        config=None,
+        env: dict | None = None,
+    ):
         script = self.workdir / "job.py"
         script.write_text(JOB)
         out = self.workdir / name
@@ -208,7 +216,7 @@ class Run:
         argv = [PYTHON, "-u", str(script), str(self.write_config(config)), mode, str(out)]
         if self.fake_engine is not None:
             argv.append(str(self.fake_engine))
-        proc = self.spawn(argv, env={lifecycle.RUN_TOKEN_ENV: token})
+        proc = self.spawn(argv, env={lifecycle.RUN_TOKEN_ENV: token, **(env or {})})
         return proc, out
 
 
@@ -468,6 +476,53 @@ def test_server_of_a_killed_client_stops_after_the_idle_timeout(run, monkeypatch
     assert "no live lease" in exit_event["reason"]
     assert read_json(run.paths.state) is None and not Path(state["dump_dir"]).exists()
     assert port_is_free("127.0.0.1", state["port"])
+
+
+def test_server_started_in_a_slurm_job_stops_once_that_job_ended_and_nobody_uses_it(
+    run, monkeypatch
+):
+    """Without cgroups SLURM loses the server when the job that started it exits (see
+    eaglepipe/server/slurm_job.py); the supervisor stops it then, not after the idle timeout,
+    but never under a job that still holds a lease."""
+    run.use_fake_engine(monkeypatch)
+    assert run.config["server"]["idle_timeout_s"] > 2 * WAIT_S
+    starter, starter_out = run.job("starter", env={"SLURM_JOB_ID": "4242"})
+    wait_for(lambda: (starter_out / "holding").exists(), "the SLURM job to hold its lease")
+    other, other_out = run.job("other", token="run-other", env={"SLURM_JOB_ID": "4243"})
+    wait_for(lambda: (other_out / "holding").exists(), "the other job to hold its lease")
+    state = read_json(run.paths.state)
+    (starter_out / "finish").write_text("")
+    assert starter.wait(timeout=WAIT_S) == 0
+    # The starting job is over, but the other job still uses the server: it keeps serving
+    # through several of the supervisor's polls (every lease_ttl_s / 4).
+    deadline = time.monotonic() + run.config["server"]["lease_ttl_s"]
+    while time.monotonic() < deadline:
+        rid = f"eaglepipe-0123456789ab-{int(time.monotonic() * 1000)}-0"
+        assert generate(f"http://127.0.0.1:{state['port']}", rid)["meta_info"]
+        assert other.poll() is None and group_alive(state["pid"])
+        time.sleep(0.2)
+    (other_out / "finish").write_text("")
+    assert other.wait(timeout=WAIT_S) == 0
+    wait_for(lambda: not group_alive(state["pid"]), "the server to stop with its SLURM job")
+    (exit_event,) = [e for e in read_history(run.paths) if e["event"] == "exit"]
+    assert "SLURM job 4242" in exit_event["reason"], exit_event
+    assert read_json(run.paths.state) is None and not Path(state["dump_dir"]).exists()
+    assert port_is_free("127.0.0.1", state["port"])
+
+
+def test_a_server_stopped_by_a_signal_from_elsewhere_leaves_no_state(run, monkeypatch):
+    """SLURM's scancel or time limit SIGTERMs the supervisor directly, and may SIGKILL the job
+    before its own clean-up: the supervisor removes the state file that names it."""
+    run.use_fake_engine(monkeypatch)
+    proc, out = run.job("job")
+    wait_for(lambda: (out / "holding").exists(), "the job to hold its lease")
+    state = read_json(run.paths.state)
+    os.kill(state["pid"], signal.SIGTERM)
+    wait_for(lambda: not group_alive(state["pid"]), "the supervisor to stop its group")
+    assert read_json(run.paths.state) is None
+    (exit_event,) = [e for e in read_history(run.paths) if e["event"] == "exit"]
+    assert exit_event["reason"] == "received SIGTERM"
+    assert proc.wait(timeout=WAIT_S) != 0  # its client noticed the server was gone
 
 
 def test_exclusive_lease_waits_for_shared_users_and_keeps_them_out(run, monkeypatch):
