@@ -467,8 +467,7 @@ def _start(run: RunSpec, paths: ServerPaths, run_token: str, fingerprint: str) -
         run_token=run_token,
     )
     print(
-        f"started {server.engine} server: supervisor pid {proc.pid}, port {port}, "
-        f"log {log_path}",
+        f"started {server.engine} server: supervisor pid {proc.pid}, port {port}, log {log_path}",
         file=sys.stderr,
         flush=True,
     )
