@@ -20,7 +20,7 @@ import pytest
 import torch
 from conftest import PYTHON, REPO_ROOT, build_tiny_llama
 from drafter_helpers import synthetic_rows, write_config, write_table
-from pipeline_run import run_snakemake, small_config
+from pipeline_run import default_config, run_snakemake, small_config
 from pipeline_run import write_config as write_run_config
 
 from eaglepipe.config import load_config
@@ -147,11 +147,11 @@ def test_live_prompts_zero_skips_and_says_so(exported, tmp_path):
 
 def test_the_export_engine_follows_the_config():
     def config(engine, engines, prompts=3):
-        return {
-            "server": {"engine": engine},
-            "export": {"engines": engines},
-            "evaluate": {"live_prompts": prompts},
-        }
+        config = default_config()
+        config["server"]["engine"] = engine
+        config["export"]["engines"] = engines
+        config["evaluate"]["live_prompts"] = prompts
+        return config
 
     assert live_export_engine(resolve(config("reference", ["sglang", "vllm"]))) == "sglang"
     assert live_export_engine(resolve(config("reference", ["vllm"]))) == "vllm"

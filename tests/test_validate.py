@@ -662,14 +662,15 @@ def test_independent_forward_tells_a_layer_offset_from_bf16_rounding(workspace):
         StoredRow(row, "chunk-00000.safetensors", workspace.input_ids[row].tolist(), None, None)
         for row in (0, 1, 2)
     ]
-    settings = workspace.config["validate"]
-    references = independent_forward(resolve(workspace.config), rows, [1, 3, 4])
+    run = resolve(workspace.config)
+    settings = run.validate
+    references = independent_forward(run, rows, [1, 3, 4])
     split_rows(rows, {n: r.values.to(torch.bfloat16).float() for n, r in references.items()})
     layers = judge_layers(
         SHARD, "an independent forward", rows, references, HIDDEN, [1, 3, 4], settings
     )
     assert all(v["ok"] and v["rel_l2"] < 0.01 for v in layers.values())
-    off_by_one = independent_forward(resolve(workspace.config), rows, [2, 4, 5])
+    off_by_one = independent_forward(run, rows, [2, 4, 5])
     split_rows(rows, {n: r.values for n, r in off_by_one.items()})
     with pytest.raises(ValidationFailure) as info:
         judge_layers(SHARD, "an independent forward", rows, references, HIDDEN, [1, 3, 4], settings)

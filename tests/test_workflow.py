@@ -188,7 +188,13 @@ def test_a_reextracted_shard_reruns_its_validation_training_and_evaluation(run_c
         "train": 1,
         "evaluate": 1,
     }
-    assert "Updated input files: hidden_states/rows_10-20/manifest.json" in result.stdout
+    updated = [
+        name.strip()
+        for line in result.stdout.splitlines()
+        if "reason: Updated input files:" in line
+        for name in line.split("Updated input files:")[1].split(";")[0].split(",")
+    ]
+    assert "hidden_states/rows_10-20/manifest.json" in updated
 
 
 def test_a_corrupt_shard_blocks_training(run_copy):

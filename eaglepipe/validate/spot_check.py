@@ -22,7 +22,7 @@ from safetensors import safe_open
 from .. import shard_store
 from ..dump import dump_path, make_rid, read_dump, wait_for_dump
 from ..errors import PipelineError
-from ..run import RunSpec, TargetModel
+from ..run import RunSpec, TargetModel, ValidateSettings
 from .checks import LAYER_NAMES, ValidationFailure
 from .spot_rule import (
     LayerReference,
@@ -94,7 +94,7 @@ def judge_layers(
     references: dict[str, LayerReference],
     hidden: int,
     aux_layer_ids: list[int],
-    settings: dict,
+    settings: ValidateSettings,
 ) -> dict:
     """Every slot's verdict over the spot-check rows; the first failing slot fails the check,
     naming the row that disagrees most."""
