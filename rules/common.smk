@@ -4,6 +4,7 @@ import os
 import eaglepipe.workflow as workflow_lib
 from eaglepipe.config import RESOLVED_CONFIG
 from eaglepipe.drafter.live import live_export_engine
+from eaglepipe.drafter.variants import check_export_support, drafter_options
 from eaglepipe.errors import one_line_errors
 from snakemake.utils import validate
 
@@ -14,6 +15,8 @@ with one_line_errors():
     # defaults.
     CONFIG = workflow_lib.setup(config)
     validate(config, schema="../schemas/config.schema.yaml")
+    # A drafter variant an exported engine cannot load is refused before anything runs.
+    check_export_support(drafter_options(CONFIG), CONFIG["export"]["engines"])
     SHARDS = workflow_lib.shards(CONFIG)
     MODEL_CONFIG = workflow_lib.model_config_file(CONFIG)
     workflow_lib.write_stamps(CONFIG)
