@@ -18,7 +18,7 @@ include: "rules/report.smk"
 
 onstart:
     workflow_lib.warn_about_rerun_triggers(workflow)
-    workflow_lib.print_space_plan(CONFIG)
+    workflow_lib.print_space_plan(RUN)
 
 
 onsuccess:

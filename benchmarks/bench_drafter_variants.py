@@ -42,6 +42,7 @@ from eaglepipe.drafter.export import export
 from eaglepipe.drafter.live import live_acceptance, live_export_engine
 from eaglepipe.drafter.train import train
 from eaglepipe.drafter.variants import NORM_FLAGS, default_options
+from eaglepipe.run import resolve
 from eaglepipe.workflow import planned_manifests, planned_validations
 
 DEFAULT_VARIANTS = "plain,fc_norm,norm_output,fc_norm+norm_output"
@@ -75,32 +76,33 @@ def run_variant(base: dict, name: str, seed: int, out: Path) -> dict:
     config = copy.deepcopy(base)
     config["train"]["drafter"] = variant_options(name)
     config["train"]["seed"] = seed
+    run = resolve(config)
     model = out / "model.safetensors"
     began = time.perf_counter()
     summary = train(
-        config,
+        run,
         vocab_path=VOCAB,
         table_path=TABLE,
-        manifests=planned_manifests(config),
-        validated=planned_validations(config),
+        manifests=planned_manifests(run),
+        validated=planned_validations(run),
         out_path=str(model),
         log_path=str(out / "train_log.jsonl"),
         checkpoint_dir=str(out / "checkpoints"),
     )
     train_s = time.perf_counter() - began
     offline = evaluate(
-        config,
+        run,
         model_path=str(model),
         vocab_path=VOCAB,
         table_path=TABLE,
-        manifests=planned_manifests(config),
+        manifests=planned_manifests(run),
         out_path=str(out / "eval.json"),
         plot_path=None,
     )
-    export(config, model_path=str(model), vocab_path=VOCAB, out_dir=str(out / "export"))
-    engine = live_export_engine(config)
+    export(run, model_path=str(model), vocab_path=VOCAB, out_dir=str(out / "export"))
+    engine = live_export_engine(run)
     live = live_acceptance(
-        config,
+        run,
         export_dir=str(out / "export" / engine) if engine else None,
         table_path=TABLE,
         out_path=str(live_path),

@@ -333,6 +333,7 @@ def run_server(
     storage: str = "disk",
 ) -> dict:
     from eaglepipe.extract import extract_shard
+    from eaglepipe.run import resolve
     from eaglepipe.server.lifecycle import start_server, stop_server
     from eaglepipe.workflow import shards
 
@@ -344,12 +345,12 @@ def run_server(
         shm_dir = chunk_storage(run_dir, storage)
         try:
             with timed() as start:
-                handle = start_server(config)
+                handle = start_server(resolve(config))
             result["server_start_s"] = round(start["seconds"], 1)
             result["batch_layout"] = handle.info.get("batch_layout")
             result["attn_implementation"] = handle.info.get("attn_implementation")
             warm_up_server(handle.url, rows, WARMUP_REQUESTS)
-            names = shards(config)
+            names = shards(resolve(config))
             seconds, manifests = 0.0, []
             stats_before = server_stats(handle.url)
             with GpuUtilisation() as gpu:
@@ -364,7 +365,7 @@ def run_server(
                     names = []  # measured above
                 for name in names:
                     with timed() as t:
-                        manifest = extract_shard(config, name)
+                        manifest = extract_shard(resolve(config), name)
                     seconds += t["seconds"]
                     manifests.append(manifest)
                     log(f"server: {name} {manifest['num_tokens']} tokens in {t['seconds']:.1f}s")
@@ -383,7 +384,7 @@ def run_server(
             result.update(
                 seconds=round(seconds, 3),
                 tokens_per_s=round(rate(total, seconds), 1),
-                shards=len(shards(config)),
+                shards=len(shards(resolve(config))),
                 parallel_shards=parallel_shards,
                 chunks=chunks,
                 bytes_written=bytes_written,

@@ -220,11 +220,12 @@ def pipeline_config(run_dir: Path, model_dir: Path, dataset: Path, rows, args, s
 
 def bare_command(config: dict, sglang_version: str | None = None) -> tuple[list[str], dict]:
     """The launcher's command without the hook and the capture; every other flag the same."""
+    from eaglepipe.run import resolve
     from eaglepipe.server.sglang import launch_command
     from eaglepipe.server.sglang_plugin import CAPTURE_ENV
 
     argv, env = launch_command(
-        config, host=config["server"]["host"], port=config["server"]["port"],
+        resolve(config), host=config["server"]["host"], port=config["server"]["port"],
         dump_dir=Path(config["server"]["dump_root"]) / "bare", instance_id="bare",
         sglang_version=sglang_version,
     )  # fmt: skip
@@ -410,6 +411,7 @@ def hook_delta(now: dict | None, before: dict | None) -> dict | None:
 
 
 def run_pipeline(run_dir: Path, config: dict, rows, warmup, args, deadline) -> dict:
+    from eaglepipe.run import resolve
     from eaglepipe.server.lifecycle import start_server, stop_server
     from eaglepipe.workflow import shards
 
@@ -421,13 +423,13 @@ def run_pipeline(run_dir: Path, config: dict, rows, warmup, args, deadline) -> d
     with working_directory(run_dir):
         try:
             started = time.monotonic()
-            handle = start_server(config)
+            handle = start_server(resolve(config))
             result["startup_s"] = round(time.monotonic() - started, 1)
             result["engine_version"] = handle.info.get("engine_version")
             result["capture_layer_ids"] = handle.info.get("sglang_capture_layer_ids")
             log(f"pipeline: SGLang {result['engine_version']} healthy after {result['startup_s']}s")
             asyncio.run(send_rows(handle.url, warmup, args.bare_inflight, "warm"))
-            names = shards(config)
+            names = shards(resolve(config))
             result["shards"] = len(names)
             for storage in args.storages:
                 left = deadline - time.monotonic()
@@ -669,15 +671,17 @@ def main(argv=None) -> int:
 
             results["bare"] = {"argv": bare_command(config, args.sglang_version)[0],
                                "env": bare_command(config, args.sglang_version)[1]}  # fmt: skip
+            from eaglepipe.run import resolve
+
             argv, env = launch_command(
-                config, host="127.0.0.1", port=config["server"]["port"],
+                resolve(config), host="127.0.0.1", port=config["server"]["port"],
                 dump_dir=Path(config["server"]["dump_root"]) / "x", instance_id="dry-run",
                 sglang_version=args.sglang_version,
             )  # fmt: skip
             from eaglepipe.workflow import shards
 
             with working_directory(run_dir):
-                names = shards(config)
+                names = shards(resolve(config))
             results["pipeline"] = {"argv": argv, "env": {k: v for k, v in env.items()
                                                          if k != "PYTHONPATH"},
                                    "shards": len(names), "variants": {}}  # fmt: skip

@@ -180,10 +180,11 @@ def main() -> None:
         }
     )
     from eaglepipe.config import validate_config
+    from eaglepipe.run import resolve
 
     config = validate_config(config)
     summary = train(
-        config,
+        resolve(config),
         vocab_path=str(work / "vocab.safetensors"),
         table_path=str(table_path),
         manifests=manifests,

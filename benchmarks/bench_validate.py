@@ -32,6 +32,7 @@ import torch
 from eaglepipe import shard_store
 from eaglepipe.config import load_config
 from eaglepipe.fingerprint import hash_file
+from eaglepipe.run import resolve
 from eaglepipe.validate import ShardPaths, expected_provenance, validate_shard, verify_all
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -98,7 +99,7 @@ def build(root: Path, gb: float, hidden: int, chunk_mb: int, row_tokens: int) ->
         ]
         records.append(shard_store.write_chunk(shard_dir, index, tensors, hidden_size=hidden))
     provenance = {
-        **expected_provenance(config, prepared / "summary.json"),
+        **expected_provenance(resolve(config), prepared / "summary.json"),
         "shard_inputs_hash": "s" * 32,
         "engine": "synthetic",
         "engine_version": "0",
@@ -171,7 +172,7 @@ def main() -> None:
             assert verify_all(root / "hidden_states", progress=False) == []
 
         def validate() -> None:
-            validate_shard(config, shard, paths, progress=False)
+            validate_shard(resolve(config), shard, paths, progress=False)
 
         results = {
             "raw read": best(lambda: raw_read(chunk_paths)),

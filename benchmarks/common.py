@@ -14,7 +14,6 @@ import platform
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -253,9 +252,10 @@ def write_prepared(run_dir: Path, rows) -> Path:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free local port that SGLang accepts too (its gRPC port, +10000, must exist)."""
+    from eaglepipe.server.sglang import free_server_port
+
+    return free_server_port("127.0.0.1")
 
 
 @contextmanager

@@ -449,6 +449,7 @@ def server_config(
     model_dir: Path, dump_root: Path, extra_args: list[str], health_s: float, engine="sglang"
 ):
     from eaglepipe.config import load_config, validate_config
+    from eaglepipe.run import resolve
 
     config = load_config(REPO_ROOT / "config.yaml")
     config["model"]["path"] = str(model_dir)
@@ -462,7 +463,7 @@ def server_config(
         idle_timeout_s=900,
         sglang={"tp_size": 1, "mem_fraction_static": 0.5, "extra_args": list(extra_args)},
     )
-    return validate_config(config)
+    return resolve(validate_config(config))
 
 
 def post_generate(url: str, ids: list[int], rid: str, max_new_tokens: int) -> dict:
@@ -547,7 +548,6 @@ def log_lines(text: str, needles: tuple[str, ...], limit: int = 12) -> list[str]
 
 def serve_and_compare(name, model_dir, rows, refs, info, work, args, started) -> dict:
     """Start SGLang through the lifecycle, extract single and packed, compare; stop it."""
-    from eaglepipe.config import aux_layer_ids
     from eaglepipe.server.lifecycle import start_server, stop_server
 
     result: dict = {}
@@ -563,9 +563,9 @@ def serve_and_compare(name, model_dir, rows, refs, info, work, args, started) ->
     config = server_config(model_dir, dump_root, extra, min(400, left - 60), args.engine)
     sglang = args.engine == "sglang"
     num_layers, hidden = info["num_layers"], info["hidden_size"]
-    aux_ids = aux_layer_ids(config)
+    aux_ids = config.aux_layer_ids
     result["aux_layer_ids"] = aux_ids
-    prefix = config["extract"]["request_prefix"]
+    prefix = config.extract.request_prefix
     handle = None
     with working_directory(run_dir):
         try:
@@ -653,16 +653,15 @@ def shm_or(work: Path) -> str:
 def dry_run(name, model_dir, rows, refs, info, work, args) -> dict:
     """The launch command for --sglang-version, and the comparison on transformers' bf16
     states standing in for dumps (must pass) and on a copy shifted by one layer (must fail)."""
-    from eaglepipe.config import aux_layer_ids
     from eaglepipe.server.sglang import launch_command
 
     extra = list(SGLANG_EXTRA_ARGS) + (["--mm-attention-backend", "sdpa"] if name == "kimi" else [])
     config = server_config(model_dir, work / "dumps", extra, 300)
     argv, env = launch_command(
-        config, host="127.0.0.1", port=config["server"]["port"], dump_dir=work / "dumps" / "x",
+        config, host="127.0.0.1", port=config.server.port, dump_dir=work / "dumps" / "x",
         instance_id="dry-run", sglang_version=args.sglang_version,
     )  # fmt: skip
-    aux_ids = aux_layer_ids(config)
+    aux_ids = config.aux_layer_ids
     num_layers = info["num_layers"]
 
     def stand_in(offset: int) -> dict:

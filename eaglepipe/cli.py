@@ -18,8 +18,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from .config import RESOLVED_CONFIG, config_from_arg
+from .config import RESOLVED_CONFIG
 from .errors import PipelineError
+from .run import RunSpec, load_run
 
 EXIT_NOT_RUNNING = 3
 
@@ -38,8 +39,8 @@ def add_config_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def load_config_arg(args: argparse.Namespace) -> dict:
-    return config_from_arg(args.config or default_config_path())
+def load_run_arg(args: argparse.Namespace) -> RunSpec:
+    return load_run(args.config or default_config_path())
 
 
 # ---------------------------------------------------------------- eaglepipe server ...
@@ -48,7 +49,7 @@ def load_config_arg(args: argparse.Namespace) -> dict:
 def server_start(args: argparse.Namespace) -> int:
     from .server.lifecycle import start_server
 
-    handle = start_server(load_config_arg(args))
+    handle = start_server(load_run_arg(args))
     state = handle.state
     print(f"server running: {state['url']}")
     print(f"  engine      {state['engine']} {handle.info.get('engine_version', '')}".rstrip())
@@ -145,7 +146,7 @@ def add_server_command(subparsers) -> None:
 def status_command(args: argparse.Namespace) -> int:
     from .status import print_status
 
-    return print_status(load_config_arg(args), list_all=args.all)
+    return print_status(load_run_arg(args), list_all=args.all)
 
 
 def add_status_command(subparsers) -> None:
@@ -162,7 +163,7 @@ def _planned_shards(args: argparse.Namespace) -> list[str] | None:
     from .status import planned_shard_names
 
     try:
-        return planned_shard_names(load_config_arg(args))
+        return planned_shard_names(load_run_arg(args))
     except PipelineError as exc:
         print(f"note: no shard plan ({exc}): every shard directory is checked", file=sys.stderr)
         return None

@@ -37,6 +37,7 @@ from .dump import (
     read_dump,
 )
 from .errors import PipelineError, ServerLost
+from .run import RunSpec
 
 # How often the watchdog asks whether the server is alive, and how many consecutive failed
 # health probes (on top of the lifecycle's process check) count as "stopped answering".
@@ -72,17 +73,17 @@ class ClientSettings:
     num_aux_layers: int = 3
 
     @classmethod
-    def from_config(cls, config: dict, hidden_size: int, dump_dir: Path) -> ClientSettings:
-        extract = config["extract"]
-        max_bytes = extract.get("max_inflight_bytes")
+    def from_run(cls, run: RunSpec, hidden_size: int, dump_dir: Path) -> ClientSettings:
+        extract = run.extract
+        max_bytes = extract.max_inflight_bytes
         if max_bytes is None:
             max_bytes = max(1, handoff_free_bytes(dump_dir) // 4)
         return cls(
-            request_prefix=extract["request_prefix"],
-            max_inflight_requests=int(extract["max_inflight_requests"]),
+            request_prefix=extract.request_prefix,
+            max_inflight_requests=int(extract.max_inflight_requests),
             max_inflight_bytes=int(max_bytes),
-            retries=int(extract["retries"]),
-            request_timeout_s=float(extract["request_timeout_s"]),
+            retries=int(extract.retries),
+            request_timeout_s=float(extract.request_timeout_s),
             hidden_size=hidden_size,
         )
 

@@ -1,14 +1,14 @@
-"""Loading, validating and resolving the pipeline configuration.
+"""Loading and validating the pipeline configuration (the loader; `run.py` resolves it).
 
-The schema in schemas/config.schema.yaml is the single description of every key. The Snakefile
-validates `config` with it at workflow start; scripts read the resolved copy the Snakefile
-writes to `.eaglepipe/config.json`, so a job sees exactly the configuration its run parsed.
+The schema in schemas/config.schema.yaml is the single description of every key: its types,
+bounds and defaults. The Snakefile validates `config` with it at workflow start and resolves it
+into the run description (`eaglepipe.run`), whose resolved copy is written to
+`.eaglepipe/config.json`, so a job sees exactly the configuration its run parsed.
 """
 
 from __future__ import annotations
 
 import copy
-import getpass
 import json
 import os
 from pathlib import Path
@@ -88,49 +88,9 @@ def load_config(path: str | os.PathLike) -> dict:
     return validate_config(raw)
 
 
-def model_dir(config: dict) -> Path:
-    """The target model directory: the user's, or the embedded toy target."""
-    return Path(config["model"]["path"]) if config["model"]["path"] else TOY_MODEL_DIR
-
-
-def is_toy_model(config: dict) -> bool:
-    return not config["model"]["path"]
-
-
-def read_model_config(config: dict) -> dict:
-    path = model_dir(config) / "config.json"
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise PipelineError(f"model.path: {path} does not exist") from None
-
-
 def text_config(model_config: dict) -> dict:
     """The language-model part of a config (multimodal wrappers such as Kimi-K2.5 nest it)."""
     return model_config.get("text_config") or model_config
-
-
-def num_layers(config: dict) -> int:
-    """Decoder depth of the target, from its config (or the toy settings before it is built)."""
-    if is_toy_model(config) and not (model_dir(config) / "config.json").exists():
-        return config["model"]["toy"]["num_layers"]
-    return int(text_config(read_model_config(config))["num_hidden_layers"])
-
-
-def aux_layer_ids(config: dict) -> list[int]:
-    from .layers import resolve_aux_layer_ids
-
-    return resolve_aux_layer_ids(config.get("aux_layer_ids"), num_layers(config))
-
-
-def dump_root(config: dict) -> Path:
-    configured = config["server"].get("dump_root")
-    if configured:
-        return Path(configured)
-    shm = Path("/dev/shm")
-    if shm.is_dir() and os.access(shm, os.W_OK):
-        return shm / f"eaglepipe-{getpass.getuser()}"
-    return (STATE_DIR / "dumps").resolve()
 
 
 def write_resolved(config: dict, path: str | os.PathLike = RESOLVED_CONFIG) -> Path:

@@ -1,6 +1,6 @@
 """One shard's extraction: prepared rows -> server -> checksummed chunks -> manifest.
 
-`extract_shard(config, "rows_0-64")`:
+`extract_shard(run, "rows_0-64")` (`run`: the run description, eaglepipe/run.py):
 
 1. loads the shard's prepared rows and plans its chunks from their token counts;
 2. checks the output filesystem has room for what is still to write (nothing is created
@@ -39,20 +39,12 @@ from .client import (
     handoff_free_bytes,
     liveness_check,
 )
-from .config import (
-    HIDDEN_STATES_DIR,
-    PREPARED_SUMMARY,
-    PREPARED_TABLE,
-    aux_layer_ids,
-    model_dir,
-    read_model_config,
-    text_config,
-)
+from .config import HIDDEN_STATES_DIR, PREPARED_SUMMARY, PREPARED_TABLE
 from .errors import PipelineError, ServerLost
-from .fingerprint import model_config_hash, tokenizer_fingerprint
 from .identity import chunk_reuse_key, engine_identity
 from .jsonio import read_json_object
 from .layers import CONVENTION, FINAL_CONVENTION
+from .run import RunSpec
 from .shard_plan import parse_shard_name
 from .shard_store import (
     FAILURE_NAME,
@@ -128,9 +120,9 @@ def _summary_provenance(summary_path: Path) -> dict:
     return summary.get("provenance", summary)
 
 
-def _tokenizer_fingerprint(config: dict, summary: dict) -> str:
+def _tokenizer_fingerprint(run: RunSpec, summary: dict) -> str:
     recorded = summary.get("tokenizer_fingerprint")
-    return recorded if recorded else tokenizer_fingerprint(model_dir(config))
+    return recorded if recorded else run.model.tokenizer_fingerprint
 
 
 def check_server_info(info: dict, aux_ids: list[int], hidden_size: int, url: str) -> None:
@@ -296,7 +288,7 @@ class ChunkAssembler:
 
 
 def _extract_chunks(
-    config: dict,
+    run: RunSpec,
     shard_dir: Path,
     chunks: list[list[int]],
     todo: list[int],
@@ -317,11 +309,11 @@ def _extract_chunks(
         for r, ids in zip(rows.row_ids, rows.input_ids, strict=True)
         if r in wanted
     ]
-    with server_lease(config) as handle:
+    with server_lease(run) as handle:
         info = dict(handle.info)
         check_server_info(info, aux_ids, hidden_size, handle.url)
         check_server_engine(info, engine, handle.url)
-        settings = ClientSettings.from_config(config, hidden_size, Path(handle.dump_dir))
+        settings = ClientSettings.from_run(run, hidden_size, Path(handle.dump_dir))
         log(
             f"{progress.shard}: requesting {len(requests)} rows from {handle.url} "
             f"({info.get('engine')} {info.get('engine_version')}), up to "
@@ -331,8 +323,8 @@ def _extract_chunks(
         # Dumps are mapped, not copied (eaglepipe.dump.read_dump), so rows held for the
         # look-ahead keep their handoff space until their chunk is written: by default the
         # look-ahead takes at most a quarter of the handoff's free space, as in-flight dumps do.
-        lookahead = config["extract"].get("lookahead_bytes") or min(
-            4 * int(config["shards"]["chunk_max_bytes"]),
+        lookahead = run.extract.lookahead_bytes or min(
+            4 * run.shards.chunk_max_bytes,
             max(1, handoff_free_bytes(Path(handle.dump_dir)) // 4),
         )
         assembler = ChunkAssembler(
@@ -364,7 +356,7 @@ def _extract_chunks(
 
 
 def extract_shard(
-    config: dict,
+    run: RunSpec,
     shard_name: str,
     *,
     hidden_states_dir: Path = HIDDEN_STATES_DIR,
@@ -377,23 +369,21 @@ def extract_shard(
     t0 = time.monotonic()
     shard = parse_shard_name(shard_name)
     # Up front: it also refuses a shard that is not in the plan before any work is done.
-    workflow_stamp = shard_provenance(config, shard_name)
+    workflow_stamp = shard_provenance(run, shard_name)
     shard_dir = Path(hidden_states_dir) / shard_name
     rows = load_shard_rows(Path(prepared_table), shard.start, shard.end)
     summary = _summary_provenance(Path(prepared_summary))
-    hidden_size = int(text_config(read_model_config(config))["hidden_size"])
-    aux_ids = aux_layer_ids(config)
+    hidden_size = run.model.hidden_size
+    aux_ids = run.aux_layer_ids
     inputs_hash = shard_inputs_hash(rows)
-    model_hash = model_config_hash(model_dir(config))
-    engine = engine_identity(config)
-    content_key = chunk_reuse_key(
-        config, shard_inputs_hash=inputs_hash, hidden_size=hidden_size, engine=engine
-    )
+    model_hash = run.model.config_hash
+    engine = engine_identity(run)
+    content_key = chunk_reuse_key(run, shard_inputs_hash=inputs_hash, engine=engine)
     chunks = plan_chunks(
         rows.row_ids,
         rows.num_tokens,
         hidden_size,
-        max_chunk_bytes=int(config["shards"]["chunk_max_bytes"]),
+        max_chunk_bytes=run.shards.chunk_max_bytes,
     )
     digest = plan_digest(chunks, content_key)
     tokens_of = dict(zip(rows.row_ids, rows.num_tokens, strict=True))
@@ -430,7 +420,7 @@ def extract_shard(
         # shard was computed by `engine`, whether requested now or in an earlier attempt.
         if todo:
             new_records, requests_sent, breakdown = _extract_chunks(
-                config,
+                run,
                 shard_dir,
                 chunks,
                 todo,
@@ -454,7 +444,7 @@ def extract_shard(
             provenance={
                 "model_config_hash": model_hash,
                 "weights_fingerprint": content_key["weights"],
-                "tokenizer_fingerprint": _tokenizer_fingerprint(config, summary),
+                "tokenizer_fingerprint": _tokenizer_fingerprint(run, summary),
                 "dataset_hash": summary.get("dataset_hash"),
                 "shard_inputs_hash": inputs_hash,
                 "aux_layer_ids": aux_ids,
@@ -489,7 +479,7 @@ def extract_shard(
 
 
 def run_extract_job(
-    config: dict,
+    run: RunSpec,
     shard_name: str,
     *,
     hidden_states_dir: Path = HIDDEN_STATES_DIR,
@@ -508,7 +498,7 @@ def run_extract_job(
     attempt = 1
     while True:
         try:
-            return extract_shard(config, shard_name, hidden_states_dir=hidden_states_dir, log=log)
+            return extract_shard(run, shard_name, hidden_states_dir=hidden_states_dir, log=log)
         except ServerLost as exc:
             if attempt == SERVER_ATTEMPTS:
                 record_failure(shard_dir, str(exc))

@@ -16,14 +16,13 @@ the one the shard provenance uses too.
 
 from __future__ import annotations
 
-from . import config as cfg
-from .fingerprint import model_config_hash, weights_fingerprint
+from .run import RunSpec
 
 
-def engine_identity(config: dict) -> dict:
+def engine_identity(run: RunSpec) -> dict:
     """Engine, version, device kind, dtype and layout, as the server on this node resolves them."""
-    server = config["server"]
-    if server["engine"] == "sglang":
+    server = run.server
+    if server.engine == "sglang":
         from .server.sglang import installed_sglang_version
 
         return {
@@ -31,8 +30,8 @@ def engine_identity(config: dict) -> dict:
             # The SGLang the server process imports (its own path may differ from ours).
             "engine_version": installed_sglang_version(),
             # SGLang resolves `auto` from the model's own torch_dtype: the same on every node.
-            "dtype": server["dtype"],
-            "tp_size": server["sglang"]["tp_size"],
+            "dtype": server.dtype,
+            "tp_size": server.sglang.tp_size,
         }
     from .server.reference import (
         engine_version,
@@ -41,48 +40,45 @@ def engine_identity(config: dict) -> dict:
         resolve_dtype,
     )
 
-    device = resolve_device(server["device"])
+    device = resolve_device(server.device)
     return {
         "engine": "reference",
         "engine_version": engine_version(),
         "device": device.type,
-        "dtype": str(resolve_dtype(server["dtype"], device)).removeprefix("torch."),
-        "attention": resolve_attention(server["attention"], device)[0],
+        "dtype": str(resolve_dtype(server.dtype, device)).removeprefix("torch."),
+        "attention": resolve_attention(server.attention, device)[0],
     }
 
 
-def server_identity(config: dict) -> dict:
+def server_identity(run: RunSpec) -> dict:
     """Everything that decides what the server computes and where it listens."""
-    server = config["server"]
-    model = cfg.model_dir(config).resolve()
+    server, model = run.server, run.model
     identity = {
-        **engine_identity(config),
-        "model_dir": str(model),
-        "model_config_hash": model_config_hash(model),
-        "weights": weights_fingerprint(model),
-        "aux_layer_ids": cfg.aux_layer_ids(config),
-        "max_batch_tokens": server["max_batch_tokens"],
-        "trust_remote_code": config["model"]["trust_remote_code"],
-        "request_prefix": config["extract"]["request_prefix"],
-        "host": server["host"],
-        "port": server["port"],
+        **engine_identity(run),
+        "model_dir": str(model.directory.resolve()),
+        "model_config_hash": model.config_hash,
+        "weights": model.weights_fingerprint,
+        "aux_layer_ids": run.aux_layer_ids,
+        "max_batch_tokens": server.max_batch_tokens,
+        "trust_remote_code": model.trust_remote_code,
+        "request_prefix": run.extract.request_prefix,
+        "host": server.host,
+        "port": server.port,
     }
-    if server["engine"] == "sglang":
-        identity["sglang"] = server["sglang"]
+    if server.engine == "sglang":
+        identity["sglang"] = server.sglang.as_dict()
     return identity
 
 
-def chunk_reuse_key(
-    config: dict, *, shard_inputs_hash: str, hidden_size: int, engine: dict
-) -> dict:
+def chunk_reuse_key(run: RunSpec, *, shard_inputs_hash: str, engine: dict) -> dict:
     """What a journalled chunk must match to be kept by a resumed extraction."""
-    model = cfg.model_dir(config)
+    model = run.model
     return {
         "shard_inputs_hash": shard_inputs_hash,
-        "model_config_hash": model_config_hash(model),
-        "weights": weights_fingerprint(model),
-        "aux_layer_ids": cfg.aux_layer_ids(config),
-        "hidden_size": hidden_size,
+        "model_config_hash": model.config_hash,
+        "weights": model.weights_fingerprint,
+        "aux_layer_ids": run.aux_layer_ids,
+        "hidden_size": model.hidden_size,
         "stored_dtype": "bfloat16",
         "engine": engine,
     }

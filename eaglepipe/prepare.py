@@ -33,7 +33,7 @@ from .atomic import dumps_json, write_if_changed
 from .chat_mask import require_chat_template, tokenize_conversation
 from .dataset import BadRow, RowProblem, bad_row_error, dataset_hash, iter_rows
 from .errors import PipelineError
-from .fingerprint import model_config_hash, tokenizer_fingerprint
+from .run import HoldoutSettings, RunSpec
 from .shard_plan import DEFAULT_CACHE_DIR, count_source_rows, parse_shard_name, plan_shards
 from .workflow import prepare_provenance
 
@@ -56,16 +56,16 @@ def table_schema():
     )
 
 
-def load_target_tokenizer(config: dict):
+def load_target_tokenizer(run: RunSpec):
     """The target's tokenizer (with remote code only when model.trust_remote_code is set)."""
     from transformers import AutoTokenizer
 
-    model_dir = config_mod.model_dir(config)
+    model_dir = run.model.directory
     if not model_dir.is_dir():
         raise PipelineError(f"model.path: {model_dir} does not exist")
     try:
         tokenizer = AutoTokenizer.from_pretrained(
-            model_dir, trust_remote_code=config["model"].get("trust_remote_code", False)
+            model_dir, trust_remote_code=run.model.trust_remote_code
         )
     except (OSError, ValueError) as exc:
         raise PipelineError(f"cannot load the tokenizer of {model_dir}: {exc}") from None
@@ -82,12 +82,12 @@ def is_eval_row(row_id: int, fraction: float, seed: int) -> bool:
     return draw < fraction
 
 
-def _eval_shard_ids(holdout: dict, num_rows: int, rows_per_shard: int) -> set[int]:
+def _eval_shard_ids(holdout: HoldoutSettings, num_rows: int, rows_per_shard: int) -> set[int]:
     """Indices (in the plan) of the shards held out whole; validates the names against the plan."""
     plan = plan_shards(num_rows, rows_per_shard)
     names = {shard.name: index for index, shard in enumerate(plan)}
     chosen = set()
-    for name in holdout.get("shards", []):
+    for name in holdout.shards:
         parse_shard_name(name)
         if name not in names:
             raise PipelineError(
@@ -95,7 +95,7 @@ def _eval_shard_ids(holdout: dict, num_rows: int, rows_per_shard: int) -> set[in
                 f"({len(plan)} shards of {rows_per_shard} rows over {num_rows} source rows)"
             )
         chosen.add(names[name])
-    if holdout.get("mode") == "shards" and not chosen:
+    if holdout.mode == "shards" and not chosen:
         raise PipelineError("config key dataset.holdout.shards: mode 'shards' needs at least one")
     return chosen
 
@@ -169,25 +169,25 @@ def _histogram(lengths: np.ndarray, max_length: int) -> dict:
 
 
 def run_prepare(
-    config: dict,
+    run: RunSpec,
     prepared_dir: str | os.PathLike | None = None,
     cache_dir: str | os.PathLike = DEFAULT_CACHE_DIR,
 ) -> dict:
     """Run the prepare stage; returns the summary (also written to prepared/summary.json)."""
     prepared_dir = Path(prepared_dir) if prepared_dir is not None else config_mod.PREPARED_DIR
-    dataset_cfg = config["dataset"]
-    source = Path(dataset_cfg["path"])
-    fmt = dataset_cfg.get("format", "auto")
-    max_length = dataset_cfg.get("max_length", 4096)
-    policy = dataset_cfg.get("bad_rows", "error")
-    holdout = dataset_cfg.get("holdout", {}) or {}
-    mode = holdout.get("mode", "fraction")
-    fraction = holdout.get("fraction", 0.05)
-    seed = holdout.get("seed", 0)
-    rows_per_shard = config["shards"]["rows_per_shard"]
+    dataset_cfg = run.dataset
+    source = Path(dataset_cfg.path)
+    fmt = dataset_cfg.format
+    max_length = dataset_cfg.max_length
+    policy = dataset_cfg.bad_rows
+    holdout = dataset_cfg.holdout
+    mode = holdout.mode
+    fraction = holdout.fraction
+    seed = holdout.seed
+    rows_per_shard = run.shards.rows_per_shard
 
-    tokenizer = load_target_tokenizer(config)
-    model_dir = config_mod.model_dir(config)
+    tokenizer = load_target_tokenizer(run)
+    model_dir = run.model.directory
     total = count_source_rows(source, cache_dir)
     eval_shards = _eval_shard_ids(holdout, total, rows_per_shard) if mode == "shards" else set()
     print(
@@ -237,7 +237,7 @@ def run_prepare(
 
     require_training_rows(source, total, splits, skipped)
     summary = _summary(
-        config, source, model_dir, total, row_ids, splits, token_arrays, mask_arrays, truncated
+        run, source, model_dir, total, row_ids, splits, token_arrays, mask_arrays, truncated
     )
     summary["skipped_rows"] = len(skipped)
     skipped_doc = {
@@ -281,11 +281,11 @@ def require_training_rows(
 
 
 def _summary(
-    config, source, model_dir, total, row_ids, splits, token_arrays, mask_arrays, truncated
+    run, source, model_dir, total, row_ids, splits, token_arrays, mask_arrays, truncated
 ) -> dict:
-    dataset_cfg = config["dataset"]
-    max_length = dataset_cfg.get("max_length", 4096)
-    rows_per_shard = config["shards"]["rows_per_shard"]
+    dataset_cfg = run.dataset
+    max_length = dataset_cfg.max_length
+    rows_per_shard = run.shards.rows_per_shard
     lengths = np.array([len(a) for a in token_arrays], dtype=np.int64)
     assistant = np.array([int(m.sum()) for m in mask_arrays], dtype=np.int64)
     is_eval = np.array([s == "eval" for s in splits], dtype=bool)
@@ -322,18 +322,18 @@ def _summary(
             }
             for name, selected in (("train", ~is_eval), ("eval", is_eval))
         },
-        "holdout": dataset_cfg.get("holdout", {}),
+        "holdout": dataset_cfg.holdout.as_dict(),
         "rows_per_shard": rows_per_shard,
         "shards": shards,
         "provenance": {
             "dataset_path": str(source),
-            "dataset_format": dataset_cfg.get("format", "auto"),
+            "dataset_format": dataset_cfg.format,
             "dataset_hash": dataset_hash(source),
-            "tokenizer_fingerprint": tokenizer_fingerprint(model_dir),
-            "model_config_hash": model_config_hash(model_dir),
+            "tokenizer_fingerprint": run.model.tokenizer_fingerprint,
+            "model_config_hash": run.model.config_hash,
             "max_length": max_length,
             # What the workflow's rerun decision compares (eaglepipe.workflow).
-            "workflow": prepare_provenance(config),
+            "workflow": prepare_provenance(run),
         },
     }
 

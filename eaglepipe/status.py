@@ -32,8 +32,9 @@ from typing import TextIO
 import numpy as np
 import psutil
 
-from .config import HIDDEN_STATES_DIR, PREPARED_TABLE, TOY_MODEL_DIR, text_config
+from .config import HIDDEN_STATES_DIR, PREPARED_TABLE
 from .errors import PipelineError
+from .run import RunSpec
 from .shard_plan import parse_shard_name
 from .shard_store import (
     INVALID_MANIFEST_NAME,
@@ -466,31 +467,29 @@ def format_status(summary: StatusSummary, *, list_all: bool = False, max_listed:
     return "\n".join(lines)
 
 
-def planned_shard_names(config: dict, workdir: str | os.PathLike = ".") -> list[str]:
+def planned_shard_names(run: RunSpec, workdir: str | os.PathLike = ".") -> list[str]:
     """The run's shard names, planned exactly as the workflow plans them."""
     from .shard_plan import plan_for_source
 
     workdir = Path(workdir)
     plan = plan_for_source(
-        workdir / config["dataset"]["path"],
-        config["shards"]["rows_per_shard"],
+        workdir / run.dataset.path,
+        run.shards.rows_per_shard,
         cache_dir=workdir / ".eaglepipe" / "cache",
     )
     return [shard.name for shard in plan]
 
 
-def _hidden_size(config: dict, workdir: Path) -> int | None:
-    """The target's hidden size, if its config is readable yet (the toy target may be unbuilt)."""
-    model_dir = Path(config["model"]["path"] or TOY_MODEL_DIR)
+def _hidden_size(run: RunSpec) -> int | None:
+    """The target's hidden size (the toy's from its settings before it is built), if known."""
     try:
-        model_config = json.loads((workdir / model_dir / "config.json").read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+        return run.model.hidden_size
+    except (PipelineError, KeyError):
         return None
-    return int(text_config(model_config)["hidden_size"])
 
 
 def print_status(
-    config: dict,
+    run: RunSpec,
     *,
     workdir: str | os.PathLike = ".",
     list_all: bool = False,
@@ -500,9 +499,9 @@ def print_status(
     workdir = Path(workdir)
     summary = shard_status(
         workdir,
-        planned_shard_names(config, workdir),
-        hidden_size=_hidden_size(config, workdir),
-        chunk_max_bytes=config["shards"]["chunk_max_bytes"],
+        planned_shard_names(run, workdir),
+        hidden_size=_hidden_size(run),
+        chunk_max_bytes=run.shards.chunk_max_bytes,
     )
     print(format_status(summary, list_all=list_all), file=stream or sys.stdout, flush=True)
     return 1 if summary.failed else 0

@@ -28,40 +28,13 @@ from functools import cache
 from pathlib import Path
 
 from . import __version__
-from .config import (
-    HIDDEN_STATES_DIR,
-    TOY_MODEL_DIR,
-    VALIDATED_DIR,
-    aux_layer_ids,
-    is_toy_model,
-    model_dir,
-    num_layers,
-    validate_config,
-    write_resolved,
-)
+from .config import HIDDEN_STATES_DIR, TOY_MODEL_DIR, VALIDATED_DIR
 from .errors import PipelineError
-from .fingerprint import (
-    file_identity,
-    hash_file,
-    hash_json,
-    model_config_hash,
-    tokenizer_fingerprint,
-    weights_fingerprint,
-)
+from .fingerprint import file_identity, hash_file, hash_json
+from .run import RunSpec
 from .shard_plan import count_source_rows, plan_shards, shard_source_digests
 
 RUN_TOKEN_ENV = "EAGLEPIPE_RUN_TOKEN"
-
-
-def setup(config: dict) -> dict:
-    """Validate the config, write the resolved copy jobs read, and return it."""
-    use_project_python()
-    resolved = validate_config(config)
-    if is_toy_model(resolved):
-        # Aux ids of the toy target can be checked before it exists: its depth is configured.
-        num_layers(resolved)
-    write_resolved(resolved)
-    return resolved
 
 
 # Full (oldest-generation) collections: at most one per this many young-generation collections.
@@ -125,12 +98,12 @@ def run_token() -> str:
     return os.environ.setdefault(RUN_TOKEN_ENV, uuid.uuid4().hex)
 
 
-def model_config_file(config: dict) -> str:
-    return str(model_dir(config) / "config.json")
+def model_config_file(run: RunSpec) -> str:
+    return str(run.model.config_file)
 
 
-def _dataset_path(config: dict) -> Path:
-    path = Path(config["dataset"]["path"])
+def _dataset_path(run: RunSpec) -> Path:
+    path = Path(run.dataset.path)
     if not path.exists():
         raise PipelineError(f"dataset.path: {path} does not exist")
     return path
@@ -141,53 +114,53 @@ def _cached_file_hash(path: str, identity: tuple) -> str:
     return hash_file(path)
 
 
-def dataset_hash(config: dict) -> str:
-    path = _dataset_path(config)
+def dataset_hash(run: RunSpec) -> str:
+    path = _dataset_path(run)
     return _cached_file_hash(str(path.resolve()), file_identity(path))
 
 
-def shards(config: dict) -> list[str]:
+def shards(run: RunSpec) -> list[str]:
     """Shard names planned from the source's row count (no checkpoint needed)."""
-    rows = count_source_rows(_dataset_path(config))
-    return [s.name for s in plan_shards(rows, config["shards"]["rows_per_shard"])]
+    rows = count_source_rows(_dataset_path(run))
+    return [s.name for s in plan_shards(rows, run.shards.rows_per_shard)]
 
 
-def model_fingerprint(config: dict) -> str:
+def model_fingerprint(run: RunSpec) -> str:
     """Identity of the target model and tokenizer, computable before the toy target exists."""
-    if is_toy_model(config):
+    model = run.model
+    if model.is_toy:
         # The toy build is seeded: its settings and corpus path identify it (it is not rebuilt
         # on data edits).
-        return hash_json(toy_target_settings(config))
-    directory = model_dir(config)
+        return hash_json(toy_target_settings(run))
     return hash_json(
         {
-            "config": model_config_hash(directory),
-            "tokenizer": tokenizer_fingerprint(directory),
+            "config": model.config_hash,
+            "tokenizer": model.tokenizer_fingerprint,
             # config.json alone cannot tell a base model from its fine-tune.
-            "weights": weights_fingerprint(directory),
+            "weights": model.weights_fingerprint,
         }
     )
 
 
-def _tokenization_settings(config: dict) -> dict:
-    dataset = config["dataset"]
+def _tokenization_settings(run: RunSpec) -> dict:
+    dataset = run.dataset
     return {
-        "max_length": dataset["max_length"],
-        "format": dataset["format"],
-        "bad_rows": dataset["bad_rows"],
-        "trust_remote_code": config["model"]["trust_remote_code"],
+        "max_length": dataset.max_length,
+        "format": dataset.format,
+        "bad_rows": dataset.bad_rows,
+        "trust_remote_code": run.model.trust_remote_code,
     }
 
 
-def prepare_provenance(config: dict) -> str:
+def prepare_provenance(run: RunSpec) -> str:
     """Hash of everything the prepared table depends on."""
     return hash_json(
         {
-            "model": model_fingerprint(config),
-            "dataset": dataset_hash(config),
-            "tokenization": _tokenization_settings(config),
-            "holdout": config["dataset"]["holdout"],
-            "rows_per_shard": config["shards"]["rows_per_shard"],
+            "model": model_fingerprint(run),
+            "dataset": dataset_hash(run),
+            "tokenization": _tokenization_settings(run),
+            "holdout": run.dataset.holdout.as_dict(),
+            "rows_per_shard": run.shards.rows_per_shard,
         }
     )
 
@@ -197,13 +170,13 @@ def _shard_digests(path: str, rows_per_shard: int, identity: tuple) -> dict:
     return shard_source_digests(path, rows_per_shard)
 
 
-def shard_provenance(config: dict, shard: str) -> str:
+def shard_provenance(run: RunSpec, shard: str) -> str:
     """Hash of everything a shard's hidden states depend on; a change makes only it stale."""
-    provenances = _shard_provenances(hash_json(config), config)
+    provenances = _shard_provenances(run)
     if shard not in provenances:
         raise PipelineError(
-            f"shard {shard} is not in the plan of {config['dataset']['path']} with "
-            f"shards.rows_per_shard={config['shards']['rows_per_shard']}"
+            f"shard {shard} is not in the plan of {run.dataset.path} with "
+            f"shards.rows_per_shard={run.shards.rows_per_shard}"
         )
     return provenances[shard]
 
@@ -211,16 +184,17 @@ def shard_provenance(config: dict, shard: str) -> str:
 _PROVENANCE_MEMO: dict[str, dict[str, str]] = {}
 
 
-def _shard_provenances(config_key: str, config: dict) -> dict[str, str]:
+def _shard_provenances(run: RunSpec) -> dict[str, str]:
     # Parse time asks once per shard: fingerprint the model and read the source only once.
+    config_key = run.config_hash
     if config_key not in _PROVENANCE_MEMO:
-        path = _dataset_path(config)
-        digests = _shard_digests(str(path), config["shards"]["rows_per_shard"], file_identity(path))
+        path = _dataset_path(run)
+        digests = _shard_digests(str(path), run.shards.rows_per_shard, file_identity(path))
         shared = {
-            "model": model_fingerprint(config),
-            "aux_layer_ids": aux_layer_ids(config),
-            "tokenization": _tokenization_settings(config),
-            "chunk_max_bytes": config["shards"]["chunk_max_bytes"],
+            "model": model_fingerprint(run),
+            "aux_layer_ids": run.aux_layer_ids,
+            "tokenization": _tokenization_settings(run),
+            "chunk_max_bytes": run.shards.chunk_max_bytes,
         }
         _PROVENANCE_MEMO[config_key] = {
             shard: hash_json({**shared, "source_rows": digest}) for shard, digest in digests.items()
@@ -237,32 +211,32 @@ def shard_stamp(shard: str) -> Path:
     return PROVENANCE_DIR / f"{shard}.json"
 
 
-def toy_target_settings(config: dict) -> dict:
+def toy_target_settings(run: RunSpec) -> dict:
     # The toy's tokenizer is trained on the dataset file: another file is another toy. (Edits
     # of the same file are not: a rebuilt toy would make every shard stale.)
-    return {"toy": config["model"]["toy"], "corpus": str(Path(config["dataset"]["path"]))}
+    return {"toy": run.model.toy.as_dict(), "corpus": str(Path(run.dataset.path))}
 
 
-def stage_settings(config: dict) -> dict[str, dict]:
+def stage_settings(run: RunSpec) -> dict[str, dict]:
     """The settings each single-job stage's outputs depend on, besides its input files.
 
     Each stage's stamp (`stage_stamp`) holds them and is a plain input of its rule: a changed
     setting rewrites the stamp, which reruns exactly that stage and, through their inputs, the
     stages after it.
     """
-    evaluate, server = config["evaluate"], config["server"]
+    evaluate, server = run.evaluate, run.server
     return {
-        "vocab": {"draft_vocab_size": config["train"]["draft_vocab_size"]},
-        "train": config["train"],
-        "evaluate": {"max_rows": evaluate["max_rows"]},
-        "export": {"engines": config["export"]["engines"]},
+        "vocab": {"draft_vocab_size": run.train.draft_vocab_size},
+        "train": run.train.as_dict(),
+        "evaluate": {"max_rows": evaluate.max_rows},
+        "export": {"engines": list(run.export.engines)},
         "live_acceptance": {
-            "live_prompts": evaluate["live_prompts"],
-            "live_new_tokens": evaluate["live_new_tokens"],
-            "engine": server["engine"],
-            "device": server["device"],
-            "dtype": server["dtype"],
-            "sglang": server["sglang"] if server["engine"] == "sglang" else None,
+            "live_prompts": evaluate.live_prompts,
+            "live_new_tokens": evaluate.live_new_tokens,
+            "engine": server.engine,
+            "device": server.device,
+            "dtype": server.dtype,
+            "sglang": server.sglang.as_dict() if server.engine == "sglang" else None,
         },
     }
 
@@ -271,23 +245,23 @@ def stage_stamp(stage: str) -> Path:
     return PROVENANCE_DIR / f"stage-{stage}.json"
 
 
-def validation_settings(config: dict) -> str:
+def validation_settings(run: RunSpec) -> str:
     """Hash of the validate settings; each report records it (a change revalidates every shard)."""
-    return hash_json(config["validate"])
+    return hash_json(run.validate.as_dict())
 
 
-def write_stamps(config: dict) -> None:
+def write_stamps(run: RunSpec) -> None:
     """Rewrite each provenance stamp whose content changed (mtime moves only then)."""
     from .atomic import write_json_if_changed
 
     # No fsync: a stamp lost in a crash is rewritten at the next parse, and freshness is
     # decided by the hash the outputs record, not by the stamp surviving.
-    write_json_if_changed(TOY_STAMP, toy_target_settings(config), durable=False)
-    write_json_if_changed(PREPARE_STAMP, {"provenance": prepare_provenance(config)}, durable=False)
-    for stage, settings in stage_settings(config).items():
+    write_json_if_changed(TOY_STAMP, toy_target_settings(run), durable=False)
+    write_json_if_changed(PREPARE_STAMP, {"provenance": prepare_provenance(run)}, durable=False)
+    for stage, settings in stage_settings(run).items():
         write_json_if_changed(stage_stamp(stage), {"settings": settings}, durable=False)
-    provenances = _shard_provenances(hash_json(config), config)
-    for shard in shards(config):
+    provenances = _shard_provenances(run)
+    for shard in shards(run):
         write_json_if_changed(shard_stamp(shard), {"provenance": provenances[shard]}, durable=False)
 
 
@@ -333,7 +307,7 @@ def _report_facts(manifest: str, report: str) -> dict:
     return {"describes_manifest": manifest_hash == hash_file(manifest), "settings": settings}
 
 
-def stale_validations(config: dict, shard_names: list[str]) -> dict[str, str]:
+def stale_validations(run: RunSpec, shard_names: list[str]) -> dict[str, str]:
     """`{shard: why}` for each shard whose validation report exists but is stale.
 
     Facts are cached by both files' identity (inode, size, mtime, ctime): a warm parse only
@@ -346,7 +320,7 @@ def stale_validations(config: dict, shard_names: list[str]) -> dict[str, str]:
         cache = json.loads(VALIDATION_CACHE.read_text())
     except (FileNotFoundError, ValueError):
         cache = {}
-    settings = validation_settings(config)
+    settings = validation_settings(run)
     stale: dict[str, str] = {}
     new_cache: dict[str, dict] = {}
     for shard in shard_names:
@@ -379,7 +353,7 @@ def stale_validations(config: dict, shard_names: list[str]) -> dict[str, str]:
     return stale
 
 
-def incomplete_targets(config: dict, shard_names: list[str]) -> list[str]:
+def incomplete_targets(shard_names: list[str]) -> list[str]:
     """Missing per-shard files whose consumers exist, as extra targets of `all`."""
     from .config import DRAFTER_DIR
 
@@ -402,28 +376,28 @@ def _recorded_provenance(path: Path) -> str | None:
         return None
 
 
-def prepare_is_fresh(config: dict) -> bool:
+def prepare_is_fresh(run: RunSpec) -> bool:
     from .config import PREPARED_SUMMARY
 
-    return _recorded_provenance(PREPARED_SUMMARY) == prepare_provenance(config)
+    return _recorded_provenance(PREPARED_SUMMARY) == prepare_provenance(run)
 
 
-def shard_is_fresh(config: dict, shard: str) -> bool:
-    return shard_freshness(config)(shard)
+def shard_is_fresh(run: RunSpec, shard: str) -> bool:
+    return shard_freshness(run)(shard)
 
 
-def shard_freshness(config: dict) -> Callable[[str], bool]:
+def shard_freshness(run: RunSpec) -> Callable[[str], bool]:
     """`shard_is_fresh` for one config, as a function of the shard name.
 
     The extract rule's input function asks once per shard job; this hashes the config and
     looks up the shard provenances once, and reads each manifest only when its job is built.
     """
-    provenances = _shard_provenances(hash_json(config), config)
+    provenances = _shard_provenances(run)
 
     def is_fresh(shard: str) -> bool:
         current = provenances.get(shard)
         if current is None:
-            current = shard_provenance(config, shard)  # raises: the shard is not in the plan
+            current = shard_provenance(run, shard)  # raises: the shard is not in the plan
         return _recorded_provenance(Path(manifest_path(shard))) == current
 
     return is_fresh
@@ -433,43 +407,37 @@ def manifest_path(shard: str) -> str:
     return os.path.join(HIDDEN_STATES_DIR, shard, "manifest.json")
 
 
-def planned_manifests(config: dict) -> list[str]:
+def planned_manifests(run: RunSpec) -> list[str]:
     """Every shard's manifest, for steps that read all shards (too many for a command line)."""
-    return [manifest_path(shard) for shard in shards(config)]
+    return [manifest_path(shard) for shard in shards(run)]
 
 
-def planned_validations(config: dict) -> list[str]:
-    return [str(VALIDATED_DIR / f"{shard}.json") for shard in shards(config)]
+def planned_validations(run: RunSpec) -> list[str]:
+    return [str(VALIDATED_DIR / f"{shard}.json") for shard in shards(run)]
 
 
-def remaining_shards(config: dict) -> list[str]:
-    return [s for s in shards(config) if not Path(manifest_path(s)).exists()]
+def remaining_shards(run: RunSpec) -> list[str]:
+    return [s for s in shards(run) if not Path(manifest_path(s)).exists()]
 
 
-def print_space_plan(config: dict) -> None:
+def print_space_plan(run: RunSpec) -> None:
     """At workflow start: will the shards still to extract fit on the output filesystem?"""
     from .config import PREPARED_SUMMARY
     from .shard_store import plan_bytes, space_summary
 
-    if not PREPARED_SUMMARY.exists() or not Path(model_config_file(config)).exists():
+    if not PREPARED_SUMMARY.exists() or not run.model.exists:
         return
-    remaining = set(remaining_shards(config))
+    remaining = set(remaining_shards(run))
     if not remaining:
         return
     summary = json.loads(PREPARED_SUMMARY.read_text())
     tokens = [s["tokens"] for s in summary.get("shards", []) if s["shard"] in remaining]
-    needed = plan_bytes(tokens, _hidden_size(config))
+    needed = plan_bytes(tokens, run.model.hidden_size)
     print(
         f"eaglepipe {__version__}: {len(remaining)} shard(s) to extract, {sum(tokens):,} tokens; "
         + space_summary(needed, HIDDEN_STATES_DIR),
         flush=True,
     )
-
-
-def _hidden_size(config: dict) -> int:
-    from .config import read_model_config, text_config
-
-    return int(text_config(read_model_config(config))["hidden_size"])
 
 
 def stop_server_started_by_this_run() -> None:
@@ -485,7 +453,6 @@ __all__ = [
     "prepare_provenance",
     "print_space_plan",
     "run_token",
-    "setup",
     "shard_provenance",
     "shards",
     "stop_server_started_by_this_run",

@@ -3,31 +3,33 @@ import os
 
 import eaglepipe.workflow as workflow_lib
 from eaglepipe.config import RESOLVED_CONFIG
+from eaglepipe.run import resolve_at_workflow_start
 from eaglepipe.drafter.live import live_export_engine
-from eaglepipe.drafter.variants import check_export_support, drafter_options
+from eaglepipe.drafter.variants import check_export_support
 from eaglepipe.errors import one_line_errors
 from snakemake.utils import validate
 
 workflow_lib.tune_gc_for_dag()
 # A config or dataset error ends the parse with one `error:` line, not a traceback.
 with one_line_errors():
+    workflow_lib.use_project_python()
     # Our check first: its message names the offending key; then Snakemake's, which fills
-    # defaults.
-    CONFIG = workflow_lib.setup(config)
+    # defaults. RUN is the run description every rule's wiring reads (eaglepipe/run.py).
+    RUN = resolve_at_workflow_start(config)
     validate(config, schema="../schemas/config.schema.yaml")
     # A drafter variant an exported engine cannot load is refused before anything runs.
-    check_export_support(drafter_options(CONFIG), CONFIG["export"]["engines"])
-    SHARDS = workflow_lib.shards(CONFIG)
-    MODEL_CONFIG = workflow_lib.model_config_file(CONFIG)
-    workflow_lib.write_stamps(CONFIG)
-    SHARD_IS_FRESH = workflow_lib.shard_freshness(CONFIG)
-    STALE_VALIDATIONS = workflow_lib.stale_validations(CONFIG, SHARDS)
-    INCOMPLETE_TARGETS = workflow_lib.incomplete_targets(CONFIG, SHARDS)
+    check_export_support(RUN.train.drafter.as_dict(), RUN.export.engines)
+    SHARDS = workflow_lib.shards(RUN)
+    MODEL_CONFIG = workflow_lib.model_config_file(RUN)
+    workflow_lib.write_stamps(RUN)
+    SHARD_IS_FRESH = workflow_lib.shard_freshness(RUN)
+    STALE_VALIDATIONS = workflow_lib.stale_validations(RUN, SHARDS)
+    INCOMPLETE_TARGETS = workflow_lib.incomplete_targets(SHARDS)
 RUN_TOKEN = workflow_lib.run_token()
 RESOLVED = str(RESOLVED_CONFIG)
 ENV = "../envs/pipeline.yaml"
 TOY_STAMP = str(workflow_lib.TOY_STAMP)
-DATASET = CONFIG["dataset"]["path"]
+DATASET = RUN.dataset.path
 
 
 wildcard_constraints:
@@ -86,7 +88,7 @@ def stage_stamp(stage):
 
 
 def prepare_inputs(wildcards):
-    fresh = workflow_lib.prepare_is_fresh(CONFIG)
+    fresh = workflow_lib.prepare_is_fresh(RUN)
     return {
         "stamp": when_stale(str(workflow_lib.PREPARE_STAMP), fresh),
         "dataset": ancient(DATASET),
@@ -96,7 +98,7 @@ def prepare_inputs(wildcards):
 
 def prepared_table(wildcards=None):
     return when_stale(
-        "prepared/tokenized.parquet", workflow_lib.prepare_is_fresh(CONFIG)
+        "prepared/tokenized.parquet", workflow_lib.prepare_is_fresh(RUN)
     )
 
 
@@ -111,7 +113,7 @@ def all_validations(wildcards=None):
 def export_targets(wildcards=None):
     return expand(
         "drafter/export/{engine}/{name}",
-        engine=CONFIG["export"]["engines"],
+        engine=RUN.export.engines,
         name=["config.json", "model.safetensors"],
     )
 
@@ -124,7 +126,7 @@ def live_acceptance_inputs(wildcards):
         "offline": "drafter/eval.json",
         "settings": stage_stamp("live_acceptance"),
     }
-    engine = live_export_engine(CONFIG)
+    engine = live_export_engine(RUN)
     if engine:
         inputs["export"] = f"drafter/export/{engine}/model.safetensors"
     return inputs

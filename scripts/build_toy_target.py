@@ -4,8 +4,8 @@
 import argparse
 import sys
 
-from eaglepipe.config import config_from_arg
 from eaglepipe.errors import one_line_errors
+from eaglepipe.run import load_run
 from eaglepipe.toy_target import build_toy_target
 
 
@@ -21,9 +21,9 @@ def main() -> int:
     )
     args = parser.parse_args()
     with one_line_errors():
-        config = config_from_arg(args.config)
+        run = load_run(args.config)
         build_toy_target(
-            args.out, config["model"]["toy"], config["dataset"]["path"], num_threads=args.threads
+            args.out, run.model.toy.as_dict(), run.dataset.path, num_threads=args.threads
         )
     return 0
 

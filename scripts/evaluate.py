@@ -4,9 +4,9 @@ acceptance length."""
 
 import argparse
 
-from eaglepipe.config import config_from_arg
 from eaglepipe.drafter.evaluate import evaluate
 from eaglepipe.errors import one_line_errors
+from eaglepipe.run import load_run
 from eaglepipe.workflow import planned_manifests
 
 
@@ -20,13 +20,13 @@ def main() -> None:
     parser.add_argument("--plot")
     args = parser.parse_args()
     with one_line_errors():
-        config = config_from_arg(args.config)
+        run = load_run(args.config)
         evaluate(
-            config,
+            run,
             model_path=args.model,
             vocab_path=args.vocab,
             table_path=args.table,
-            manifests=planned_manifests(config),
+            manifests=planned_manifests(run),
             out_path=args.out,
             plot_path=args.plot,
         )

@@ -3,9 +3,9 @@
 
 import argparse
 
-from eaglepipe.config import config_from_arg
 from eaglepipe.drafter.export import export
 from eaglepipe.errors import one_line_errors
+from eaglepipe.run import load_run
 
 
 def main() -> None:
@@ -17,7 +17,7 @@ def main() -> None:
     args = parser.parse_args()
     with one_line_errors():
         export(
-            config_from_arg(args.config),
+            load_run(args.config),
             model_path=args.model,
             vocab_path=args.vocab,
             out_dir=args.out_dir,

@@ -4,9 +4,9 @@
 import argparse
 import sys
 
-from eaglepipe.config import config_from_arg
 from eaglepipe.errors import one_line_errors
 from eaglepipe.extract import run_extract_job
+from eaglepipe.run import load_run
 
 
 def main() -> int:
@@ -15,7 +15,7 @@ def main() -> int:
     parser.add_argument("--shard", required=True, help="shard name, e.g. rows_0-64")
     args = parser.parse_args()
     with one_line_errors():
-        run_extract_job(config_from_arg(args.config), args.shard)
+        run_extract_job(load_run(args.config), args.shard)
     return 0
 
 

@@ -4,9 +4,10 @@
 import argparse
 from pathlib import Path
 
-from eaglepipe.config import DRAFTER_DIR, config_from_arg
+from eaglepipe.config import DRAFTER_DIR
 from eaglepipe.drafter.live import live_acceptance
 from eaglepipe.errors import one_line_errors
+from eaglepipe.run import load_run
 
 
 def main() -> None:
@@ -24,7 +25,7 @@ def main() -> None:
     args = parser.parse_args()
     with one_line_errors():
         live_acceptance(
-            config_from_arg(args.config),
+            load_run(args.config),
             export_dir=args.export_dir,
             table_path=args.table,
             out_path=args.out,

@@ -4,9 +4,9 @@
 import argparse
 import sys
 
-from eaglepipe.config import config_from_arg
 from eaglepipe.errors import one_line_errors
 from eaglepipe.prepare import run_prepare
+from eaglepipe.run import load_run
 
 
 def main() -> int:
@@ -14,7 +14,7 @@ def main() -> int:
     parser.add_argument("--config", required=True, help="resolved config JSON or a YAML config")
     args = parser.parse_args()
     with one_line_errors():
-        run_prepare(config_from_arg(args.config))
+        run_prepare(load_run(args.config))
     return 0
 
 

@@ -9,8 +9,9 @@ import sys
 from pathlib import Path
 
 from eaglepipe import report
-from eaglepipe.config import HIDDEN_STATES_DIR, VALIDATED_DIR, config_from_arg
+from eaglepipe.config import HIDDEN_STATES_DIR, VALIDATED_DIR
 from eaglepipe.errors import PipelineError, one_line_errors
+from eaglepipe.run import load_run
 from eaglepipe.status import planned_shard_names
 
 
@@ -19,8 +20,8 @@ def _inputs(files: list[str], config_path: str | None, template: str) -> list[Pa
     on a shell command line."""
     paths = [Path(f) for f in files]
     if config_path:
-        config = config_from_arg(config_path)
-        paths += [Path(template.format(shard=name)) for name in planned_shard_names(config)]
+        run = load_run(config_path)
+        paths += [Path(template.format(shard=name)) for name in planned_shard_names(run)]
     if not paths:
         raise PipelineError("no input files: list them, or pass --config to read every shard's")
     return paths

@@ -9,9 +9,9 @@ import argparse
 
 import torch
 
-from eaglepipe.config import config_from_arg
 from eaglepipe.drafter.train import train
 from eaglepipe.errors import one_line_errors
+from eaglepipe.run import load_run
 from eaglepipe.workflow import planned_manifests, planned_validations
 
 
@@ -27,13 +27,13 @@ def main() -> None:
     args = parser.parse_args()
     try:
         with one_line_errors():
-            config = config_from_arg(args.config)
+            run = load_run(args.config)
             train(
-                config,
+                run,
                 vocab_path=args.vocab,
                 table_path=args.table,
-                manifests=planned_manifests(config),
-                validated=planned_validations(config),
+                manifests=planned_manifests(run),
+                validated=planned_validations(run),
                 out_path=args.out,
                 log_path=args.log,
                 checkpoint_dir=args.checkpoint_dir,

@@ -7,8 +7,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from eaglepipe.config import VALIDATED_DIR, config_from_arg
+from eaglepipe.config import VALIDATED_DIR
 from eaglepipe.errors import one_line_errors
+from eaglepipe.run import load_run
 from eaglepipe.validate import ShardPaths, validate_shard
 
 
@@ -24,8 +25,8 @@ def main() -> int:
     )
     args = parser.parse_args()
     with one_line_errors():
-        config = config_from_arg(args.config)
-        validate_shard(config, args.shard, ShardPaths(validated_dir=args.validated_dir))
+        run = load_run(args.config)
+        validate_shard(run, args.shard, ShardPaths(validated_dir=args.validated_dir))
     return 0
 
 

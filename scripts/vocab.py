@@ -3,10 +3,10 @@
 
 import argparse
 
-from eaglepipe.config import config_from_arg, read_model_config, text_config
 from eaglepipe.drafter.vocab import build_draft_vocab, save_vocab
 from eaglepipe.errors import one_line_errors
 from eaglepipe.prepare import load_prepared
+from eaglepipe.run import load_run
 
 
 def main() -> None:
@@ -16,10 +16,10 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="drafter/vocab.safetensors")
     args = parser.parse_args()
     with one_line_errors():
-        config = config_from_arg(args.config)
-        vocab_size = int(text_config(read_model_config(config))["vocab_size"])
+        run = load_run(args.config)
+        vocab_size = int(run.model.text_config["vocab_size"])
         table = load_prepared(args.table, columns=["row_id", "split", "input_ids", "loss_mask"])
-        vocab, stats = build_draft_vocab(table, vocab_size, config["train"]["draft_vocab_size"])
+        vocab, stats = build_draft_vocab(table, vocab_size, run.train.draft_vocab_size)
         save_vocab(vocab, args.out, stats)
         print(
             f"draft vocabulary: {stats['draft_vocab_size']} of {vocab_size} ids cover "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -113,6 +114,22 @@ def _env() -> dict:
     env.pop("EAGLEPIPE_RUN_TOKEN", None)
     env["PYTHONUNBUFFERED"] = "1"
     return env
+
+
+def copy_workflow(dest: Path) -> Path:
+    """The repository's tracked and new files (what a user checks out), without outputs."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard", "-z"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
+    for rel in filter(None, listed.split("\0")):
+        source = REPO_ROOT / rel
+        if source.is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, dest / rel)
+    return dest
 
 
 def dry_run_jobs(workdir: Path, *args: str) -> dict[str, int]:

@@ -30,6 +30,7 @@ from eaglepipe.client import (
 from eaglepipe.config import load_config
 from eaglepipe.dump import parse_rid
 from eaglepipe.errors import PipelineError
+from eaglepipe.run import resolve
 from eaglepipe.server.leases import ServerPaths
 from eaglepipe.server.lifecycle import server_lease, stop_server
 
@@ -62,7 +63,7 @@ def client_config(root: Path, model_dir: Path) -> dict:
 def lease(root: Path, config: dict):
     paths = ServerPaths.for_this_host(root / ".eaglepipe" / "server")
     try:
-        with server_lease(config, paths=paths) as handle:
+        with server_lease(resolve(config), paths=paths) as handle:
             yield handle
     finally:
         stop_server(paths=paths)
@@ -85,7 +86,7 @@ def make_rows(n: int, seed: int = 0) -> list[RowRequest]:
 
 
 def settings_for(config: dict, **overrides) -> ClientSettings:
-    base = ClientSettings.from_config(config, H, Path(config["server"]["dump_root"]))
+    base = ClientSettings.from_run(resolve(config), H, Path(config["server"]["dump_root"]))
     return ClientSettings(**{**base.__dict__, **overrides})
 
 

@@ -17,17 +17,20 @@ from typing import Optional  # noqa: UP035 - names the SGLang functions refer to
 
 import pytest
 import torch
+from conftest import REPO_ROOT
 from safetensors import safe_open
 from safetensors.torch import save
 from sglang_source import range_ends, sglang_source_root
 from transformers import DeepseekV3Config, LlamaConfig
 
 from eaglepipe.atomic import atomic_write_bytes
+from eaglepipe.config import load_config
 from eaglepipe.drafter import engine_load as el
 from eaglepipe.drafter import export as ex
 from eaglepipe.drafter.model import DrafterConfig, Eagle3Drafter
 from eaglepipe.drafter.vocab import choose_draft_vocab, save_vocab
 from eaglepipe.errors import PipelineError
+from eaglepipe.run import RunSpec, resolve
 
 EXPECTED_KEYS = {
     "fc.weight",
@@ -91,6 +94,14 @@ def self_attributes(tree: ast.Module) -> set[str]:
     return names
 
 
+def export_run(model_dir: Path, engines: list[str]) -> RunSpec:
+    """The embedded default's run description, for a target in `model_dir`."""
+    config = load_config(REPO_ROOT / "config.yaml")
+    config["model"]["path"] = str(model_dir)
+    config["export"]["engines"] = engines
+    return resolve(config)
+
+
 def tiny_export(tmp_path: Path, target_config: dict, aux_ids: list[int]) -> Path:
     """A random drafter written through export.export for a target of the given config."""
     model_dir = tmp_path / "target"
@@ -107,9 +118,8 @@ def tiny_export(tmp_path: Path, target_config: dict, aux_ids: list[int]) -> Path
     tensors = {k: v.contiguous() for k, v in model.trainable_state_dict().items()}
     meta = {"drafter_config": drafter_config.to_json(), "aux_layer_ids": json.dumps(aux_ids)}
     atomic_write_bytes(tmp_path / "model.safetensors", save(tensors, metadata=meta))
-    config = {"model": {"path": str(model_dir)}, "export": {"engines": ["sglang", "vllm"]}}
     ex.export(
-        config,
+        export_run(model_dir, ["sglang", "vllm"]),
         model_path=str(tmp_path / "model.safetensors"),
         vocab_path=str(tmp_path / "vocab.safetensors"),
         out_dir=str(tmp_path / "export"),
@@ -311,10 +321,9 @@ def test_export_refuses_a_model_trained_with_another_vocabulary(tmp_path):
     assert export_dir.exists()
     other = choose_draft_vocab(torch.arange(64).numpy(), 24)
     save_vocab(other, tmp_path / "other.safetensors")
-    config = {"model": {"path": str(tmp_path / "target")}, "export": {"engines": ["sglang"]}}
     with pytest.raises(PipelineError, match="another vocabulary"):
         ex.export(
-            config,
+            export_run(tmp_path / "target", ["sglang"]),
             model_path=str(tmp_path / "model.safetensors"),
             vocab_path=str(tmp_path / "other.safetensors"),
             out_dir=str(tmp_path / "export2"),

@@ -21,6 +21,7 @@ from eaglepipe.config import config_from_arg
 from eaglepipe.drafter.target_head import load_target_head
 from eaglepipe.drafter.train import build_drafter, save_drafter
 from eaglepipe.drafter.vocab import build_draft_vocab, load_vocab, save_vocab
+from eaglepipe.run import resolve
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,7 @@ def source(tmp_path_factory) -> dict:
     # An untrained drafter is enough for evaluation to run.
     config = config_from_arg(inputs["config"])
     head = load_target_head(model_dir)
-    drafter = build_drafter(config, load_vocab(inputs["vocab"]), head, seed=0)
+    drafter = build_drafter(resolve(config), load_vocab(inputs["vocab"]), head, seed=0)
     save_drafter(drafter, root / "model.safetensors", {"aux_layer_ids": "[1, 3, 4]"})
     inputs["model"] = root / "model.safetensors"
     return inputs

@@ -24,6 +24,7 @@ from eaglepipe.drafter.evaluate import eval_rows, evaluate_model
 from eaglepipe.drafter.target_head import load_target_head
 from eaglepipe.drafter.train import build_drafter
 from eaglepipe.drafter.vocab import load_vocab
+from eaglepipe.run import resolve
 
 TRAIN = {"batch_tokens": 256, "lr": 0.01, "epochs": 10, "warmup_steps": 10}
 
@@ -116,7 +117,7 @@ def test_trained_drafter_beats_an_untrained_one_on_held_out_rows(pipeline):
     assert (pipeline["drafter"] / "eval.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     vocab = load_vocab(pipeline["vocab"])
     head = load_target_head(Path(config["model"]["path"]))
-    untrained = build_drafter(config, vocab, head, seed=config["train"]["seed"])
+    untrained = build_drafter(resolve(config), vocab, head, seed=config["train"]["seed"])
     rows, _ = eval_rows(pipeline["table"], pipeline["manifests"], config["evaluate"]["max_rows"])
     baseline = evaluate_model(
         untrained,
@@ -232,20 +233,21 @@ def test_a_changed_drafter_variant_never_resumes_another_variants_checkpoint(
     cwd = os.getcwd()
     os.chdir(pipeline["root"])  # the planned shards are relative to the run directory
     try:
-        inputs = dict(manifests=planned_manifests(config), validated=planned_validations(config))
-        train(config, **paths, **inputs, stop_after_steps=2)
+        run = resolve(config)
+        inputs = dict(manifests=planned_manifests(run), validated=planned_validations(run))
+        train(run, **paths, **inputs, stop_after_steps=2)
         plain = list((tmp_path / "checkpoints").glob("step-*.pt"))
         assert [p.name for p in plain] == ["step-00000002.pt"]
         capsys.readouterr()
 
         config["train"]["drafter"]["norm_output"] = True
-        summary = train(config, **paths, **inputs, stop_after_steps=2)
+        summary = train(resolve(config), **paths, **inputs, stop_after_steps=2)
         out = capsys.readouterr().out
         assert summary["resumed_from"] == 0
         assert "was made from other inputs or settings; removing it" in out
         assert "resuming" not in out
         # Its own checkpoint (step 2 of the norm_output run) is resumed by the same variant.
-        summary = train(config, **paths, **inputs, stop_after_steps=3)
+        summary = train(resolve(config), **paths, **inputs, stop_after_steps=3)
         assert summary["resumed_from"] == 2
     finally:
         os.chdir(cwd)

@@ -18,6 +18,7 @@ from sglang_source import range_ends, sglang_source_root
 from test_drafter_export import (
     assigned_literal,
     deepseek_config,
+    export_run,
     find_function,
     llama_config,
     parse,
@@ -39,6 +40,7 @@ from eaglepipe.drafter.variants import (
 )
 from eaglepipe.drafter.vocab import choose_draft_vocab, save_vocab
 from eaglepipe.errors import PipelineError
+from eaglepipe.run import resolve
 
 # (name, options): every flag alone, the 3.1 pair, and the MLA layer plain and with the pair.
 VARIANTS = {
@@ -85,7 +87,7 @@ ATTENTION_PARAMS = {
 
 
 def options(**given) -> dict:
-    return drafter_options({"train": {"drafter": given}})
+    return drafter_options(given)
 
 
 def variant_config(name: str) -> DrafterConfig:
@@ -129,11 +131,15 @@ def project_config(drafter: dict | None) -> dict:
 
 
 def test_options_default_to_the_plain_llama_layer_and_are_schema_checked():
-    assert drafter_options(validate_config(project_config(None))) == default_options()
-    assert drafter_options(project_config(None)) == default_options()
-    config = validate_config(project_config({"layer": "mla", "mla": {"q_lora_rank": 64}}))
-    assert config["train"]["drafter"]["mla"]["kv_lora_rank"] is None
-    assert drafter_options(config)["mla"] == {"q_lora_rank": 64}
+    run = resolve(validate_config(project_config(None)))
+    assert drafter_options(run.train.drafter.as_dict()) == default_options()
+    assert drafter_options(None) == default_options()
+    run = resolve(validate_config(project_config({"layer": "mla", "mla": {"q_lora_rank": 64}})))
+    assert run.train.drafter.layer == "mla" and run.train.drafter.mla.kv_lora_rank is None
+    assert drafter_options(run.train.drafter.as_dict())["mla"] == {"q_lora_rank": 64}
+    # Options that contradict each other stop the run description, in one line.
+    with pytest.raises(PipelineError, match="fc_norm and norm_before_fc exclude each other"):
+        resolve(validate_config(project_config({"fc_norm": True, "norm_before_fc": True})))
     for bad, key in (
         ({"layer": "gqa"}, "train.drafter.layer"),
         ({"fc_nrom": True}, "train.drafter.fc_nrom"),
@@ -419,7 +425,7 @@ def export_variant(tmp_path: Path, name: str, engines: list[str]) -> tuple[Path,
     meta = {"drafter_config": config.to_json(), "aux_layer_ids": json.dumps([1, 3, 4])}
     atomic_write_bytes(tmp_path / "model.safetensors", save(tensors, metadata=meta))
     ex.export(
-        {"model": {"path": str(model_dir)}, "export": {"engines": engines}},
+        export_run(model_dir, engines),
         model_path=str(tmp_path / "model.safetensors"),
         vocab_path=str(tmp_path / "vocab.safetensors"),
         out_dir=str(tmp_path / "export"),

@@ -25,6 +25,7 @@ from eaglepipe.config import load_config
 from eaglepipe.dump import DumpWriter, make_rid
 from eaglepipe.errors import PipelineError
 from eaglepipe.extract import extract_shard
+from eaglepipe.run import resolve
 from eaglepipe.server.lifecycle import server_status, stop_server
 from eaglepipe.shard_store import iter_rows, open_chunk, read_manifest
 
@@ -161,7 +162,7 @@ def main_run(tiny_llama_dir, tmp_path_factory):
     os.chdir(workdir)
     try:
         lines: list[str] = []
-        manifest = extract_shard(run_config(workdir), SHARD, log=lines.append)
+        manifest = extract_shard(resolve(run_config(workdir)), SHARD, log=lines.append)
     finally:
         os.chdir(cwd)
     yield workdir, manifest, lines
@@ -277,7 +278,7 @@ def test_kill_minus_9_mid_shard_then_resume(main_run, tiny_llama_dir, tmp_path, 
     lines: list[str] = []
     in_dir(workdir)
     try:
-        manifest = extract_shard(run_config(workdir), SHARD, log=lines.append)
+        manifest = extract_shard(resolve(run_config(workdir)), SHARD, log=lines.append)
     finally:
         stop_server()
     for name, (data, mtime) in before.items():
@@ -313,7 +314,7 @@ def test_truncated_chunk_is_redone(main_run, in_dir):
         for c in reference["chunks"]
         if c["file"] != chunk["file"]
     }
-    manifest = extract_shard(run_config(workdir), SHARD, log=lambda line: None)
+    manifest = extract_shard(resolve(run_config(workdir)), SHARD, log=lambda line: None)
     assert manifest["timing"]["requests_sent"] == len(chunk["row_ids"])
     redone = manifest["chunks"][1]
     assert redone["bytes"] == len(data) and redone["row_ids"] == chunk["row_ids"]
@@ -339,7 +340,7 @@ def test_stale_dump_of_another_nonce_is_swept_never_ingested(main_run, in_dir, t
     shard_dir = workdir / "hidden_states" / SHARD
     shutil.rmtree(shard_dir)
     lines: list[str] = []
-    extract_shard(run_config(workdir), SHARD, log=lines.append)
+    extract_shard(resolve(run_config(workdir)), SHARD, log=lines.append)
     assert not (
         dump_dir / f"{make_rid('eaglepipe', stale_nonce, row_in_shard, 0)}.safetensors"
     ).exists()
@@ -361,7 +362,7 @@ def test_wrong_token_count_fails_naming_the_row(tiny_llama_dir, tmp_path, in_dir
         with pytest.raises(
             PipelineError, match=r"row \d+ .*dump holds \d+ tokens, the request had"
         ):
-            extract_shard(run_config(workdir), SHARD, log=lambda line: None)
+            extract_shard(resolve(run_config(workdir)), SHARD, log=lambda line: None)
     finally:
         stop_server()
     assert not (workdir / "hidden_states" / SHARD / "manifest.json").exists()
@@ -372,7 +373,7 @@ def test_second_writer_is_refused_naming_the_pid(main_run, tmp_path, tiny_llama_
     shard_dir = workdir / "hidden_states" / SHARD
     with shard_lock_held_elsewhere(shard_dir) as holder:
         with pytest.raises(PipelineError, match=rf"PID {holder.pid} on host"):
-            extract_shard(run_config(workdir), SHARD, log=lambda line: None)
+            extract_shard(resolve(run_config(workdir)), SHARD, log=lambda line: None)
     assert not list(shard_dir.glob("chunk-*"))
 
 
@@ -381,7 +382,7 @@ def test_too_little_free_space_writes_nothing(tmp_path, tiny_llama_dir, in_dir, 
     Usage = namedtuple("Usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(10**9, 10**9 - 50_000, 50_000))
     with pytest.raises(PipelineError, match=rf"shard {SHARD} needs .* but only 50\.0 KB is free"):
-        extract_shard(run_config(workdir), SHARD, log=lambda line: None)
+        extract_shard(resolve(run_config(workdir)), SHARD, log=lambda line: None)
     assert not (workdir / "hidden_states").exists()
     assert not (workdir / ".eaglepipe" / "server").exists()  # no server was started
 
@@ -407,7 +408,7 @@ def test_weights_fingerprint_tells_a_fine_tune_from_its_base(tiny_llama_dir, tmp
 def test_a_shard_outside_the_plan_is_refused_before_any_work(tmp_path, tiny_llama_dir, in_dir):
     workdir = in_dir(make_workdir(tmp_path / "run", tiny_llama_dir))
     with pytest.raises(PipelineError, match=r"shard rows_0-5 is not in the plan"):
-        extract_shard(run_config(workdir), "rows_0-5", log=lambda line: None)
+        extract_shard(resolve(run_config(workdir)), "rows_0-5", log=lambda line: None)
     assert not (workdir / "hidden_states").exists()
 
 
@@ -476,7 +477,7 @@ def test_chunks_of_another_engine_or_dtype_are_never_resumed(main_run, tmp_path,
     # A shard cut short under fp32 and resumed under bf16 would mix both and credit every chunk
     # to the second: the reuse key holds the engine identity, so nothing is kept.
     workdir = in_dir(make_workdir(tmp_path / "dtype", main_run[0] / "target"))
-    first = extract_shard(run_config(workdir), SHARD, log=lambda line: None)
+    first = extract_shard(resolve(run_config(workdir)), SHARD, log=lambda line: None)
     assert first["provenance"]["engine_identity"]["dtype"] == "float32"
     stop_workdir_server(workdir)
     (workdir / "hidden_states" / SHARD / "manifest.json").unlink()  # as a killed job leaves it
@@ -484,7 +485,7 @@ def test_chunks_of_another_engine_or_dtype_are_never_resumed(main_run, tmp_path,
     config["server"]["dtype"] = "bfloat16"
     (workdir / "config.json").write_text(json.dumps(config))
     lines: list[str] = []
-    second = extract_shard(run_config(workdir), SHARD, log=lines.append)
+    second = extract_shard(resolve(run_config(workdir)), SHARD, log=lines.append)
     stop_workdir_server(workdir)
     assert not any("verified from an earlier run" in line for line in lines)
     assert second["timing"]["requests_sent"] == second["num_rows"]

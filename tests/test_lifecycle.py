@@ -29,6 +29,7 @@ from eaglepipe.cli import EXIT_NOT_RUNNING
 from eaglepipe.cli import main as cli_main
 from eaglepipe.config import validate_config
 from eaglepipe.errors import PipelineError
+from eaglepipe.run import resolve
 from eaglepipe.server import lifecycle
 from eaglepipe.server.leases import ServerPaths, read_history, read_json
 from eaglepipe.server.lifecycle import server_lease, stop_if_started_by
@@ -51,7 +52,7 @@ JOB = textwrap.dedent(
         fake = sys.argv[4]
         lifecycle.engine_command = lambda config, *, host, port, dump_dir, instance_id: (
             [sys.executable, "-u", fake, host, str(port), instance_id], {})
-    with server_lease(config) as handle:
+    with server_lease(resolve(config)) as handle:
         payload = {"input_ids": [5, 6, 7], "rid": f"eaglepipe-{uuid.uuid4().hex[:12]}-0-0",
                    "sampling_params": {"max_new_tokens": 0}}
         request = urllib.request.Request(handle.url + "/generate", json.dumps(payload).encode(),
@@ -199,7 +200,15 @@ class Run:
         self.processes.append(proc)
         return proc
 
-    def job(self, name: str, *, mode: str = "hold", token: str = "run-jobs", config=None):
+    def job(
+        self,
+        name: str,
+        *,
+        mode: str = "hold",
+        token: str = "run-jobs",
+        config=None,
+        env: dict | None = None,
+    ):
         script = self.workdir / "job.py"
         script.write_text(JOB)
         out = self.workdir / name
@@ -207,7 +216,7 @@ class Run:
         argv = [PYTHON, "-u", str(script), str(self.write_config(config)), mode, str(out)]
         if self.fake_engine is not None:
             argv.append(str(self.fake_engine))
-        proc = self.spawn(argv, env={lifecycle.RUN_TOKEN_ENV: token})
+        proc = self.spawn(argv, env={lifecycle.RUN_TOKEN_ENV: token, **(env or {})})
         return proc, out
 
 
@@ -222,7 +231,7 @@ def generate(url: str, rid: str) -> dict:
 
 def test_start_on_demand_serve_and_stop_at_end_of_its_run(run):
     assert read_json(run.paths.state) is None
-    with server_lease(run.config, run_token="run-a") as handle:
+    with server_lease(resolve(run.config), run_token="run-a") as handle:
         rid = "eaglepipe-0123456789ab-7-0"
         assert generate(handle.url, rid)["meta_info"]["prompt_tokens"] == 4
         assert (handle.dump_dir / f"{rid}.safetensors").is_file()
@@ -263,9 +272,9 @@ def test_two_concurrent_jobs_share_one_server(run):
 
 def test_reuse_across_runs_and_replace_when_layer_ids_change(run, monkeypatch):
     run.use_fake_engine(monkeypatch)
-    with server_lease(run.config, run_token="run-1") as first:
+    with server_lease(resolve(run.config), run_token="run-1") as first:
         pass
-    with server_lease(run.config, run_token="run-2") as second:
+    with server_lease(resolve(run.config), run_token="run-2") as second:
         assert second.pid == first.pid
     assert len(starts(run.paths)) == 1
     # run-1 is over, so run-2, which reused the server, is the run that stops it.
@@ -273,7 +282,7 @@ def test_reuse_across_runs_and_replace_when_layer_ids_change(run, monkeypatch):
 
     changed = json.loads(json.dumps(run.config))
     changed["aux_layer_ids"] = [0, 2, 5]
-    with server_lease(changed, run_token="run-3") as third:
+    with server_lease(resolve(changed), run_token="run-3") as third:
         assert third.pid != first.pid
         assert third.state["settings"]["aux_layer_ids"] == [0, 2, 5]
     assert not group_alive(first.pid) and len(starts(run.paths)) == 2
@@ -290,13 +299,13 @@ def test_new_weights_in_the_same_model_dir_replace_the_running_server(run, tmp_p
     shutil.copytree(run.config["model"]["path"], model)
     config = json.loads(json.dumps(run.config))
     config["model"]["path"] = str(model)
-    with server_lease(config, run_token="run-w") as first:
+    with server_lease(resolve(config), run_token="run-w") as first:
         pass
     weights = model / "model.safetensors"
     tensors = load_file(weights)
     tensors = {name: t + 0.01 if t.is_floating_point() else t for name, t in tensors.items()}
     save_file(tensors, weights, metadata={"format": "pt"})
-    with server_lease(config, run_token="run-w") as second:
+    with server_lease(resolve(config), run_token="run-w") as second:
         assert second.pid != first.pid
         assert second.state["settings"]["weights"] != first.state["settings"]["weights"]
     assert not group_alive(first.pid) and len(starts(run.paths)) == 2
@@ -316,7 +325,7 @@ def test_a_handoff_root_of_another_user_or_open_to_others_is_refused(run, proble
         root.chmod(0o777)
         expected = "has mode 777 (writable by group or others)"
     with pytest.raises(PipelineError) as excinfo:
-        with server_lease(run.config, run_token="run-root"):
+        with server_lease(resolve(run.config), run_token="run-root"):
             pytest.fail("a server was started with an unsafe handoff root")
     assert f"server.dump_root {root} " in str(excinfo.value)
     assert expected in str(excinfo.value)
@@ -324,7 +333,7 @@ def test_a_handoff_root_of_another_user_or_open_to_others_is_refused(run, proble
 
 
 def test_the_handoff_root_is_created_private(run):
-    with server_lease(run.config, run_token="run-mode") as handle:
+    with server_lease(resolve(run.config), run_token="run-mode") as handle:
         root = Path(handle.dump_dir).parent
     assert oct(root.stat().st_mode & 0o777) == "0o700"
     assert stop_if_started_by("run-mode") is True
@@ -343,7 +352,7 @@ def test_refuses_a_port_held_by_a_foreign_process_and_leaves_it_running(run):
     )
     wait_for(lambda: not port_is_free("127.0.0.1", port), "the foreign listener")
     with pytest.raises(PipelineError) as excinfo:
-        with server_lease(run.config, run_token="run-port"):
+        with server_lease(resolve(run.config), run_token="run-port"):
             pytest.fail("a lease was granted on a foreign port")
     message = str(excinfo.value)
     assert f"port {port}" in message and f"PID {listener.pid}" in message
@@ -355,7 +364,7 @@ def test_refuses_a_port_held_by_a_foreign_process_and_leaves_it_running(run):
 def test_dead_or_silent_server_fails_its_client_within_seconds(run, monkeypatch):
     # hang_after:0: /generate never answers (and /health still does), like a wedged engine.
     monkeypatch.setenv("EAGLEPIPE_FAULT", "hang_after:0")
-    with server_lease(run.config, run_token="run-kill") as handle:
+    with server_lease(resolve(run.config), run_token="run-kill") as handle:
         # Stopped (SIGSTOP): /health goes silent; the probe and the watchdog both say so.
         handle.stop_watchdog()
         handle.start_watchdog(unresponsive_after_s=2)
@@ -396,7 +405,7 @@ def test_dead_or_silent_server_fails_its_client_within_seconds(run, monkeypatch)
             handle.raise_if_dead()
     # The next lease finds the dead server's state and starts afresh.
     run.use_fake_engine(monkeypatch)
-    with server_lease(run.config, run_token="run-kill") as fresh:
+    with server_lease(resolve(run.config), run_token="run-kill") as fresh:
         assert fresh.pid != handle.pid
     assert stop_if_started_by("run-kill") is True
 
@@ -417,7 +426,7 @@ def test_failed_start_reports_the_log_tail_and_leaves_nothing(
     )
     config = run.with_server(health_timeout_s=3)
     with pytest.raises(PipelineError) as excinfo:
-        with server_lease(config, run_token="run-fail"):
+        with server_lease(resolve(config), run_token="run-fail"):
             pytest.fail("an unhealthy server was handed out")
     message = str(excinfo.value)
     assert expected in message and engine_code.split("'")[1] in message
@@ -469,12 +478,59 @@ def test_server_of_a_killed_client_stops_after_the_idle_timeout(run, monkeypatch
     assert port_is_free("127.0.0.1", state["port"])
 
 
+def test_server_started_in_a_slurm_job_stops_once_that_job_ended_and_nobody_uses_it(
+    run, monkeypatch
+):
+    """Without cgroups SLURM loses the server when the job that started it exits (see
+    eaglepipe/server/slurm_job.py); the supervisor stops it then, not after the idle timeout,
+    but never under a job that still holds a lease."""
+    run.use_fake_engine(monkeypatch)
+    assert run.config["server"]["idle_timeout_s"] > 2 * WAIT_S
+    starter, starter_out = run.job("starter", env={"SLURM_JOB_ID": "4242"})
+    wait_for(lambda: (starter_out / "holding").exists(), "the SLURM job to hold its lease")
+    other, other_out = run.job("other", token="run-other", env={"SLURM_JOB_ID": "4243"})
+    wait_for(lambda: (other_out / "holding").exists(), "the other job to hold its lease")
+    state = read_json(run.paths.state)
+    (starter_out / "finish").write_text("")
+    assert starter.wait(timeout=WAIT_S) == 0
+    # The starting job is over, but the other job still uses the server: it keeps serving
+    # through several of the supervisor's polls (every lease_ttl_s / 4).
+    deadline = time.monotonic() + run.config["server"]["lease_ttl_s"]
+    while time.monotonic() < deadline:
+        rid = f"eaglepipe-0123456789ab-{int(time.monotonic() * 1000)}-0"
+        assert generate(f"http://127.0.0.1:{state['port']}", rid)["meta_info"]
+        assert other.poll() is None and group_alive(state["pid"])
+        time.sleep(0.2)
+    (other_out / "finish").write_text("")
+    assert other.wait(timeout=WAIT_S) == 0
+    wait_for(lambda: not group_alive(state["pid"]), "the server to stop with its SLURM job")
+    (exit_event,) = [e for e in read_history(run.paths) if e["event"] == "exit"]
+    assert "SLURM job 4242" in exit_event["reason"], exit_event
+    assert read_json(run.paths.state) is None and not Path(state["dump_dir"]).exists()
+    assert port_is_free("127.0.0.1", state["port"])
+
+
+def test_a_server_stopped_by_a_signal_from_elsewhere_leaves_no_state(run, monkeypatch):
+    """SLURM's scancel or time limit SIGTERMs the supervisor directly, and may SIGKILL the job
+    before its own clean-up: the supervisor removes the state file that names it."""
+    run.use_fake_engine(monkeypatch)
+    proc, out = run.job("job")
+    wait_for(lambda: (out / "holding").exists(), "the job to hold its lease")
+    state = read_json(run.paths.state)
+    os.kill(state["pid"], signal.SIGTERM)
+    wait_for(lambda: not group_alive(state["pid"]), "the supervisor to stop its group")
+    assert read_json(run.paths.state) is None
+    (exit_event,) = [e for e in read_history(run.paths) if e["event"] == "exit"]
+    assert exit_event["reason"] == "received SIGTERM"
+    assert proc.wait(timeout=WAIT_S) != 0  # its client noticed the server was gone
+
+
 def test_exclusive_lease_waits_for_shared_users_and_keeps_them_out(run, monkeypatch):
     run.use_fake_engine(monkeypatch)
     # A shared user that yields between requests lets the exclusive user in while it lives.
     polite, polite_out = run.job("polite", mode="yield")
     wait_for(lambda: (polite_out / "holding").exists(), "the shared job")
-    with server_lease(run.config, run_token="run-jobs", exclusive=True) as handle:
+    with server_lease(resolve(run.config), run_token="run-jobs", exclusive=True) as handle:
         assert (polite_out / "yielded").exists() and polite.poll() is None
         generate(handle.url, "eaglepipe-0123456789ab-1-0")
         assert not (polite_out / "resumed").exists()
@@ -489,7 +545,7 @@ def test_exclusive_lease_waits_for_shared_users_and_keeps_them_out(run, monkeypa
 
     def exclusive_user():
         try:
-            with server_lease(run.config, run_token="run-jobs", exclusive=True):
+            with server_lease(resolve(run.config), run_token="run-jobs", exclusive=True):
                 seen["busy_had_left"] = (busy_out / "left").exists()
         except BaseException as exc:  # reported by the assertion below
             seen["error"] = exc

@@ -36,6 +36,7 @@ from eaglepipe.drafter.target_head import load_target_head
 from eaglepipe.drafter.train import build_drafter, save_drafter
 from eaglepipe.drafter.vocab import build_draft_vocab, save_vocab
 from eaglepipe.errors import PipelineError
+from eaglepipe.run import resolve
 from eaglepipe.server.ports import port_is_free
 from eaglepipe.server.sglang import MAX_SERVER_PORT, check_port
 from eaglepipe.server.sglang import free_server_port as free_port
@@ -57,10 +58,10 @@ def exported(tmp_path_factory) -> dict:
     config = load_config(config_path)
     vocab, _ = build_draft_vocab(pd.read_parquet(table), 300, config["train"]["draft_vocab_size"])
     save_vocab(vocab, root / "vocab.safetensors")
-    drafter = build_drafter(config, vocab, load_target_head(model_dir), seed=0)
+    drafter = build_drafter(resolve(config), vocab, load_target_head(model_dir), seed=0)
     save_drafter(drafter, root / "model.safetensors", {"aux_layer_ids": [1, 3, 4]})
     export(
-        config,
+        resolve(config),
         model_path=str(root / "model.safetensors"),
         vocab_path=str(root / "vocab.safetensors"),
         out_dir=str(root / "export"),
@@ -77,7 +78,7 @@ def fresh_config(exported: dict, **evaluate) -> dict:
 
 def run_live(exported, config, engine_dir: str, out: Path) -> dict:
     return live_acceptance(
-        config,
+        resolve(config),
         export_dir=str(exported["root"] / "export" / engine_dir),
         table_path=exported["table"],
         out_path=str(out),
@@ -152,12 +153,12 @@ def test_the_export_engine_follows_the_config():
             "evaluate": {"live_prompts": prompts},
         }
 
-    assert live_export_engine(config("reference", ["sglang", "vllm"])) == "sglang"
-    assert live_export_engine(config("reference", ["vllm"])) == "vllm"
-    assert live_export_engine(config("sglang", ["vllm", "sglang"])) == "sglang"
-    assert live_export_engine(config("sglang", ["vllm"], prompts=0)) is None
+    assert live_export_engine(resolve(config("reference", ["sglang", "vllm"]))) == "sglang"
+    assert live_export_engine(resolve(config("reference", ["vllm"]))) == "vllm"
+    assert live_export_engine(resolve(config("sglang", ["vllm", "sglang"]))) == "sglang"
+    assert live_export_engine(resolve(config("sglang", ["vllm"], prompts=0))) is None
     with pytest.raises(PipelineError, match=r"export.engines is \['vllm'\].*sglang"):
-        live_export_engine(config("sglang", ["vllm"]))
+        live_export_engine(resolve(config("sglang", ["vllm"])))
 
 
 def test_first_difference():
@@ -189,8 +190,10 @@ def fake_sglang(monkeypatch, tmp_path):
 def test_serve_command_drafts_with_the_export_and_never_loads_the_hook(exported):
     config = sglang_config(exported)
     draft = exported["root"] / "export" / "sglang"
-    plain = serve_command(config, host="127.0.0.1", port=1234)
-    drafting = serve_command(config, host="127.0.0.1", port=1234, draft_dir=draft, num_steps=7)
+    plain = serve_command(resolve(config), host="127.0.0.1", port=1234)
+    drafting = serve_command(
+        resolve(config), host="127.0.0.1", port=1234, draft_dir=draft, num_steps=7
+    )
     assert plain[1:3] == ["-m", "sglang.launch_server"]
     assert "--speculative-algorithm" not in plain and plain[-4:] == EXTRA_ARGS
     flags = dict(zip(drafting[3::2], drafting[4::2], strict=False))
@@ -208,7 +211,7 @@ def test_serve_command_drafts_with_the_export_and_never_loads_the_hook(exported)
         assert "--enable-return-aux-hidden-states" not in argv
     config["server"]["sglang"]["extra_args"] = ["--speculative-algorithm", "EAGLE"]
     with pytest.raises(PipelineError, match="server.sglang.extra_args: --speculative-algorithm"):
-        serve_command(config, host="127.0.0.1", port=1234)
+        serve_command(resolve(config), host="127.0.0.1", port=1234)
 
 
 def test_sglang_harness_matches_the_transformers_harness(exported, fake_sglang, monkeypatch):
@@ -239,8 +242,8 @@ def test_a_server_that_dies_at_startup_fails_with_its_log_tail(exported, fake_sg
     config = sglang_config(exported)
     port = free_port("127.0.0.1")
     with pytest.raises(PipelineError) as info:
-        with served(serve_command(config, host="127.0.0.1", port=port), config=config,
-                    name="target", host="127.0.0.1", port=port):  # fmt: skip
+        argv = serve_command(resolve(config), host="127.0.0.1", port=port)
+        with served(argv, run=resolve(config), name="target", host="127.0.0.1", port=port):
             pass
     message = str(info.value)
     assert "SGLang server 'target' exited with code 3 before becoming healthy" in message
@@ -257,7 +260,7 @@ def test_a_held_port_is_refused_naming_its_holder(exported, fake_sglang):
         with pytest.raises(
             PipelineError, match=rf"port {port} on 127.0.0.1 is held by PID {os.getpid()}"
         ):
-            with served(["true"], config=config, name="target", host="127.0.0.1", port=port):
+            with served(["true"], run=resolve(config), name="target", host="127.0.0.1", port=port):
                 pass
 
 
@@ -266,8 +269,8 @@ def test_the_whole_process_group_is_stopped(exported, fake_sglang, monkeypatch):
     monkeypatch.setenv("FAKE_SGLANG_CHILD_PID_FILE", str(pid_file))
     config = sglang_config(exported)
     port = free_port("127.0.0.1")
-    argv = serve_command(config, host="127.0.0.1", port=port)
-    with served(argv, config=config, name="target", host="127.0.0.1", port=port) as url:
+    argv = serve_command(resolve(config), host="127.0.0.1", port=port)
+    with served(argv, run=resolve(config), name="target", host="127.0.0.1", port=port) as url:
         assert url == f"http://127.0.0.1:{port}"
         child = psutil.Process(int(pid_file.read_text()))
         assert child.is_running()
@@ -282,9 +285,10 @@ def test_the_whole_process_group_is_stopped(exported, fake_sglang, monkeypatch):
 SERVE_AND_WAIT = """
 import json, sys, time
 from eaglepipe.drafter.live_sglang import serve_command, served
+from eaglepipe.run import resolve
 config, port = json.loads(sys.argv[1]), int(sys.argv[2])
-argv = serve_command(config, host="127.0.0.1", port=port)
-with served(argv, config=config, name="target", host="127.0.0.1", port=port):
+argv = serve_command(resolve(config), host="127.0.0.1", port=port)
+with served(argv, run=resolve(config), name="target", host="127.0.0.1", port=port):
     print("serving", flush=True)
     time.sleep(600)
 """

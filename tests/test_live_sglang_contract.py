@@ -26,6 +26,7 @@ from sglang_source import _download_wheel, cache_dir
 
 from eaglepipe.config import load_config
 from eaglepipe.drafter.live_sglang import serve_command
+from eaglepipe.run import resolve
 
 pytestmark = pytest.mark.network
 
@@ -94,7 +95,9 @@ def live_argv(tmp_path_factory) -> list[str]:
     config = load_config(REPO_ROOT / "config.yaml")
     config["model"].update(path=str(model), trust_remote_code=True)
     config["server"]["dtype"] = "bfloat16"
-    return serve_command(config, host="127.0.0.1", port=30000, draft_dir=model, num_steps=7)
+    return serve_command(
+        resolve(config), host="127.0.0.1", port=30000, draft_dir=model, num_steps=7
+    )
 
 
 EXPECTED_TYPES = {

@@ -20,6 +20,7 @@ from eaglepipe.config import load_config
 from eaglepipe.errors import PipelineError
 from eaglepipe.fingerprint import hash_file, model_config_hash, tokenizer_fingerprint
 from eaglepipe.prepare import is_eval_row, load_prepared, rows_in_range, run_prepare
+from eaglepipe.run import resolve
 from eaglepipe.toy_target import build_toy_target
 
 SAMPLE = REPO_ROOT / "data" / "sample" / "conversations.jsonl"
@@ -53,7 +54,9 @@ def _jsonl(path, rows):
 
 
 def _run(config, tmp_path):
-    return run_prepare(config, prepared_dir=tmp_path / "prepared", cache_dir=tmp_path / "cache")
+    return run_prepare(
+        resolve(config), prepared_dir=tmp_path / "prepared", cache_dir=tmp_path / "cache"
+    )
 
 
 def test_table_matches_contract_and_masks(tmp_path, toy_dir, sample_rows):
@@ -114,7 +117,7 @@ def test_rerun_leaves_outputs_byte_identical_and_mtimes_unchanged(tmp_path, toy_
     _run(config, tmp_path)
     assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in paths} == before
     # A fresh output directory gets the very same bytes (nothing depends on time or place).
-    run_prepare(config, prepared_dir=tmp_path / "other", cache_dir=tmp_path / "cache2")
+    run_prepare(resolve(config), prepared_dir=tmp_path / "other", cache_dir=tmp_path / "cache2")
     for path in paths:
         assert (tmp_path / "other" / path.name).read_bytes() == before[path][0]
 

@@ -8,7 +8,6 @@ import importlib.util
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -21,6 +20,7 @@ import yaml
 from conftest import REPO_ROOT
 from packaging.requirements import Requirement
 from packaging.version import Version
+from pipeline_run import copy_workflow
 
 from eaglepipe.shard_plan import plan_for_source
 
@@ -110,22 +110,6 @@ def test_slurm_groups_share_one_server_per_node():
         for key in ("mem_mb", "runtime", "cpus_per_task"):
             if key in values:
                 assert isinstance(values[key], int) and values[key] > 0, (rule, key)
-
-
-def copy_workflow(dest: Path) -> Path:
-    """The repository's tracked and new files (what a user checks out), without outputs."""
-    listed = subprocess.run(
-        ["git", "ls-files", "-co", "--exclude-standard", "-z"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        check=True,
-    ).stdout.decode()
-    for rel in filter(None, listed.split("\0")):
-        source = REPO_ROOT / rel
-        if source.is_file():
-            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(source, dest / rel)
-    return dest
 
 
 def dry_run(workdir: Path, *args: str) -> subprocess.CompletedProcess:

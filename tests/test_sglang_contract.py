@@ -32,6 +32,7 @@ from sglang_source import REPO_ROOT, range_ends, sglang_source_root
 from torch import nn
 
 from eaglepipe.errors import PipelineError
+from eaglepipe.run import resolve
 from eaglepipe.server import sglang as recipe
 
 pytestmark = pytest.mark.network
@@ -270,7 +271,7 @@ def launch(tmp_path_factory, version):
     )
     config = _config(model, tp_size=8)
     argv, env = recipe.launch_command(
-        config,
+        resolve(config),
         host="127.0.0.1",
         port=31555,
         dump_dir="/dev/shm/x/inst1",
@@ -414,7 +415,7 @@ def test_launcher_refuses_extra_args_that_break_capture(tmp_path, extra, version
     )
     with pytest.raises(PipelineError, match=re.escape(extra[0].split("=")[0])):
         recipe.launch_command(
-            _config(tmp_path, extra_args=extra),
+            resolve(_config(tmp_path, extra_args=extra)),
             host="127.0.0.1",
             port=1,
             dump_dir=tmp_path,
@@ -429,7 +430,7 @@ def test_launcher_keeps_harmless_extra_args(tmp_path, version):
     )
     extra = ["--dp-size", "1", "--log-level", "info", "--chunked-prefill-size=-1"]
     argv, _ = recipe.launch_command(
-        _config(tmp_path, extra_args=extra),
+        resolve(_config(tmp_path, extra_args=extra)),
         host="h",
         port=2,
         dump_dir=tmp_path,
@@ -1335,10 +1336,9 @@ def test_server_info_echoes_the_hook_config_clients_check(src, launch, version, 
     # Reported by SGLang itself where it has the flag, by our hook's config where it does not.
     assert info["sglang_capture_layer_ids"] == [2, 30, 58]
 
-    from eaglepipe.config import aux_layer_ids
     from eaglepipe.extract import check_server_info
 
-    check_server_info(info, aux_layer_ids(config), 7168, "http://127.0.0.1:31555")
+    check_server_info(info, resolve(config).aux_layer_ids, 7168, "http://127.0.0.1:31555")
 
 
 def test_an_sglang_server_without_our_hook_is_refused():

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from eaglepipe.errors import PipelineError
+from eaglepipe.run import resolve
 from eaglepipe.server import sglang as recipe
 from eaglepipe.server import sglang_plugin
 
@@ -63,7 +64,12 @@ def llama_config(tmp_path: Path) -> dict:
 
 def launch(config, tmp_path, **kwargs):
     return recipe.launch_command(
-        config, host="127.0.0.1", port=31999, dump_dir=tmp_path / "d", instance_id="i", **kwargs
+        resolve(config),
+        host="127.0.0.1",
+        port=31999,
+        dump_dir=tmp_path / "d",
+        instance_id="i",
+        **kwargs,
     )
 
 

@@ -20,6 +20,7 @@ from conftest import REPO_ROOT
 
 from eaglepipe import status
 from eaglepipe.config import load_config
+from eaglepipe.run import resolve
 from eaglepipe.shard_plan import plan_shards
 from eaglepipe.shard_store import plan_chunks
 
@@ -270,12 +271,12 @@ def test_print_status_exit_codes(tmp_path):
     config["shards"]["rows_per_shard"] = 8
 
     out = io.StringIO()
-    assert status.print_status(config, workdir=tmp_path, stream=out) == 0
+    assert status.print_status(resolve(config), workdir=tmp_path, stream=out) == 0
     assert "3 planned, 0 done" in out.getvalue()
 
     write_failure(tmp_path, "rows_8-16", "server never became healthy within 900 s\nlog tail")
     out = io.StringIO()
-    assert status.print_status(config, workdir=tmp_path, stream=out) == 1
+    assert status.print_status(resolve(config), workdir=tmp_path, stream=out) == 1
     assert "FAILED   rows_8-16: server never became healthy within 900 s\n" in out.getvalue()
 
 

@@ -29,6 +29,7 @@ from conftest import PYTHON, REPO_ROOT, build_tiny_deepseek_v3
 from eaglepipe import shard_store
 from eaglepipe.config import load_config
 from eaglepipe.extract import extract_shard
+from eaglepipe.run import resolve
 from eaglepipe.server.lifecycle import stop_server
 from eaglepipe.validate import (
     ShardPaths,
@@ -159,7 +160,7 @@ def write_shard(
                 tweak(row_tensors)
         records.append(shard_store.write_chunk(shard_dir, index, tensors, hidden_size=HIDDEN))
     provenance = provenance or {
-        **expected_provenance(ws.config),
+        **expected_provenance(resolve(ws.config)),
         "shard_inputs_hash": shard.ljust(32, "0"),
         "engine": "reference",
         "engine_version": "test",
@@ -183,7 +184,7 @@ def write_shard(
 
 def expect_failure(ws: Workspace, check: str, shard: str = SHARD) -> ValidationFailure:
     with pytest.raises(ValidationFailure) as info:
-        validate_shard(ws.config, shard, progress=False)
+        validate_shard(resolve(ws.config), shard, progress=False)
     failure = info.value
     assert failure.check == check, str(failure)
     assert failure.shard == shard
@@ -204,7 +205,7 @@ def update_manifest(shard_dir: Path, change) -> None:
 
 def test_clean_shard_passes_and_writes_the_report(workspace):
     write_shard(workspace)
-    report = validate_shard(workspace.config, SHARD, progress=False)
+    report = validate_shard(resolve(workspace.config), SHARD, progress=False)
     on_disk = json.loads(workspace.report().read_text())
     assert on_disk == json.loads(json.dumps(report))
     assert on_disk["shard"] == SHARD
@@ -230,9 +231,9 @@ def test_clean_shard_passes_and_writes_the_report(workspace):
 def test_later_shard_is_checked_against_the_first_validated_one(workspace):
     """Shards of one run differ in their inputs and workflow stamps, yet share a reference."""
     write_shard(workspace)
-    validate_shard(workspace.config, SHARD, progress=False)
+    validate_shard(resolve(workspace.config), SHARD, progress=False)
     write_shard(workspace, "rows_16-32", [list(range(16, 24)), list(range(24, 32))])
-    report = validate_shard(workspace.config, "rows_16-32", progress=False)
+    report = validate_shard(resolve(workspace.config), "rows_16-32", progress=False)
     assert report["layer_norm_reference"] == SHARD
     ratios = report["checks"]["values"]["norm_ratio_to_reference"]
     assert ratios is not None and all(0.8 < r < 1.25 for r in ratios.values())
@@ -242,9 +243,9 @@ def test_later_shard_is_checked_against_the_first_validated_one(workspace):
 
 def test_shards_of_another_engine_are_not_compared(workspace):
     write_shard(workspace)
-    validate_shard(workspace.config, SHARD, progress=False)
+    validate_shard(resolve(workspace.config), SHARD, progress=False)
     provenance = {
-        **expected_provenance(workspace.config),
+        **expected_provenance(resolve(workspace.config)),
         "shard_inputs_hash": "x" * 32,
         "engine": "sglang",
         "engine_version": "0.5.14",
@@ -252,14 +253,14 @@ def test_shards_of_another_engine_are_not_compared(workspace):
         "workflow": "another",
     }
     write_shard(workspace, "rows_16-32", [list(range(16, 32))], scale=10.0, provenance=provenance)
-    report = validate_shard(workspace.config, "rows_16-32", progress=False)
+    report = validate_shard(resolve(workspace.config), "rows_16-32", progress=False)
     assert report["layer_norm_reference"] == "rows_16-32"
     assert report["checks"]["values"]["norm_ratio_to_reference"] is None
 
 
 def test_norm_drift_beyond_the_factor_fails_naming_the_layer(workspace):
     write_shard(workspace)
-    validate_shard(workspace.config, SHARD, progress=False)
+    validate_shard(resolve(workspace.config), SHARD, progress=False)
     write_shard(workspace, "rows_16-32", [list(range(16, 32))], scale=10.0)
     failure = expect_failure(workspace, "values", "rows_16-32")
     assert "aux_0" in str(failure) and "reference shard rows_0-16" in str(failure)
@@ -267,7 +268,7 @@ def test_norm_drift_beyond_the_factor_fails_naming_the_layer(workspace):
 
 def test_a_rerun_that_fails_removes_the_earlier_report(workspace):
     shard_dir = write_shard(workspace)
-    validate_shard(workspace.config, SHARD, progress=False)
+    validate_shard(resolve(workspace.config), SHARD, progress=False)
     assert workspace.report().exists()
     (shard_dir / "chunk-00002.safetensors").unlink()
     expect_failure(workspace, "integrity")
@@ -278,14 +279,14 @@ def test_shard_whose_rows_prepare_all_skipped_passes_empty(workspace):
     skipped["rows"] = [{"row_id": r, "reason": "no assistant tokens"} for r in range(32, 48)]
     (workspace.root / "prepared" / "skipped.json").write_text(json.dumps(skipped))
     write_shard(workspace)
-    validate_shard(workspace.config, SHARD, progress=False)
+    validate_shard(resolve(workspace.config), SHARD, progress=False)
     write_shard(workspace, "rows_32-48", [])
-    report = validate_shard(workspace.config, "rows_32-48", progress=False)
+    report = validate_shard(resolve(workspace.config), "rows_32-48", progress=False)
     assert report["num_rows"] == 0 and report["checks"]["coverage"]["skipped_rows"] == 16
     assert report["checks"]["values"]["norm_ratio_to_reference"] is None
     # an empty shard is never the norm reference of a later one
     write_shard(workspace, "rows_16-32", [list(range(16, 32))])
-    later = validate_shard(workspace.config, "rows_16-32", progress=False)
+    later = validate_shard(resolve(workspace.config), "rows_16-32", progress=False)
     assert later["layer_norm_reference"] == SHARD
 
 
@@ -558,9 +559,9 @@ def served(workspace):
 
 
 def test_spot_check_passes_for_a_shard_extracted_through_the_reference_server(served):
-    manifest = extract_shard(served.config, SHARD, log=lambda line: None)
+    manifest = extract_shard(resolve(served.config), SHARD, log=lambda line: None)
     assert len(manifest["chunks"]) > 1
-    report = validate_shard(served.config, SHARD, progress=False)
+    report = validate_shard(resolve(served.config), SHARD, progress=False)
     spot = report["checks"]["spot_check"]
     assert len(spot["rows"]) == 4 and set(spot["rows"]) <= set(range(16)) - {SKIPPED_ROW}
     # each re-extraction ran alone on the server, as its dump says
@@ -576,7 +577,7 @@ def test_spot_check_passes_for_a_shard_extracted_through_the_reference_server(se
             assert verdict["neighbour_rel_l2"] > 10 * verdict["rel_l2"]
     assert served.report().exists()
     # the same seed and shard pick the same rows
-    again = validate_shard(served.config, SHARD, progress=False)
+    again = validate_shard(resolve(served.config), SHARD, progress=False)
     assert again["checks"]["spot_check"]["rows"] == spot["rows"]
 
 
@@ -586,7 +587,7 @@ def test_layer_shift_in_batched_requests_is_caught_by_the_server_comparison(serv
     # assumed; an fp32 CPU server differs from its bf16 dumps by storage rounding only.
     served.config["validate"]["independent_forward"] = False
     served.config["validate"]["server_noise_floor"] = 0.01
-    extract_shard(served.config, SHARD, log=lambda line: None)
+    extract_shard(resolve(served.config), SHARD, log=lambda line: None)
     failure = expect_failure(served, "spot_check")
     message = str(failure)
     assert "re-extraction of the row alone through the server" in message
@@ -597,7 +598,7 @@ def test_layer_shift_in_batched_requests_is_caught_by_the_server_comparison(serv
 
 def test_layer_shift_in_batched_requests_fails_with_the_default_bounds(served, monkeypatch):
     monkeypatch.setenv("EAGLEPIPE_FAULT", "shift_layer_batched")
-    extract_shard(served.config, SHARD, log=lambda line: None)
+    extract_shard(resolve(served.config), SHARD, log=lambda line: None)
     failure = expect_failure(served, "spot_check")
     assert "independent transformers fp32 forwards on CPU" in str(failure)
     assert "neighbour bound" in str(failure) and "aux_0" in str(failure)
@@ -622,13 +623,13 @@ def test_independent_forward_tells_a_layer_offset_from_bf16_rounding(workspace):
         for row in (0, 1, 2)
     ]
     settings = workspace.config["validate"]
-    references = independent_forward(workspace.config, rows, [1, 3, 4])
+    references = independent_forward(resolve(workspace.config), rows, [1, 3, 4])
     split_rows(rows, {n: r.values.to(torch.bfloat16).float() for n, r in references.items()})
     layers = judge_layers(
         SHARD, "an independent forward", rows, references, HIDDEN, [1, 3, 4], settings
     )
     assert all(v["ok"] and v["rel_l2"] < 0.01 for v in layers.values())
-    off_by_one = independent_forward(workspace.config, rows, [2, 4, 5])
+    off_by_one = independent_forward(resolve(workspace.config), rows, [2, 4, 5])
     split_rows(rows, {n: r.values for n, r in off_by_one.items()})
     with pytest.raises(ValidationFailure) as info:
         judge_layers(SHARD, "an independent forward", rows, references, HIDDEN, [1, 3, 4], settings)
@@ -762,7 +763,7 @@ def test_spot_check_waits_for_a_dump_written_after_the_answer(workspace, sglang_
     values = synthetic_values(workspace, rows)
     with sglang_like(values, delay_s=0.5) as server:
         fresh, info = reextract_rows(
-            workspace.config, SHARD, stored_row_tensors(workspace, rows), HIDDEN, [1, 3, 4]
+            resolve(workspace.config), SHARD, stored_row_tensors(workspace, rows), HIDDEN, [1, 3, 4]
         )
         assert server.requests == 3
     assert info["batch_sizes"] == [1, 1, 1]
@@ -778,7 +779,7 @@ def test_spot_check_retries_a_re_extraction_that_shared_its_forward_pass(workspa
     values = synthetic_values(workspace, rows)
     with sglang_like(values, delay_s=None, batched_with=1, batched_times=1) as server:
         _, info = reextract_rows(
-            workspace.config, SHARD, stored_row_tensors(workspace, rows), HIDDEN, [1, 3, 4]
+            resolve(workspace.config), SHARD, stored_row_tensors(workspace, rows), HIDDEN, [1, 3, 4]
         )
         assert server.requests == 3
     assert info["attempts"] == [2, 1] and info["batch_sizes"] == [1, 1]
@@ -793,7 +794,11 @@ def test_spot_check_fails_when_the_server_always_batches_the_request(workspace, 
     with sglang_like(values, delay_s=None, batched_with=2, batched_times=99):
         with pytest.raises(ValidationFailure) as info:
             reextract_rows(
-                workspace.config, SHARD, stored_row_tensors(workspace, rows), HIDDEN, [1, 3, 4]
+                resolve(workspace.config),
+                SHARD,
+                stored_row_tensors(workspace, rows),
+                HIDDEN,
+                [1, 3, 4],
             )
     assert info.value.check == "spot_check" and info.value.row == 4
     assert "3 requests" in str(info.value) and "traffic from outside the pipeline" in str(
@@ -862,7 +867,7 @@ def test_correct_bf16_dumps_of_an_moe_target_pass(workspace, flippy_moe_dir, sgl
     values = engine_batches(workspace, flippy_moe_dir)
     write_computed_shard(workspace, values)
     with sglang_like(values, delay_s=None):
-        report = validate_shard(workspace.config, SHARD, progress=False)
+        report = validate_shard(resolve(workspace.config), SHARD, progress=False)
     independent = report["checks"]["spot_check"]["independent_forward"]
     assert independent["ran"] is True
     tails = [v["rel_l2_p99"] for v in independent["layers"].values()]

@@ -19,8 +19,8 @@ import os
 import torch
 
 from ..atomic import atomic_write_bytes, atomic_write_json
-from ..config import model_dir
 from ..errors import PipelineError
+from ..run import RunSpec
 from .chunks import list_chunks, require_intact
 from .data import BatchStream, index_rows, plan_batches, split_row_ids
 from .loss import step_targets, target_distribution
@@ -148,7 +148,7 @@ def plot_eval(result: dict, path: str | os.PathLike) -> None:
 
 
 def evaluate(
-    config: dict,
+    run: RunSpec,
     *,
     model_path: str,
     vocab_path: str,
@@ -157,15 +157,15 @@ def evaluate(
     out_path: str,
     plot_path: str | None,
 ) -> dict:
-    tc, ec = config["train"], config["evaluate"]
+    tc, ec = run.train, run.evaluate
     device = resolve_device(tc)
     vocab = load_vocab(vocab_path)
-    head = load_target_head(model_dir(config))
+    head = load_target_head(run.model.directory)
     model = load_drafter(model_path)
     with torch.no_grad():
         model.embed_tokens.weight.copy_(head.embed_tokens.float())
     rows, _ = eval_rows(
-        table_path, manifests, ec["max_rows"], log=lambda line: print(line, flush=True)
+        table_path, manifests, ec.max_rows, log=lambda line: print(line, flush=True)
     )
     print(f"evaluating {model_path} on {len(rows)} held-out rows", flush=True)
     result = evaluate_model(
@@ -173,9 +173,9 @@ def evaluate(
         vocab,
         head.lm_head,
         rows,
-        ttt_length=tc["ttt_length"],
-        batch_tokens=tc["batch_tokens"],
-        max_len=tc["max_len"],
+        ttt_length=tc.ttt_length,
+        batch_tokens=tc.batch_tokens,
+        max_len=tc.max_len,
         device=device,
     )
     atomic_write_json(out_path, result)

@@ -44,8 +44,9 @@ from safetensors import safe_open
 from safetensors.torch import save
 
 from ..atomic import atomic_write_bytes, atomic_write_json
-from ..config import read_model_config, text_config
+from ..config import text_config
 from ..errors import PipelineError
+from ..run import RunSpec
 from .model import DrafterConfig, Eagle3Drafter, load_drafter
 from .variants import ARCHITECTURES, MLA_DIMS, NORM_FLAGS, check_export_support
 from .vocab import load_vocab
@@ -180,7 +181,7 @@ def export_tensors(model: Eagle3Drafter) -> dict[str, torch.Tensor]:
 
 
 def export(
-    config: dict,
+    run: RunSpec,
     *,
     model_path: str,
     vocab_path: str,
@@ -195,10 +196,10 @@ def export(
         aux_ids = json.loads((f.metadata() or {}).get("aux_layer_ids", "null"))
     if not aux_ids:
         raise PipelineError(f"{model_path} does not record the aux layer ids it was trained on")
-    engines = list(engines or config["export"]["engines"])
+    engines = list(engines or run.export.engines)
     options = {"layer": model.config.layer, **{f: getattr(model.config, f) for f in NORM_FLAGS}}
     check_export_support(options, engines)
-    target_config = read_model_config(config)
+    target_config = run.model.config
     tensors = export_tensors(model)
     written = []
     for engine in engines:

@@ -26,18 +26,19 @@ from pathlib import Path
 
 from ..atomic import atomic_write_json
 from ..errors import PipelineError
+from ..run import RunSpec
 
 
-def live_export_engine(config: dict) -> str | None:
+def live_export_engine(run: RunSpec) -> str | None:
     """Which export live acceptance reads (`drafter/export/<engine>`), or None when skipped.
 
     SGLang serves its own export. The transformers harness reads the SGLang export when there is
     one and the vLLM export otherwise, each through that engine's name mapping.
     """
-    if config["evaluate"]["live_prompts"] == 0:
+    if run.evaluate.live_prompts == 0:
         return None
-    engines = list(config["export"]["engines"])
-    if config["server"]["engine"] == "sglang":
+    engines = list(run.export.engines)
+    if run.server.engine == "sglang":
         if "sglang" not in engines:
             raise PipelineError(
                 f"export.engines is {engines}: live acceptance with server.engine sglang serves "
@@ -60,7 +61,7 @@ class ExportInfo:
     directory: Path
     engine: str
     written_layer_ids: list[int]  # as the engine reads them from config.json
-    config: dict
+    exported: dict  # its config.json
 
     @classmethod
     def read(cls, export_dir: str | Path) -> ExportInfo:
@@ -145,7 +146,7 @@ def _offline_estimate(eval_path) -> float | None:
 
 
 def live_acceptance(
-    config: dict,
+    run: RunSpec,
     *,
     export_dir: str | None,
     table_path: str,
@@ -153,9 +154,9 @@ def live_acceptance(
     eval_path: str | None = None,
 ) -> dict:
     """Run the engine's harness (or record the skip) and write live.json atomically."""
-    ec, tc = config["evaluate"], config["train"]
+    ec, tc = run.evaluate, run.train
     offline = _offline_estimate(eval_path)
-    harness = "sglang" if config["server"]["engine"] == "sglang" else "transformers"
+    harness = "sglang" if run.server.engine == "sglang" else "transformers"
     result = {
         "harness": harness,
         "skipped": None,
@@ -165,8 +166,8 @@ def live_acceptance(
         "aux_layer_ids_written": None,
         "aux_layers_captured": None,
         "prompts": 0,
-        "new_tokens": ec["live_new_tokens"],
-        "ttt_length": tc["ttt_length"],
+        "new_tokens": ec.live_new_tokens,
+        "ttt_length": tc.ttt_length,
         "rounds": 0,
         "accepted": 0,
         "acceptance_length": None,
@@ -174,7 +175,7 @@ def live_acceptance(
         "outputs_match_greedy": 0,
         "per_prompt": [],
     }
-    engine = live_export_engine(config)
+    engine = live_export_engine(run)
     if engine is None:
         result["skipped"] = "evaluate.live_prompts is 0"
         atomic_write_json(out_path, result)
@@ -187,20 +188,19 @@ def live_acceptance(
         raise PipelineError(
             f"{export_dir} is the {export.engine} export; SGLang serves the sglang export"
         )
-    prompts = held_out_prompts(table_path, ec["live_prompts"])
+    prompts = held_out_prompts(table_path, ec.live_prompts)
     if not prompts:
         raise PipelineError(f"{table_path} has no held-out row with an assistant turn")
 
-    from ..config import read_model_config
     from .export import engine_captured_layers, target_family
 
-    family = target_family(read_model_config(config))
+    family = target_family(run.model.config)
     captured = engine_captured_layers(export.engine, family, export.written_layer_ids)
     if harness == "sglang":
-        from .live_sglang import run_sglang as run
+        from .live_sglang import run_sglang as run_harness
     else:
-        from .live_transformers import run_transformers as run
-    runs, extra = run(config, export, captured, prompts)
+        from .live_transformers import run_transformers as run_harness
+    runs, extra = run_harness(run, export, captured, prompts)
 
     rounds = sum(r.rounds for r in runs)
     accepted = sum(r.accepted for r in runs)

@@ -43,6 +43,7 @@ import psutil
 
 from .. import config as cfg
 from ..errors import PipelineError
+from ..run import RunSpec
 from ..server.handle import http_get_json, log_tail, probe_health, supervisor_process
 from ..server.leases import (
     STARTED_CHILDREN,
@@ -77,7 +78,7 @@ _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 def serve_command(
-    config: dict,
+    run: RunSpec,
     *,
     host: str,
     port: int,
@@ -88,31 +89,31 @@ def serve_command(
 
     No `--forward-hooks` and no patch/ on the path: these servers generate, they dump nothing.
     """
-    sglang = config["server"]["sglang"]
-    extra_args = [str(a) for a in sglang["extra_args"]]
+    sglang = run.server.sglang
+    extra_args = [str(a) for a in sglang.extra_args]
     check_extra_args(extra_args)
     argv = [
         sys.executable,
         "-m",
         "sglang.launch_server",
         "--model-path",
-        str(cfg.model_dir(config).resolve()),
+        str(run.model.directory.resolve()),
         "--tp-size",
-        str(sglang["tp_size"]),
+        str(sglang.tp_size),
         "--host",
         host,
         "--port",
         str(port),
         "--mem-fraction-static",
-        str(sglang["mem_fraction_static"]),
+        str(sglang.mem_fraction_static),
     ]
-    if config["model"]["trust_remote_code"]:
+    if run.model.trust_remote_code:
         argv.append("--trust-remote-code")
-    dtype = _DTYPE_FLAGS.get(config["server"]["dtype"])
+    dtype = _DTYPE_FLAGS.get(run.server.dtype)
     if dtype:
         argv += ["--dtype", dtype]
     if draft_dir is not None:
-        steps = int(num_steps or config["train"]["ttt_length"])
+        steps = int(num_steps or run.train.ttt_length)
         argv += [
             "--speculative-algorithm",
             "EAGLE3",
@@ -150,7 +151,7 @@ def _stop(proc: subprocess.Popen, create_time: float, instance_id: str) -> None:
 def served(
     argv: list[str],
     *,
-    config: dict,
+    run: RunSpec,
     name: str,
     host: str,
     port: int,
@@ -164,22 +165,22 @@ def served(
     `server.health_timeout_s` (the log tail in the error), and stops the whole process group
     afterwards, on failure and on Ctrl-C too, waiting until the port is free.
     """
-    server = config["server"]
+    server = run.server
     what = f"SGLang server '{name}'"
     if not port_is_free(host, port):
         raise PipelineError(f"cannot start the {what}: {describe_port_holders(host, port)}")
     paths = ServerPaths(Path(state_root) / hostname())
     # The supervisor stops the server after server.idle_timeout_s without this lease: the last
     # resort when this job is killed before it can stop the server itself.
-    lease = Lease(paths, ttl_s=server["lease_ttl_s"], run_token=current_run_token(), kind=name)
+    lease = Lease(paths, ttl_s=server.lease_ttl_s, run_token=current_run_token(), kind=name)
     instance_id = f"live-{name}-{secrets.token_hex(3)}"
     log_path = (Path(log_dir) / f"{hostname()}-{instance_id}.log").resolve()
     log_path.parent.mkdir(parents=True, exist_ok=True)
     supervisor = [
         *(sys.executable, "-u", "-m", "eaglepipe.server.supervise"),
         *("--state-dir", str(paths.root.resolve()), "--instance-id", instance_id),
-        *("--idle-timeout", str(server["idle_timeout_s"])),
-        *("--lease-ttl", str(server["lease_ttl_s"]), "--", *argv),
+        *("--idle-timeout", str(server.idle_timeout_s)),
+        *("--lease-ttl", str(server.lease_ttl_s), "--", *argv),
     ]
     # The server's own path first (patch/, EAGLEPIPE_SGLANG_PYTHONPATH): as the extraction server.
     from ..server.sglang import server_path_entries
@@ -213,7 +214,7 @@ def served(
                 create_time = time.time()
             print(f"started the {what}: pid {proc.pid}, port {port}, log {log_path}", flush=True)
             url = f"http://{host}:{port}"
-            _wait_healthy(proc, url, what, log_path, server["health_timeout_s"])
+            _wait_healthy(proc, url, what, log_path, server.health_timeout_s)
             try:
                 yield url
             except PipelineError as exc:
@@ -257,14 +258,14 @@ def _wait_healthy(proc: subprocess.Popen, url: str, what: str, log_path: Path, t
         time.sleep(0.5)
 
 
-def release_pipeline_server(config: dict) -> None:
+def release_pipeline_server(run: RunSpec) -> None:
     """Stop this run's idle hidden-state server: the live servers need its GPUs. A server in
     use, pinned, or started by another run is left alone, with a warning."""
     paths = ServerPaths.for_this_host()
     state = read_json(paths.state)
     if not state or supervisor_process(state) is None:
         return
-    if live_leases(paths, config["server"]["lease_ttl_s"]):
+    if live_leases(paths, run.server.lease_ttl_s):
         print(
             "warning: the hidden-state server is in use by another job and keeps its GPUs; "
             "the live servers may not fit",
@@ -345,17 +346,17 @@ def generate_greedy(
 
 
 def run_sglang(
-    config: dict, export: ExportInfo, captured: list[int], prompts: list[tuple[int, list[int]]]
+    run: RunSpec, export: ExportInfo, captured: list[int], prompts: list[tuple[int, list[int]]]
 ) -> tuple[list[PromptRun], dict]:
     """Greedy outputs from SGLang without the drafter, then with it; the counters per prompt."""
-    new_tokens, k = config["evaluate"]["live_new_tokens"], config["train"]["ttt_length"]
-    timeout = config["extract"]["request_timeout_s"]
-    host = config["server"]["host"]
-    release_pipeline_server(config)
+    new_tokens, k = run.evaluate.live_new_tokens, run.train.ttt_length
+    timeout = run.extract.request_timeout_s
+    host = run.server.host
+    release_pipeline_server(run)
 
     greedy: dict[int, list[int]] = {}
     port = free_server_port(host)
-    with served(serve_command(config, host=host, port=port), config=config, name="target",
+    with served(serve_command(run, host=host, port=port), run=run, name="target",
                 host=host, port=port) as url:  # fmt: skip
         version = _server_version(url)
         for row_id, prompt in prompts:
@@ -364,8 +365,8 @@ def run_sglang(
 
     runs = []
     port = free_server_port(host)
-    command = serve_command(config, host=host, port=port, draft_dir=export.directory, num_steps=k)
-    with served(command, config=config, name="target+drafter", host=host, port=port) as url:
+    command = serve_command(run, host=host, port=port, draft_dir=export.directory, num_steps=k)
+    with served(command, run=run, name="target+drafter", host=host, port=port) as url:
         completion = verify = 0
         for i, (row_id, prompt) in enumerate(prompts, 1):
             answer = generate_greedy(url, prompt, new_tokens, timeout, speculative=True)

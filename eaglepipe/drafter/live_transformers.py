@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config import model_dir
+from ..run import RunSpec
 from .engine_load import load_exported_drafter
 from .live import ExportInfo, PromptRun
 from .model import Eagle3Drafter
@@ -107,12 +107,12 @@ def speculative_decode(
 
 
 def run_transformers(
-    config: dict, export: ExportInfo, captured: list[int], prompts: list[tuple[int, list[int]]]
+    run: RunSpec, export: ExportInfo, captured: list[int], prompts: list[tuple[int, list[int]]]
 ) -> tuple[list[PromptRun], dict]:
     """Every prompt decoded with the drafter and plainly, in transformers on one device."""
-    new_tokens, k = config["evaluate"]["live_new_tokens"], config["train"]["ttt_length"]
+    new_tokens, k = run.evaluate.live_new_tokens, run.train.ttt_length
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    target = Target(model_dir(config), captured, device, config["model"]["trust_remote_code"])
+    target = Target(run.model.directory, captured, device, run.model.trust_remote_code)
     drafter = load_exported_drafter(export)
     with torch.no_grad():
         drafter.embed_tokens.weight.copy_(target.model.get_input_embeddings().weight.float())

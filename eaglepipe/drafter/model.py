@@ -215,13 +215,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def drafter_config(config: dict, draft_vocab_size: int) -> DrafterConfig:
-    """The drafter of a run: `train.drafter` and the target's config (the one place both meet)."""
-    from ..config import read_model_config
-
-    return DrafterConfig.from_target(
-        read_model_config(config), draft_vocab_size, drafter_options(config)
-    )
+def drafter_config(run, draft_vocab_size: int) -> DrafterConfig:
+    """The drafter of a run (a run.RunSpec): `train.drafter` and the target's config, the one
+    place both meet."""
+    options = drafter_options(run.train.drafter.as_dict())
+    return DrafterConfig.from_target(run.model.config, draft_vocab_size, options)
 
 
 def rope_frequencies(config: DrafterConfig, dim: int) -> tuple[torch.Tensor, float]:

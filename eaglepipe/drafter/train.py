@@ -23,16 +23,16 @@ import torch
 from safetensors.torch import save
 
 from ..atomic import atomic_write_bytes
-from ..config import aux_layer_ids, model_dir
 from ..errors import PipelineError
 from ..fingerprint import hash_file, hash_json
 from ..jsonio import read_json_object
+from ..run import RunSpec, TrainSettings
 from .chunks import Chunk, check_chunks, damage_error, list_chunks
 from .data import BatchStream, index_rows, plan_batches, split_row_ids
 from .loss import ttt_loss
 from .model import Eagle3Drafter, drafter_config
 from .target_head import load_target_head
-from .variants import check_export_support, drafter_options
+from .variants import check_export_support
 from .vocab import load_vocab
 
 CHECKPOINT_RE = re.compile(r"step-(\d{8})\.pt$")
@@ -105,8 +105,8 @@ def init_distributed(device_kind: str) -> Distributed:
     return Distributed(rank=rank, world_size=world, local_rank=local, local_world_size=local_world)
 
 
-def resolve_device(train_config: dict, local_rank: int = 0) -> torch.device:
-    wanted = train_config.get("device", "auto")
+def resolve_device(train: TrainSettings, local_rank: int = 0) -> torch.device:
+    wanted = train.device
     if wanted == "cuda" and not torch.cuda.is_available():
         raise PipelineError("train.device is cuda but no CUDA device is visible")
     if wanted == "cuda" or (wanted == "auto" and torch.cuda.is_available()):
@@ -114,8 +114,8 @@ def resolve_device(train_config: dict, local_rank: int = 0) -> torch.device:
     return torch.device("cpu")
 
 
-def resolve_dtype(train_config: dict, device: torch.device) -> torch.dtype:
-    precision = train_config.get("precision", "auto")
+def resolve_dtype(train: TrainSettings, device: torch.device) -> torch.dtype:
+    precision = train.precision
     if precision == "bf16" or (precision == "auto" and device.type == "cuda"):
         return torch.bfloat16
     return torch.float32
@@ -129,9 +129,9 @@ def lr_at(step: int, total_steps: int, peak: float, warmup: int) -> float:
     return peak * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-def build_drafter(config: dict, vocab, target_head, seed: int) -> Eagle3Drafter:
+def build_drafter(run: RunSpec, vocab, target_head, seed: int) -> Eagle3Drafter:
     torch.manual_seed(seed)
-    model = Eagle3Drafter(drafter_config(config, vocab.size))
+    model = Eagle3Drafter(drafter_config(run, vocab.size))
     with torch.no_grad():
         model.embed_tokens.weight.copy_(target_head.embed_tokens.float())
         model.d2t.copy_(vocab.d2t)
@@ -246,7 +246,7 @@ def truncate_log(path: Path, last_step: int) -> None:
 
 
 def train(
-    config: dict,
+    run: RunSpec,
     *,
     vocab_path: str,
     table_path: str,
@@ -259,7 +259,7 @@ def train(
 ) -> dict:
     """Train and write the drafter; returns a summary. `stop_after_steps` is for benchmarks."""
     check_validated(manifests, validated)
-    tc = config["train"]
+    tc = run.train
     probe_device = resolve_device(tc)
     dist = init_distributed(probe_device.type)
     device = resolve_device(tc, dist.local_rank)
@@ -273,16 +273,16 @@ def train(
 
     vocab = load_vocab(vocab_path)
     # The variant's mistakes end the run before any data is read, not hours later at export.
-    drafter_config(config, vocab.size)
-    check_export_support(drafter_options(config), config["export"]["engines"])
-    head = load_target_head(model_dir(config))
+    drafter_config(run, vocab.size)
+    check_export_support(run.train.drafter.as_dict(), run.export.engines)
+    head = load_target_head(run.model.directory)
     train_ids = split_row_ids(table_path, "train")
     chunks, facts = list_chunks(manifests, train_ids)
     if not chunks:
         raise PipelineError("the listed shards hold no rows of the train split")
     verify_chunks(chunks, dist, device, log)
     rows = index_rows(chunks, train_ids)
-    expected_ids = aux_layer_ids(config)
+    expected_ids = run.aux_layer_ids
     if list(facts["aux_layer_ids"]) != list(expected_ids):
         raise PipelineError(
             f"shards were extracted at aux layers {facts['aux_layer_ids']}, the config resolves "
@@ -293,25 +293,25 @@ def train(
             f"shards have hidden_size {facts['hidden_size']}, the target {head.lm_head.shape[1]}"
         )
 
-    model = build_drafter(config, vocab, head, tc["seed"]).to(device)
+    model = build_drafter(run, vocab, head, tc.seed).to(device)
     lm_head = head.lm_head.to(device=device, dtype=dtype)
     draft_ids = vocab.draft_ids.to(device)
     t2d = vocab.t2d.to(device)
     del head
 
     plans_by_epoch = [
-        plan_batches(rows, tc["batch_tokens"], tc["max_len"], tc["seed"], epoch)
-        for epoch in range(tc["epochs"])
+        plan_batches(rows, tc.batch_tokens, tc.max_len, tc.seed, epoch)
+        for epoch in range(tc.epochs)
     ]
     steps_per_epoch = min(len(p) for p in plans_by_epoch) // dist.world_size
     if steps_per_epoch == 0:
         raise PipelineError(
             f"{len(rows)} train rows make fewer batches than the {dist.world_size} ranks"
         )
-    total_steps = steps_per_epoch * tc["epochs"]
+    total_steps = steps_per_epoch * tc.epochs
     run_key = hash_json(
         {
-            "train": tc,
+            "train": tc.as_dict(),
             "drafter": model.config.to_json(),
             "vocab": hash_file(vocab_path),
             "manifests": sorted(hash_file(m) for m in manifests),
@@ -321,8 +321,8 @@ def train(
 
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad],
-        lr=tc["lr"],
-        weight_decay=tc["weight_decay"],
+        lr=tc.lr,
+        weight_decay=tc.weight_decay,
         betas=(0.9, 0.95),
     )
     ckpt_dir = Path(checkpoint_dir)
@@ -348,7 +348,7 @@ def train(
         )
     log(
         f"training drafter: {len(rows)} rows, {total_steps} steps "
-        f"({steps_per_epoch}/epoch x {tc['epochs']}), world {dist.world_size}, "
+        f"({steps_per_epoch}/epoch x {tc.epochs}), world {dist.world_size}, "
         f"device {device}, {dtype}, from step {start_step}"
     )
 
@@ -366,7 +366,7 @@ def train(
             for batch_refs in plans[dist.rank :: dist.world_size][:steps_per_epoch]
         ]
         stream = BatchStream(
-            mine[start_step:end_step], tc["max_len"], pin_memory=device.type == "cuda"
+            mine[start_step:end_step], tc.max_len, pin_memory=device.type == "cuda"
         )
         try:
             seen_wait = 0.0
@@ -375,7 +375,7 @@ def train(
                 step_began = time.perf_counter()
                 waited, seen_wait = stream.wait_seconds - seen_wait, stream.wait_seconds
                 batch = to_device(batch, device, dtype)
-                lr = lr_at(step, total_steps, tc["lr"], tc["warmup_steps"])
+                lr = lr_at(step, total_steps, tc.lr, tc.warmup_steps)
                 for group in optimizer.param_groups:
                     group["lr"] = lr
                 with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
@@ -385,13 +385,13 @@ def train(
                         lm_head,
                         draft_ids,
                         t2d,
-                        tc["ttt_length"],
-                        tc["step_weight_decay"],
+                        tc.ttt_length,
+                        tc.step_weight_decay,
                     )
                 optimizer.zero_grad(set_to_none=True)
                 result.loss.backward()
                 grad_norm = torch.nn.utils.clip_grad_norm_(
-                    [p for p in model.parameters() if p.requires_grad], tc["grad_clip"]
+                    [p for p in model.parameters() if p.requires_grad], tc.grad_clip
                 )
                 optimizer.step()
                 step += 1
@@ -403,7 +403,7 @@ def train(
                 if dist.world_size > 1:
                     torch.distributed.all_reduce(stats)
                     stats[0] /= dist.world_size
-                k = tc["ttt_length"]
+                k = tc.ttt_length
                 correct, counted = stats[1 : 1 + k].tolist(), stats[1 + k :].tolist()
                 tokens = int(batch["lengths"].sum()) * dist.world_size
                 tokens_done += tokens
@@ -436,7 +436,7 @@ def train(
                         f"{rate:,.0f} tok/s ETA {eta:.0f}s",
                         flush=True,
                     )
-                if dist.is_main and step % tc["checkpoint_every"] == 0 and step < total_steps:
+                if dist.is_main and step % tc.checkpoint_every == 0 and step < total_steps:
                     save_checkpoint(ckpt_dir, step, model, optimizer, run_key)
         finally:
             stream.close()

@@ -66,9 +66,10 @@ def default_options() -> dict:
     return {"layer": "llama", **{flag: False for flag in NORM_FLAGS}, "mla": {}}
 
 
-def drafter_options(config: dict) -> dict:
-    """`train.drafter` with every default filled in (the one place the config is read)."""
-    given = config["train"].get("drafter") or {}
+def drafter_options(given: dict | None) -> dict:
+    """`train.drafter` (a dict, or DrafterSettings.as_dict()) with every default filled in and
+    the MLA dimensions left unset dropped; options that contradict each other are refused."""
+    given = given or {}
     options = {**default_options(), **given}
     options["mla"] = {k: v for k, v in (given.get("mla") or {}).items() if v is not None}
     if options["fc_norm"] and options["norm_before_fc"]:

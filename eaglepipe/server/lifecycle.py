@@ -1,6 +1,6 @@
 """Server lifecycle: one shared server per run and node, started on demand, never left behind.
 
-    with server_lease(config) as handle:      # starts the server if none fits, else reuses it
+    with server_lease(run) as handle:      # starts the server if none fits, else reuses it
         ...  requests to handle.url; handle.check() / await handle.guard(request) ...
 
 - The first job that needs the server starts it under the node-local lock (`leases.py` has the
@@ -43,6 +43,7 @@ from ..atomic import atomic_write_json
 from ..errors import PipelineError
 from ..fingerprint import hash_json
 from ..identity import server_identity
+from ..run import RunSpec
 from .handle import (
     PROBE_TIMEOUT_S,
     SUPERVISOR_MODULE,
@@ -116,21 +117,21 @@ def current_run_token() -> str:
 # ---------------------------------------------------------------- what to launch
 
 
-def launch_settings(config: dict) -> dict:
+def launch_settings(run: RunSpec) -> dict:
     """Everything that decides what the server computes (`identity.server_identity`); its hash
     is the fingerprint: a job never uses a running server whose fingerprint differs."""
-    return server_identity(config)
+    return server_identity(run)
 
 
-def server_fingerprint(config: dict) -> str:
-    return hash_json(launch_settings(config))
+def server_fingerprint(run: RunSpec) -> str:
+    return hash_json(launch_settings(run))
 
 
 def engine_command(
-    config: dict, *, host: str, port: int, dump_dir: Path, instance_id: str
+    run: RunSpec, *, host: str, port: int, dump_dir: Path, instance_id: str
 ) -> tuple[list[str], dict[str, str]]:
     """The engine's argv and extra environment (the supervisor runs it)."""
-    engine = config["server"]["engine"]
+    engine = run.server.engine
     if engine == "sglang":
         try:
             sglang = importlib.import_module("eaglepipe.server.sglang")
@@ -142,18 +143,18 @@ def engine_command(
                 "(eaglepipe/server/sglang.py is missing)"
             ) from None
         return sglang.launch_command(
-            config, host=host, port=port, dump_dir=dump_dir, instance_id=instance_id
+            run, host=host, port=port, dump_dir=dump_dir, instance_id=instance_id
         )
-    server = config["server"]
+    server = run.server
     argv = [
         sys.executable,
         "-u",
         "-m",
         "eaglepipe.server.reference",
         "--model",
-        str(cfg.model_dir(config).resolve()),
+        str(run.model.directory.resolve()),
         "--aux-layer-ids",
-        ",".join(str(i) for i in cfg.aux_layer_ids(config)),
+        ",".join(str(i) for i in run.aux_layer_ids),
         "--host",
         host,
         "--port",
@@ -161,19 +162,19 @@ def engine_command(
         "--dump-dir",
         str(dump_dir),
         "--request-prefix",
-        config["extract"]["request_prefix"],
+        run.extract.request_prefix,
         "--device",
-        server["device"],
+        server.device,
         "--dtype",
-        server["dtype"],
+        server.dtype,
         "--max-batch-tokens",
-        str(server["max_batch_tokens"]),
+        str(server.max_batch_tokens),
         "--attention",
-        server["attention"],
+        server.attention,
         "--instance-id",
         instance_id,
     ]
-    if config["model"]["trust_remote_code"]:
+    if run.model.trust_remote_code:
         argv.append("--trust-remote-code")
     return argv, {}
 
@@ -252,8 +253,8 @@ def _locked(paths: ServerPaths, wait_s: float | None = None) -> Iterator[None]:
         lock.release()
 
 
-def _lock_wait_s(config: dict) -> float:
-    return config["server"]["health_timeout_s"] + 2 * STOP_GRACE_S + 60
+def _lock_wait_s(run: RunSpec) -> float:
+    return run.server.health_timeout_s + 2 * STOP_GRACE_S + 60
 
 
 def _remove_stale_dumps(dump_root: Path) -> None:
@@ -338,12 +339,12 @@ def _adopt(state: dict, paths: ServerPaths, run_token: str, ttl_s: float) -> Non
 
 
 def _ensure_server(
-    config: dict, paths: ServerPaths, run_token: str, lease: Lease
+    run: RunSpec, paths: ServerPaths, run_token: str, lease: Lease
 ) -> tuple[dict, dict]:
     """Under the lock: reuse, replace or start the server. Returns (state, server_info)."""
-    server = config["server"]
-    ttl_s = server["lease_ttl_s"]
-    fingerprint = server_fingerprint(config)
+    server = run.server
+    ttl_s = server.lease_ttl_s
+    fingerprint = server_fingerprint(run)
     remove_dead_leases(paths, ttl_s)
     state = read_json(paths.state)
     if state is not None:
@@ -366,20 +367,20 @@ def _ensure_server(
                     f"in use by {holders}: wait for them, or stop it with `eaglepipe server stop`"
                 )
             _stop_group(state, paths, "the configuration changed (different fingerprint)")
-    return _start(config, paths, run_token, fingerprint)
+    return _start(run, paths, run_token, fingerprint)
 
 
 def _new_instance_id() -> str:
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
 
 
-def _start(config: dict, paths: ServerPaths, run_token: str, fingerprint: str) -> tuple[dict, dict]:
-    server = config["server"]
-    host, port = server["host"], server["port"]
+def _start(run: RunSpec, paths: ServerPaths, run_token: str, fingerprint: str) -> tuple[dict, dict]:
+    server = run.server
+    host, port = server.host, server.port
     from ..dump import prepare_dump_dir  # imports torch: only on the path that starts a server
 
     dump_root = prepare_dump_dir(
-        cfg.dump_root(config), what="server.dump_root", refuse_open_mode=True
+        run.server.handoff_root, what="server.dump_root", refuse_open_mode=True
     ).resolve()
     _remove_stale_dumps(dump_root)
     if not port_is_free(host, port):
@@ -396,7 +397,7 @@ def _start(config: dict, paths: ServerPaths, run_token: str, fingerprint: str) -
     instance_id = _new_instance_id()
     dump_dir = prepare_dump_dir(dump_root / instance_id)
     engine_argv, engine_env = engine_command(
-        config, host=host, port=port, dump_dir=dump_dir, instance_id=instance_id
+        run, host=host, port=port, dump_dir=dump_dir, instance_id=instance_id
     )
     log_path = (SERVER_LOG_DIR / f"{hostname()}-{instance_id}.log").resolve()
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -408,9 +409,9 @@ def _start(config: dict, paths: ServerPaths, run_token: str, fingerprint: str) -
         "--state-dir",
         str(paths.root.resolve()),
         "--idle-timeout",
-        str(server["idle_timeout_s"]),
+        str(server.idle_timeout_s),
         "--lease-ttl",
-        str(server["lease_ttl_s"]),
+        str(server.lease_ttl_s),
         "--dump-dir",
         str(dump_dir),
         "--instance-id",
@@ -441,9 +442,9 @@ def _start(config: dict, paths: ServerPaths, run_token: str, fingerprint: str) -
         "host": host,
         "port": port,
         "url": f"http://{host}:{port}",
-        "engine": server["engine"],
+        "engine": server.engine,
         "fingerprint": fingerprint,
-        "settings": launch_settings(config),
+        "settings": launch_settings(run),
         "instance_id": instance_id,
         "dump_dir": str(dump_dir),
         "log": str(log_path),
@@ -451,8 +452,8 @@ def _start(config: dict, paths: ServerPaths, run_token: str, fingerprint: str) -
         "started_by": run_token,
         "owner_run": run_token,
         "pinned": False,
-        "lease_ttl_s": server["lease_ttl_s"],
-        "idle_timeout_s": server["idle_timeout_s"],
+        "lease_ttl_s": server.lease_ttl_s,
+        "idle_timeout_s": server.idle_timeout_s,
         "started_at": now_iso(),
         "argv": argv,
     }
@@ -466,12 +467,11 @@ def _start(config: dict, paths: ServerPaths, run_token: str, fingerprint: str) -
         run_token=run_token,
     )
     print(
-        f"started {server['engine']} server: supervisor pid {proc.pid}, port {port}, "
-        f"log {log_path}",
+        f"started {server.engine} server: supervisor pid {proc.pid}, port {port}, log {log_path}",
         file=sys.stderr,
         flush=True,
     )
-    info = _wait_healthy(proc, state, paths, server["health_timeout_s"])
+    info = _wait_healthy(proc, state, paths, server.health_timeout_s)
     engine_children = psutil.Process(proc.pid).children()
     state["engine_pid"] = engine_children[0].pid if engine_children else None
     state["ready_at"] = now_iso()
@@ -555,7 +555,7 @@ def _sigterm_raises() -> Iterator[_TermSignal]:
 
 @contextmanager
 def server_lease(
-    config: dict,
+    run: RunSpec,
     *,
     run_token: str | None = None,
     exclusive: bool = False,
@@ -569,7 +569,7 @@ def server_lease(
     """
     token = run_token or current_run_token()
     paths = paths or ServerPaths.for_this_host()
-    ttl_s = config["server"]["lease_ttl_s"]
+    ttl_s = run.server.lease_ttl_s
     lease = Lease(paths, ttl_s=ttl_s, run_token=token, kind="exclusive" if exclusive else "shared")
     gate = RequestGate(paths)
     handle: ServerHandle | None = None
@@ -577,8 +577,8 @@ def server_lease(
     with _sigterm_raises() as term:
         lease.acquire()
         try:
-            with _locked(paths, _lock_wait_s(config)):
-                state, info = _ensure_server(config, paths, token, lease)
+            with _locked(paths, _lock_wait_s(run)):
+                state, info = _ensure_server(run, paths, token, lease)
             handle = ServerHandle(
                 url=state["url"],
                 dump_dir=Path(state["dump_dir"]),
@@ -650,14 +650,14 @@ def stop_server(*, paths: ServerPaths | None = None) -> dict | None:
         return state
 
 
-def start_server(config: dict, *, paths: ServerPaths | None = None) -> ServerHandle:
+def start_server(run: RunSpec, *, paths: ServerPaths | None = None) -> ServerHandle:
     """Start (or reuse) the server and pin it: it stays up until `stop_server`, never idles out."""
     paths = paths or ServerPaths.for_this_host()
-    lease = Lease(paths, ttl_s=config["server"]["lease_ttl_s"], run_token=None, kind="manual")
+    lease = Lease(paths, ttl_s=run.server.lease_ttl_s, run_token=None, kind="manual")
     lease.acquire()
     try:
-        with _locked(paths, _lock_wait_s(config)):
-            state, info = _ensure_server(config, paths, current_run_token(), lease)
+        with _locked(paths, _lock_wait_s(run)):
+            state, info = _ensure_server(run, paths, current_run_token(), lease)
             paths.pinned.write_text(state["instance_id"] + "\n")
             state["pinned"] = True
             atomic_write_json(paths.state, state)

@@ -48,6 +48,7 @@ from packaging.version import InvalidVersion, Version
 
 from ..errors import PipelineError
 from ..layers import CONVENTION
+from ..run import RunSpec
 
 # The checkout's patch/ (the project runs from its repository, installed editable).
 PATCH_DIR = Path(__file__).resolve().parents[2] / "patch"
@@ -411,7 +412,7 @@ def free_server_port(host: str, low: int = 20000) -> int:
 
 
 def launch_command(
-    config: dict,
+    run: RunSpec,
     *,
     host: str,
     port: int,
@@ -431,8 +432,8 @@ def launch_command(
 
     if not (PATCH_DIR / f"{HOOK_MODULE}.py").is_file():
         raise PipelineError(f"{PATCH_DIR / (HOOK_MODULE + '.py')} is missing from the checkout")
-    sglang_cfg = config["server"].get("sglang", {})
-    extra_args = [str(a) for a in sglang_cfg.get("extra_args", [])]
+    sglang_cfg = run.server.sglang
+    extra_args = [str(a) for a in sglang_cfg.extra_args]
     check_extra_args(extra_args)
     check_port(port)
     version = check_supported(
@@ -446,17 +447,17 @@ def launch_command(
             "install the project into that environment (pip install -e .)"
         )
 
-    model_path = cfg.model_dir(config).resolve()
-    model_config = cfg.read_model_config(config)
+    model_path = run.model.directory.resolve()
+    model_config = run.model.config
     architectures = model_config.get("architectures") or []
     if not architectures:
         raise PipelineError(f"model.path: {model_path}/config.json names no architectures")
-    num_layers = cfg.num_layers(config)
-    our_ids = cfg.aux_layer_ids(config)
+    num_layers = run.model.num_layers
+    our_ids = run.aux_layer_ids
     capture_ids = sglang_layer_ids(architectures[0], our_ids, num_layers=num_layers)
     spec = hook_spec(
         dump_dir=dump_dir,
-        request_prefix=config["extract"]["request_prefix"],
+        request_prefix=run.extract.request_prefix,
         aux_layer_ids=our_ids,
         instance_id=instance_id,
         hidden_size=cfg.text_config(model_config).get("hidden_size"),
@@ -470,17 +471,17 @@ def launch_command(
         "--model-path",
         str(model_path),
         "--tp-size",
-        str(sglang_cfg.get("tp_size", 1)),
+        str(sglang_cfg.tp_size),
         "--host",
         host,
         "--port",
         str(port),
         "--mem-fraction-static",
-        str(sglang_cfg.get("mem_fraction_static", 0.8)),
+        str(sglang_cfg.mem_fraction_static),
     ]
-    if config["model"].get("trust_remote_code"):
+    if run.model.trust_remote_code:
         argv.append("--trust-remote-code")
-    dtype = _DTYPE_FLAG_VALUES.get(config["server"].get("dtype", "auto"))
+    dtype = _DTYPE_FLAG_VALUES.get(run.server.dtype)
     if dtype:
         argv += ["--dtype", dtype]
     if mechanism == CAPTURE_BY_FLAGS:

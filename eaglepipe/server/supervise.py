@@ -6,8 +6,10 @@
 The lifecycle starts it in a new session (its own process group) with stdout and stderr going
 to the server log. It runs the engine as a child in the same group, forwards SIGTERM/SIGINT to
 the whole group, and stops the group when no lease has been live for the idle timeout: the
-last resort when the workflow that started the server was killed and never stopped it. It
-exits when the engine exits, and removes its instance's dump directory on the way out.
+last resort when the workflow that started the server was killed and never stopped it. Started
+inside a SLURM job, it also stops the group as soon as that job has ended and no lease is live
+(`slurm_job.py` says why SLURM may not). It exits when the engine exits, and removes its
+instance's dump directory on the way out.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from .leases import (
     pinned_instance,
     read_json,
 )
+from .slurm_job import current_slurm_job
 
 # The lifecycle SIGKILLs the group this long after its SIGTERM; the supervisor escalates sooner
 # so it can still clean up.
@@ -88,6 +91,7 @@ class Supervisor:
         self.instance_id = args.instance_id
         self.engine_argv = args.engine
         self.stop_signal: int | None = None
+        self.slurm_job = current_slurm_job()
 
     def on_signal(self, signum, frame) -> None:
         self.stop_signal = signum
@@ -97,7 +101,7 @@ class Supervisor:
             return True
         return bool(live_leases(self.paths, self.lease_ttl_s))
 
-    def stop_if_still_idle(self, engine: subprocess.Popen) -> bool:
+    def stop_if_still_idle(self, engine: subprocess.Popen, reason: str) -> bool:
         """Stop the engine if no job uses it, deciding and stopping under the lifecycle lock.
 
         A job creates its lease before it takes the lock, so once we hold the lock every job
@@ -113,7 +117,7 @@ class Supervisor:
         try:
             if self.in_use():
                 return False
-            stop_engine(engine, self.idle_reason)
+            stop_engine(engine, reason)
             state = read_json(self.paths.state)
             if state and state.get("pid") == os.getpid():
                 self.paths.state.unlink(missing_ok=True)
@@ -125,6 +129,14 @@ class Supervisor:
     def idle_reason(self) -> str:
         return f"no live lease for {self.idle_timeout_s:g}s (server.idle_timeout_s)"
 
+    def unused_reason(self, last_in_use: float) -> str | None:
+        """Why to stop a server no lease uses now, or None to keep it for the next job."""
+        if time.monotonic() - last_in_use > self.idle_timeout_s:
+            return self.idle_reason
+        if self.slurm_job is not None and self.slurm_job.ended():
+            return f"{self.slurm_job.describe()} that started it ended; no live lease"
+        return None
+
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self.on_signal)
         signal.signal(signal.SIGINT, self.on_signal)
@@ -135,6 +147,9 @@ class Supervisor:
         poll_s = min(1.0, max(self.lease_ttl_s / 4, 0.1))
         last_in_use = time.monotonic()
         reason = "engine exited"
+        stopped_unused = False
+        if self.slurm_job is not None:
+            log(f"started in {self.slurm_job.describe()}: stopping when it ends, if unused")
         while True:
             code = engine.poll()
             if code is not None:
@@ -147,18 +162,38 @@ class Supervisor:
                 break
             if self.in_use():
                 last_in_use = time.monotonic()
-            elif time.monotonic() - last_in_use > self.idle_timeout_s:
-                if self.stop_if_still_idle(engine):
-                    reason = self.idle_reason
+            elif (unused := self.unused_reason(last_in_use)) is not None:
+                if self.stop_if_still_idle(engine, unused):
+                    reason, stopped_unused = unused, True
                     break
             time.sleep(poll_s)
         self.clean_up(reason, engine.returncode)
-        if self.stop_signal is not None or reason == self.idle_reason:
+        if self.stop_signal is not None or stopped_unused:
             return 0
         code = engine.returncode
         return code if code >= 0 else 128 - code
 
+    def forget_state(self) -> None:
+        """Remove the state file if it still names this supervisor, so nobody reads a dead server
+        as running (after SLURM's SIGTERM, say, when the job's own clean-up was cut short).
+
+        Only if the lock is free now: a job holding it is stopping this server and removes the
+        file itself, and waiting for it would hold up the stop that job waits for.
+        """
+        lock = filelock.FileLock(self.paths.lock)
+        try:
+            lock.acquire(timeout=0)
+        except filelock.Timeout:
+            return
+        try:
+            state = read_json(self.paths.state)
+            if state and state.get("pid") == os.getpid():
+                self.paths.state.unlink(missing_ok=True)
+        finally:
+            lock.release()
+
     def clean_up(self, reason: str, code: int | None) -> None:
+        self.forget_state()
         if self.dump_dir is not None:
             shutil.rmtree(self.dump_dir, ignore_errors=True)
             owner_file(self.dump_dir).unlink(missing_ok=True)

@@ -1,0 +1,380 @@
+"""The run description: the validated configuration, resolved once into typed, frozen parts.
+
+    config.yaml --config.validate_config (schema, defaults)--> dict --resolve()--> RunSpec
+
+The Snakefile resolves the configuration at workflow start and writes the resolved config
+(`.eaglepipe/config.json`) and, beside it, the facts derived from it (`.eaglepipe/run.json`,
+for people); every job loads the description back with `load_run`. Stages take the parts they
+need (`run.server`, `run.train`, `run.model`, ...); nothing downstream reads the raw YAML or
+re-derives a fact from it.
+
+What is derived here, and only here:
+- the target (`TargetModel`): its directory (the user's, or the embedded toy's), its
+  config.json and language-model part, depth, hidden size, and its fingerprints (config hash,
+  weights, tokenizer). Facts of the model's files are read once per process on first use, not
+  at workflow start: the embedded toy target is built during the run, after the parse;
+- the aux layer ids, in the convention of `layers.py`;
+- the handoff directory root.
+Identity and provenance keys built from the description live in `identity.py` (what a server
+computes, when chunks are reused) and `workflow.py` (what makes a stage stale).
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+from dataclasses import asdict, dataclass, fields
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from . import config as cfg
+from .drafter.variants import MLA_DIMS, drafter_options
+from .errors import PipelineError
+from .fingerprint import (
+    hash_json,
+    model_config_hash,
+    tokenizer_files,
+    tokenizer_fingerprint,
+    weights_fingerprint,
+)
+
+RUN_FACTS = cfg.STATE_DIR / "run.json"
+
+
+def _build(cls, values: dict):
+    """A section dataclass from its validated dict (lists become tuples: frozen all the way)."""
+    kwargs = {}
+    for f in fields(cls):
+        value = values[f.name]
+        kwargs[f.name] = tuple(value) if isinstance(value, list) else value
+    return cls(**kwargs)
+
+
+class Section:
+    """Settings of one config section; `as_dict()` is what provenance hashes."""
+
+    def as_dict(self) -> dict:
+        return json.loads(json.dumps(asdict(self)))
+
+
+@dataclass(frozen=True)
+class ToySettings(Section):
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    seed: int
+    train_steps: int
+    train_seq_len: int
+    train_batch_size: int
+
+
+@dataclass(frozen=True)
+class HoldoutSettings(Section):
+    mode: str
+    fraction: float
+    seed: int
+    shards: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class DatasetSettings(Section):
+    path: str
+    format: str
+    max_length: int
+    bad_rows: str
+    holdout: HoldoutSettings
+
+
+@dataclass(frozen=True)
+class ShardSettings(Section):
+    rows_per_shard: int
+    chunk_max_bytes: int
+
+
+@dataclass(frozen=True)
+class SGLangSettings(Section):
+    tp_size: int
+    mem_fraction_static: float
+    extra_args: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ServerSettings(Section):
+    engine: str
+    host: str
+    port: int
+    device: str
+    dtype: str
+    max_batch_tokens: int
+    attention: str
+    health_timeout_s: float
+    idle_timeout_s: float
+    lease_ttl_s: float
+    dump_root: str | None
+    sglang: SGLangSettings
+
+    @property
+    def handoff_root(self) -> Path:
+        """Where dump directories go: `dump_root`, else a per-user tmpfs directory."""
+        if self.dump_root:
+            return Path(self.dump_root)
+        shm = Path("/dev/shm")
+        if shm.is_dir() and os.access(shm, os.W_OK):
+            return shm / f"eaglepipe-{getpass.getuser()}"
+        return (cfg.STATE_DIR / "dumps").resolve()
+
+
+@dataclass(frozen=True)
+class ExtractSettings(Section):
+    request_prefix: str
+    max_inflight_requests: int
+    max_inflight_bytes: int | None
+    lookahead_bytes: int | None
+    retries: int
+    request_timeout_s: float
+
+
+@dataclass(frozen=True)
+class ValidateSettings(Section):
+    spot_check_rows: int
+    seed: int
+    noise_margin: float
+    neighbour_fraction: float
+    server_noise_floor: float
+    norm_drift_factor: float
+    independent_forward: bool
+
+
+@dataclass(frozen=True)
+class MLASettings(Section):
+    """The MLA draft layer's dimensions; None takes the target's (drafter/variants.py)."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int | None
+    qk_nope_head_dim: int | None
+    qk_rope_head_dim: int | None
+    v_head_dim: int | None
+
+
+@dataclass(frozen=True)
+class DrafterSettings(Section):
+    """The drafter variant (`train.drafter`, drafter/variants.py)."""
+
+    layer: str
+    fc_norm: bool
+    norm_before_fc: bool
+    norm_output: bool
+    norm_before_residual: bool
+    mla: MLASettings
+
+
+@dataclass(frozen=True)
+class TrainSettings(Section):
+    draft_vocab_size: int
+    ttt_length: int
+    step_weight_decay: float
+    batch_tokens: int
+    max_len: int
+    epochs: int
+    lr: float
+    warmup_steps: int
+    weight_decay: float
+    grad_clip: float
+    checkpoint_every: int
+    seed: int
+    precision: str
+    device: str
+    drafter: DrafterSettings
+
+
+@dataclass(frozen=True)
+class EvaluateSettings(Section):
+    max_rows: int
+    live_prompts: int
+    live_new_tokens: int
+
+
+@dataclass(frozen=True)
+class ExportSettings(Section):
+    engines: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class TargetModel:
+    """The target model: where it is and what its files say (read once, on first use)."""
+
+    directory: Path
+    is_toy: bool
+    trust_remote_code: bool
+    toy: ToySettings | None  # the toy target's settings (set when is_toy)
+
+    @property
+    def config_file(self) -> Path:
+        return self.directory / "config.json"
+
+    @property
+    def exists(self) -> bool:
+        return self.config_file.is_file()
+
+    @cached_property
+    def config(self) -> dict:
+        """The model's config.json."""
+        try:
+            return json.loads(self.config_file.read_text())
+        except FileNotFoundError:
+            raise PipelineError(f"model.path: {self.config_file} does not exist") from None
+
+    @property
+    def text_config(self) -> dict:
+        """The language-model part (multimodal wrappers such as Kimi-K2.5 nest it)."""
+        return cfg.text_config(self.config)
+
+    @property
+    def architecture(self) -> str | None:
+        return (self.config.get("architectures") or [None])[0]
+
+    @property
+    def num_layers(self) -> int:
+        """Decoder depth; the toy's is known from its settings before it is built."""
+        if self.is_toy and not self.exists:
+            return self.toy.num_layers
+        return int(self.text_config["num_hidden_layers"])
+
+    @property
+    def hidden_size(self) -> int:
+        if self.is_toy and not self.exists:
+            return self.toy.hidden_size
+        return int(self.text_config["hidden_size"])
+
+    @cached_property
+    def config_hash(self) -> str:
+        return model_config_hash(self.directory)
+
+    @cached_property
+    def weights_fingerprint(self) -> str:
+        return weights_fingerprint(self.directory)
+
+    @cached_property
+    def tokenizer_fingerprint(self) -> str:
+        return tokenizer_fingerprint(self.directory)
+
+    @property
+    def has_tokenizer(self) -> bool:
+        return bool(tokenizer_files(self.directory))
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run, resolved: every section typed and frozen, the target and its layers derived."""
+
+    model: TargetModel
+    dataset: DatasetSettings
+    shards: ShardSettings
+    aux_layer_ids_setting: tuple[int, ...] | None
+    server: ServerSettings
+    extract: ExtractSettings
+    validate: ValidateSettings
+    train: TrainSettings
+    evaluate: EvaluateSettings
+    export: ExportSettings
+    # The resolved config as canonical JSON: what is written for jobs and hashed as a whole.
+    resolved_json: str
+
+    @cached_property
+    def aux_layer_ids(self) -> list[int]:
+        """The three captured layers (0-based decoder-layer outputs; layers.py)."""
+        from .layers import resolve_aux_layer_ids
+
+        setting = list(self.aux_layer_ids_setting) if self.aux_layer_ids_setting else None
+        return resolve_aux_layer_ids(setting, self.model.num_layers)
+
+    @cached_property
+    def config_hash(self) -> str:
+        """Hash of the whole resolved configuration."""
+        return hash_json(json.loads(self.resolved_json))
+
+    def resolved_config(self) -> dict:
+        """A fresh copy of the resolved configuration (for writing, or a changed copy)."""
+        return json.loads(self.resolved_json)
+
+    def facts(self) -> dict:
+        """What the description derives, for people (`.eaglepipe/run.json`)."""
+        model = self.model
+        facts: dict[str, Any] = {
+            "model_dir": str(model.directory),
+            "toy_target": model.is_toy,
+            "num_layers": model.num_layers,
+            "hidden_size": model.hidden_size,
+            "aux_layer_ids": self.aux_layer_ids,
+            "engine": self.server.engine,
+            "handoff_root": str(self.server.handoff_root),
+        }
+        if model.exists:
+            facts["architecture"] = model.architecture
+        return facts
+
+
+def resolve(config: dict) -> RunSpec:
+    """The run description of a validated configuration (`config.validate_config`'s result)."""
+    model_cfg = config["model"]
+    path = model_cfg["path"]
+    if not path and not model_cfg.get("toy"):
+        raise PipelineError("config key model.toy: needed when model.path is null (the toy target)")
+    toy = _build(ToySettings, model_cfg["toy"]) if model_cfg.get("toy") else None
+    dataset = dict(config["dataset"])
+    dataset["holdout"] = _build(HoldoutSettings, dataset["holdout"])
+    server = dict(config["server"])
+    server["sglang"] = _build(SGLangSettings, server["sglang"])
+    ids = config.get("aux_layer_ids")
+    train = dict(config["train"])
+    drafter = drafter_options(train["drafter"])  # its defaults, and options that contradict
+    drafter["mla"] = _build(MLASettings, {k: drafter["mla"].get(k) for k in MLA_DIMS})
+    train["drafter"] = _build(DrafterSettings, drafter)
+    return RunSpec(
+        model=TargetModel(
+            directory=Path(path) if path else cfg.TOY_MODEL_DIR,
+            is_toy=not path,
+            trust_remote_code=bool(model_cfg["trust_remote_code"]),
+            toy=toy,
+        ),
+        dataset=_build(DatasetSettings, dataset),
+        shards=_build(ShardSettings, config["shards"]),
+        aux_layer_ids_setting=tuple(ids) if ids else None,
+        server=_build(ServerSettings, server),
+        extract=_build(ExtractSettings, config["extract"]),
+        validate=_build(ValidateSettings, config["validate"]),
+        train=_build(TrainSettings, train),
+        evaluate=_build(EvaluateSettings, config["evaluate"]),
+        export=_build(ExportSettings, config["export"]),
+        resolved_json=json.dumps(config, sort_keys=True),
+    )
+
+
+def load_run(path: str | os.PathLike = cfg.RESOLVED_CONFIG) -> RunSpec:
+    """The description a job runs under: the resolved JSON its run wrote, or a YAML config."""
+    return resolve(cfg.config_from_arg(path))
+
+
+def write_run(run: RunSpec) -> None:
+    """Write the resolved config for jobs and the derived facts for people (each only when its
+    content changes)."""
+    from .atomic import write_json_if_changed
+
+    cfg.write_resolved(run.resolved_config())
+    write_json_if_changed(RUN_FACTS, run.facts())
+
+
+def resolve_at_workflow_start(config: dict) -> RunSpec:
+    """Snakemake's `config`, validated and resolved at workflow start: what can be checked
+    before any job runs is (the aux layer ids against the target's depth, a missing model
+    directory), and the description is written for the jobs."""
+    run = resolve(cfg.validate_config(config))
+    run.facts()  # reads the target's depth and checks the aux layer ids: one clear error here
+    write_run(run)
+    return run

@@ -1,0 +1,60 @@
+"""provenance: the manifest's model and tokenizer hashes, layer ids and conventions equal the
+current run's (its rows are checked by coverage, as the rerun policy decides per shard)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .. import config as cfg
+from ..errors import PipelineError
+from ..layers import CONVENTION, FINAL_CONVENTION
+from ..run import RunSpec
+from .checks import PROVENANCE_FIELDS, ValidationFailure
+
+
+def expected_provenance(run: RunSpec, summary_path: Path = cfg.PREPARED_SUMMARY) -> dict:
+    """The provenance the current configuration would give a freshly extracted shard."""
+    try:
+        summary = json.loads(Path(summary_path).read_text())
+    except FileNotFoundError:
+        raise PipelineError(
+            f"prepared summary {summary_path} does not exist: run prepare"
+        ) from None
+    summary_provenance = summary.get("provenance", summary)
+    model = run.model
+    if model.has_tokenizer:
+        tokenizer = model.tokenizer_fingerprint
+    else:
+        tokenizer = summary_provenance.get("tokenizer_fingerprint")
+    return {
+        "model_config_hash": model.config_hash,
+        "tokenizer_fingerprint": tokenizer,
+        "aux_layer_ids": run.aux_layer_ids,
+        "layer_convention": CONVENTION,
+        "final_convention": FINAL_CONVENTION,
+    }
+
+
+def check_provenance(shard: str, manifest: dict, expected: dict) -> dict:
+    """Every provenance field equals the current configuration's, naming the first that differs."""
+    recorded = dict(manifest["provenance"])
+    stored_ids = manifest["aux_layer_ids"]
+    if stored_ids != recorded.get("aux_layer_ids"):
+        raise ValidationFailure(
+            shard,
+            "provenance",
+            f"manifest aux_layer_ids {stored_ids} disagree with its provenance.aux_layer_ids "
+            f"{recorded.get('aux_layer_ids')}",
+        )
+    for name in PROVENANCE_FIELDS:
+        if recorded.get(name) != expected[name]:
+            raise ValidationFailure(
+                shard,
+                "provenance",
+                f"field {name} is {recorded.get(name)!r} in the manifest but {expected[name]!r} "
+                "for the current configuration (the shard was made from another "
+                f"{'layer set' if name == 'aux_layer_ids' else 'model or tokenizer'}; "
+                "re-extract it)",
+            )
+    return {"ok": True, "fields": list(PROVENANCE_FIELDS)}
