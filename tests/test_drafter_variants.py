@@ -543,6 +543,10 @@ def test_sglang_serves_the_mla_architecture_as_mla(sglang_root):
     # Interleaved RoPE unless the config says otherwise; the export says true explicitly.
     deepseek = (sglang_root / "srt" / "models" / "deepseek_v2.py").read_text()
     assert 'is_neox_style = not getattr(config, "rope_interleave", True)' in deepseek
+    # The export holds no embedding: the draft worker hands it the target's.
+    find_function(tree, "Eagle3DeepseekV2ForCausalLM", "set_embed")
+    worker = (sglang_root / "srt" / "speculative" / "eagle_worker_v2.py").read_text()
+    assert "self.draft_runner.model.set_embed(embed)" in worker
 
 
 def test_mla_name_tables_match_the_sglang_source(sglang_root):
