@@ -169,7 +169,8 @@ class DrafterConfig:
                     "train.drafter.layer is mla, but the target has no multi-latent attention "
                     "(no kv_lora_rank in its config): use layer llama"
                 )
-            dims = {k: options["mla"].get(k, text.get(k)) for k in MLA_DIMS}
+            given = options.get("mla") or {}
+            dims = {k: given[k] if given.get(k) is not None else text.get(k) for k in MLA_DIMS}
             missing = [k for k, v in dims.items() if v is None]
             if missing:
                 raise PipelineError(
