@@ -97,9 +97,7 @@ def prepare_inputs(wildcards):
 
 
 def prepared_table(wildcards=None):
-    return when_stale(
-        "prepared/tokenized.parquet", workflow_lib.prepare_is_fresh(RUN)
-    )
+    return when_stale("prepared/tokenized.parquet", workflow_lib.prepare_is_fresh(RUN))
 
 
 def all_manifests(wildcards=None):
