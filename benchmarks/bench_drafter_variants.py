@@ -8,15 +8,19 @@ the same batches and steps), evaluate (the offline estimate on the held-out rows
 (both engines), live acceptance (the run's harness: transformers for `server.engine:
 reference`). Each variant's files go to --out/<name>/ (model, train_log.jsonl, eval.json,
 export/, live.json, result.json); a variant whose result.json exists is read back, not
-redone (delete its directory to redo it). The table goes to stdout and --out/summary.json.
+redone (delete its directory to redo it; one trained for other epochs is redone). The table
+goes to stdout and --out/summary.json.
 
     python -u benchmarks/bench_drafter_variants.py --run-dir <run>
     python -u benchmarks/bench_drafter_variants.py --run-dir <run> --variants plain,mla
     python -u benchmarks/bench_drafter_variants.py --run-dir <run> --seeds 1,2
+    python -u benchmarks/bench_drafter_variants.py --run-dir <run> --epochs 2   # a quicker CPU run
 
 `--seeds` trains each variant once per `train.seed` (another seed: another initialisation and
 batch order), into --out/<name>-seed<k>/; without it the run's own seed is used, so the plain
-variant reproduces the run's drafter.
+variant reproduces the run's drafter. `--epochs` replaces `train.epochs` for every variant
+(fewer steps than the run's drafter had: the plain variant then no longer reproduces it); the
+summary records the `train` settings used.
 
 Variants: plain, fc_norm, norm_output, fc_norm+norm_output (the default set), and any
 '+'-joined set of the flags fc_norm, norm_before_fc, norm_output, norm_before_residual and
@@ -71,8 +75,11 @@ def run_variant(base: dict, name: str, seed: int, out: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     live_path, result_path = out / "live.json", out / "result.json"
     if result_path.exists():
-        print(f"[{name}] reusing {result_path}", flush=True)
-        return json.loads(result_path.read_text())
+        result = json.loads(result_path.read_text())
+        if result.get("epochs") == base["train"]["epochs"]:
+            print(f"[{name}] reusing {result_path}", flush=True)
+            return result
+        print(f"[{name}] {result_path} was trained for other epochs: training again", flush=True)
     config = copy.deepcopy(base)
     config["train"]["drafter"] = variant_options(name)
     config["train"]["seed"] = seed
@@ -112,6 +119,7 @@ def run_variant(base: dict, name: str, seed: int, out: Path) -> dict:
         "variant": name,
         "seed": seed,
         "drafter": config["train"]["drafter"],
+        "epochs": config["train"]["epochs"],
         "steps": summary["steps"],
         "final_loss": summary["final_loss"],
         "train_seconds": round(train_s, 1),
@@ -149,12 +157,15 @@ def main() -> None:
     parser.add_argument("--run-dir", required=True, help="a finished pipeline run directory")
     parser.add_argument("--variants", default=DEFAULT_VARIANTS)
     parser.add_argument("--seeds", help="comma-separated train.seed values (default: the run's)")
+    parser.add_argument("--epochs", type=int, help="train.epochs for every variant")
     parser.add_argument("--out", help="results directory (default: <run-dir>/variants)")
     args = parser.parse_args()
     run_dir = Path(args.run_dir).resolve()
     out = Path(args.out).resolve() if args.out else run_dir / "variants"
     os.chdir(run_dir)  # the stages read the run's planned shards relative to it
     base = config_from_arg(str(RESOLVED_CONFIG))
+    if args.epochs is not None:
+        base["train"]["epochs"] = args.epochs
     names = [n for n in args.variants.split(",") if n]
     for name in names:
         variant_options(name)  # an unknown name stops before any training
