@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from . import config as cfg
+from .drafter.variants import MLA_DIMS, drafter_options
 from .errors import PipelineError
 from .fingerprint import (
     hash_json,
@@ -151,6 +152,29 @@ class ValidateSettings(Section):
 
 
 @dataclass(frozen=True)
+class MLASettings(Section):
+    """The MLA draft layer's dimensions; None takes the target's (drafter/variants.py)."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int | None
+    qk_nope_head_dim: int | None
+    qk_rope_head_dim: int | None
+    v_head_dim: int | None
+
+
+@dataclass(frozen=True)
+class DrafterSettings(Section):
+    """The drafter variant (`train.drafter`, drafter/variants.py)."""
+
+    layer: str
+    fc_norm: bool
+    norm_before_fc: bool
+    norm_output: bool
+    norm_before_residual: bool
+    mla: MLASettings
+
+
+@dataclass(frozen=True)
 class TrainSettings(Section):
     draft_vocab_size: int
     ttt_length: int
@@ -166,6 +190,7 @@ class TrainSettings(Section):
     seed: int
     precision: str
     device: str
+    drafter: DrafterSettings
 
 
 @dataclass(frozen=True)
@@ -307,6 +332,10 @@ def resolve(config: dict) -> RunSpec:
     server = dict(config["server"])
     server["sglang"] = _build(SGLangSettings, server["sglang"])
     ids = config.get("aux_layer_ids")
+    train = dict(config["train"])
+    drafter = drafter_options(train["drafter"])  # its defaults, and options that contradict
+    drafter["mla"] = _build(MLASettings, {k: drafter["mla"].get(k) for k in MLA_DIMS})
+    train["drafter"] = _build(DrafterSettings, drafter)
     return RunSpec(
         model=TargetModel(
             directory=Path(path) if path else cfg.TOY_MODEL_DIR,
@@ -320,7 +349,7 @@ def resolve(config: dict) -> RunSpec:
         server=_build(ServerSettings, server),
         extract=_build(ExtractSettings, config["extract"]),
         validate=_build(ValidateSettings, config["validate"]),
-        train=_build(TrainSettings, config["train"]),
+        train=_build(TrainSettings, train),
         evaluate=_build(EvaluateSettings, config["evaluate"]),
         export=_build(ExportSettings, config["export"]),
         resolved_json=json.dumps(config, sort_keys=True),

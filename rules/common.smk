@@ -5,6 +5,7 @@ import eaglepipe.workflow as workflow_lib
 from eaglepipe.config import RESOLVED_CONFIG
 from eaglepipe.run import resolve_at_workflow_start
 from eaglepipe.drafter.live import live_export_engine
+from eaglepipe.drafter.variants import check_export_support
 from eaglepipe.errors import one_line_errors
 from snakemake.utils import validate
 
@@ -16,6 +17,8 @@ with one_line_errors():
     # defaults. RUN is the run description every rule's wiring reads (eaglepipe/run.py).
     RUN = resolve_at_workflow_start(config)
     validate(config, schema="../schemas/config.schema.yaml")
+    # A drafter variant an exported engine cannot load is refused before anything runs.
+    check_export_support(RUN.train.drafter.as_dict(), RUN.export.engines)
     SHARDS = workflow_lib.shards(RUN)
     MODEL_CONFIG = workflow_lib.model_config_file(RUN)
     workflow_lib.write_stamps(RUN)

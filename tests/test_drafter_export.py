@@ -25,6 +25,7 @@ from transformers import DeepseekV3Config, LlamaConfig
 
 from eaglepipe.atomic import atomic_write_bytes
 from eaglepipe.config import load_config
+from eaglepipe.drafter import engine_load as el
 from eaglepipe.drafter import export as ex
 from eaglepipe.drafter.model import DrafterConfig, Eagle3Drafter
 from eaglepipe.drafter.vocab import choose_draft_vocab, save_vocab
@@ -164,8 +165,8 @@ def deepseek_config(num_layers=8) -> dict:
 def test_name_tables_match_the_sglang_source(sglang_root):
     tree = parse(sglang_root / "srt" / "models" / "llama_eagle3.py")
     load = find_function(tree, "LlamaForCausalLMEagle3", "load_weights")
-    assert assigned_literal(load, "stacked_params_mapping") == ex.SGLANG_STACKED_PARAMS
-    assert assigned_literal(load, "legacy_name_map") == ex.SGLANG_LEGACY_NAMES
+    assert assigned_literal(load, "stacked_params_mapping") == el.SGLANG_STACKED_PARAMS
+    assert assigned_literal(load, "legacy_name_map") == el.SGLANG_LEGACY_NAMES
     # d2t becomes hot_token_id (d2t + arange) and t2d is skipped: both are name tests there.
     strings = {n.value for n in ast.walk(load) if isinstance(n, ast.Constant)}
     assert {"d2t", "t2d"} <= strings
@@ -182,7 +183,7 @@ def test_exported_keys_and_shapes_load_into_sglang_parameters(tmp_path, sglang_r
     # Every segment of every parameter name is an attribute SGLang's modules define.
     attributes = self_attributes(parse(sglang_root / "srt" / "models" / "llama_eagle3.py"))
     attributes |= self_attributes(parse(sglang_root / "srt" / "models" / "llama.py"))
-    shapes = ex.sglang_param_shapes(config)
+    shapes = el.engine_param_shapes("sglang", config)
     for name in shapes:
         for segment in name.split(".")[:-1]:
             assert segment.isdigit() or segment in attributes, (name, segment)
@@ -193,9 +194,9 @@ def test_exported_keys_and_shapes_load_into_sglang_parameters(tmp_path, sglang_r
         assert not any("embed" in k for k in keys)
         loaded: dict[str, list] = {}
         for key in keys:
-            param, shard = ex.sglang_param_name(key, set(shapes))
+            param, shard = el.engine_param_name("sglang", "llama", key, set(shapes))
             if key in ("d2t", "t2d"):
-                assert param is None
+                assert param in (el.D2T, el.SKIP)
                 continue
             assert param in shapes, f"{key} is dropped by SGLang's loader"
             loaded.setdefault(param, []).append(f.get_tensor(key))
@@ -207,17 +208,18 @@ def test_exported_keys_and_shapes_load_into_sglang_parameters(tmp_path, sglang_r
 
 def test_exported_keys_match_what_vllm_loads(tmp_path):
     export_dir = tiny_export(tmp_path, llama_config(), [1, 3, 4])
+    config = json.loads((export_dir / "vllm" / "config.json").read_text())
+    params = set(el.engine_param_shapes("vllm", config)) - {"model.embed_tokens.weight"}
     with safe_open(str(export_dir / "vllm" / "model.safetensors"), framework="pt") as f:
         keys = set(f.keys())
-    mapped = {ex.vllm_param_name(k)[0] for k in keys} - {None}
-    assert mapped <= ex.VLLM_PARAM_NAMES
-    assert mapped == ex.VLLM_PARAM_NAMES
+    mapped = {el.engine_param_name("vllm", "llama", k, params)[0] for k in keys}
+    assert mapped - {el.D2T, el.SKIP} == params
 
 
 def test_sglang_mapping_round_trip_reproduces_the_drafter(tmp_path):
     export_dir = tiny_export(tmp_path, llama_config(), [1, 3, 4])
-    config, params = ex.load_like_sglang(export_dir / "sglang")
-    rebuilt = ex.drafter_from_sglang_params(config, params)
+    config, params = el.load_like_engine(export_dir / "sglang")
+    rebuilt = el.drafter_from_engine_params(config, params)
     with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
         for key in f.keys():
             original = f.get_tensor(key)
@@ -404,7 +406,7 @@ def test_rope_base_and_scaling_reach_the_drafter_and_its_export(
         assert config["rope_parameters"] == {"rope_theta": theta, **drafter.rope_scaling}
         # What serving computes from the export is what the drafter trained with.
         want_cos, want_sin = engine_cos_sin(config, positions)
-        rebuilt = ex.drafter_from_sglang_params(*ex.load_like_sglang(export_dir / "sglang"))
+        rebuilt = el.load_exported_drafter(export_dir / "sglang")
         trained = Eagle3Drafter(drafter)
         for model in (trained, rebuilt):
             cos, sin = model.midlayer.self_attn.rotary.cos_sin(positions)
@@ -418,7 +420,7 @@ def test_a_plain_target_exports_plain_rope(tmp_path):
     assert config["rope_scaling"] is None
     assert config["rope_parameters"] == {"rope_theta": 10000.0, "rope_type": "default"}
     want_cos, _ = engine_cos_sin(config, torch.arange(500)[None])
-    rebuilt = ex.drafter_from_sglang_params(*ex.load_like_sglang(export_dir / "sglang"))
+    rebuilt = el.load_exported_drafter(export_dir / "sglang")
     cos, _ = rebuilt.midlayer.self_attn.rotary.cos_sin(torch.arange(500)[None])
     torch.testing.assert_close(cos, want_cos, rtol=0, atol=1e-5)
 

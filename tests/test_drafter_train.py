@@ -212,3 +212,42 @@ def test_killed_training_resumes_to_the_same_step_count(pipeline, tmp_path):
     assert [r["step"] for r in log] == list(range(1, full_steps + 1))
     assert f"from step {checkpoint_step}" in resumed.stdout
     assert (tmp_path / "model.safetensors").exists()
+
+
+def test_a_changed_drafter_variant_never_resumes_another_variants_checkpoint(
+    pipeline, tmp_path, capsys
+):
+    """Checkpoints belong to one variant: the run key holds the whole `train` section."""
+    from eaglepipe.drafter.train import train
+    from eaglepipe.workflow import planned_manifests, planned_validations
+
+    config = json.loads(json.dumps(config_from_arg(pipeline["config"])))
+    config["train"]["checkpoint_every"] = 2
+    paths = dict(
+        vocab_path=str(pipeline["vocab"]),
+        table_path=pipeline["table"],
+        out_path=str(tmp_path / "model.safetensors"),
+        log_path=str(tmp_path / "train_log.jsonl"),
+        checkpoint_dir=str(tmp_path / "checkpoints"),
+    )
+    cwd = os.getcwd()
+    os.chdir(pipeline["root"])  # the planned shards are relative to the run directory
+    try:
+        run = resolve(config)
+        inputs = dict(manifests=planned_manifests(run), validated=planned_validations(run))
+        train(run, **paths, **inputs, stop_after_steps=2)
+        plain = list((tmp_path / "checkpoints").glob("step-*.pt"))
+        assert [p.name for p in plain] == ["step-00000002.pt"]
+        capsys.readouterr()
+
+        config["train"]["drafter"]["norm_output"] = True
+        summary = train(resolve(config), **paths, **inputs, stop_after_steps=2)
+        out = capsys.readouterr().out
+        assert summary["resumed_from"] == 0
+        assert "was made from other inputs or settings; removing it" in out
+        assert "resuming" not in out
+        # Its own checkpoint (step 2 of the norm_output run) is resumed by the same variant.
+        summary = train(resolve(config), **paths, **inputs, stop_after_steps=3)
+        assert summary["resumed_from"] == 2
+    finally:
+        os.chdir(cwd)

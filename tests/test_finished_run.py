@@ -116,6 +116,7 @@ def test_a_failed_training_is_rerun_with_everything_after_it(run):
         ("validate.seed", 7, {"validate": 4, "train": 1}, {"extract", "vocab"}),
         ("train.draft_vocab_size", 200, {"vocab": 1, "train": 1}, {"extract", "validate"}),
         ("train.lr", 0.002, {"train": 1}, {"extract", "validate", "vocab"}),
+        ("train.drafter", {"norm_output": True}, {"train": 1}, {"extract", "validate", "vocab"}),
         ("evaluate.max_rows", 3, {"evaluate": 1, "live_acceptance": 1}, {"train", "export"}),
         ("export.engines", ["sglang"], {"export": 1, "live_acceptance": 1}, {"train", "evaluate"}),
         ("evaluate.live_new_tokens", 6, {"live_acceptance": 1}, {"train", "evaluate", "export"}),
@@ -198,3 +199,30 @@ def test_status_output_into_a_closed_pipe_is_not_an_error(finished):
     )
     assert result.stdout == "done\n"
     assert "BrokenPipeError" not in result.stderr and "Traceback" not in result.stderr
+
+
+def test_the_drafter_variants_benchmark_retrains_on_the_runs_own_shards(run, tmp_path):
+    """Same shards, vocabulary, seed and steps per variant: the plain variant is the run's own
+    drafter again, and each variant is evaluated, exported and checked live."""
+    out = tmp_path / "variants"
+    argv = [
+        sys.executable, "-u", str(Path(__file__).parent.parent / "benchmarks" /
+        "bench_drafter_variants.py"), "--run-dir", str(run), "--out", str(out),
+        "--variants", "plain,fc_norm+norm_output",
+    ]  # fmt: skip
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    plain, both = json.loads((out / "summary.json").read_text())["results"]
+    own = json.loads((run / "drafter" / "eval.json").read_text())
+    assert plain["offline_acceptance_length"] == pytest.approx(own["acceptance_length"], abs=1e-9)
+    assert plain["steps"] == both["steps"] > 0
+    assert both["drafter"]["fc_norm"] is True and both["drafter"]["norm_output"] is True
+    exported = json.loads((out / "fc_norm+norm_output/export/sglang/config.json").read_text())
+    assert exported["fc_norm"] is True and exported["norm_output"] is True
+    for result in (plain, both):
+        assert result["live_prompts"] == result["outputs_match_greedy"] == 2
+        assert result["live_acceptance_length"] >= 1.0
+    assert "| fc_norm+norm_output |" in proc.stdout
+    # A second call reads the finished variants back instead of training them again.
+    again = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "training drafter" not in again.stdout

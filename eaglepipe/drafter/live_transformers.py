@@ -1,9 +1,9 @@
 """Live acceptance in transformers (server.engine reference): target and exported drafter.
 
 The drafter is read from the *exported* directory through the name mapping of the engine it
-was exported for (`load_exported_drafter`: SGLang's or vLLM's), and the target's aux layers are
-the ones that engine would capture given the exported ids and the target's family. Then, per
-prompt, greedy chain drafting:
+was exported for (`engine_load.load_exported_drafter`: SGLang's or vLLM's, for either draft
+layer), and the target's aux layers are the ones that engine would capture given the exported
+ids and the target's family. Then, per prompt, greedy chain drafting:
 
     committed tokens S (n of them), pending token x (the target's greedy next token)
     draft: step 0 over S with inputs S[1:] + [x] and fc(aux of S); its last position gives d1;
@@ -18,11 +18,9 @@ target. The whole target is loaded on one device: this harness is for targets th
 from __future__ import annotations
 
 import torch
-from safetensors import safe_open
 
-from ..errors import PipelineError
 from ..run import RunSpec
-from .export import VLLM_PARAM_NAMES, drafter_from_sglang_params, load_like_sglang, vllm_param_name
+from .engine_load import load_exported_drafter
 from .live import ExportInfo, PromptRun
 from .model import Eagle3Drafter
 
@@ -106,45 +104,6 @@ def speculative_decode(
         pending = int(greedy[n + accepted])
         aux = aux_all[: len(committed)]
     return produced[:new_tokens], rounds
-
-
-def load_like_vllm(export_dir) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Read a vLLM export the way vLLM's Eagle3LlamaForCausalLM.load_weights does, into the
-    parameter names `drafter_from_sglang_params` takes (vLLM's layer names equal SGLang's;
-    d2t becomes SGLang's hot_token_id = d2t + arange)."""
-    info = ExportInfo.read(export_dir)
-    shards: dict[str, dict] = {}
-    params: dict[str, torch.Tensor] = {}
-    with safe_open(str(info.directory / "model.safetensors"), framework="pt") as f:
-        for key in f.keys():
-            name, shard = vllm_param_name(key)
-            if shard == "skip":
-                continue
-            if name not in VLLM_PARAM_NAMES:
-                raise PipelineError(f"{export_dir}: vLLM would find no parameter for {key}")
-            tensor = f.get_tensor(key)
-            if name == "draft_id_to_target_id":
-                params["hot_token_id"] = tensor + torch.arange(tensor.shape[0])
-            elif shard is None:
-                params[name] = tensor
-            else:
-                shards.setdefault(name, {})[shard] = tensor
-    for name, parts in shards.items():
-        order = ["q", "k", "v"] if "qkv_proj" in name else [0, 1]
-        missing = [s for s in order if s not in parts]
-        if missing:
-            raise PipelineError(f"{export_dir}: {name} lacks shard(s) {missing}")
-        params[name] = torch.cat([parts[s] for s in order], dim=0)
-    return info.exported, params
-
-
-def load_exported_drafter(export: ExportInfo) -> Eagle3Drafter:
-    """The drafter as its export's engine would load it (embed_tokens left for the caller)."""
-    if export.engine == "sglang":
-        config, params = load_like_sglang(export.directory)
-    else:
-        config, params = load_like_vllm(export.directory)
-    return drafter_from_sglang_params(config, params)
 
 
 def run_transformers(

@@ -1,9 +1,9 @@
-"""The EAGLE-3 drafter: one Llama decoder layer on top of the target's fused hidden states.
+"""The EAGLE-3 drafter: one decoder layer on top of the target's fused hidden states.
 
 Shapes (H = target hidden size, V = target vocab, Vd = draft vocab):
 
     aux hidden states [.., 3H] --fc--> h [.., H]
-    x = concat(input_layernorm(embed(token)), hidden_norm(h))      [.., 2H]  (q/k/v input)
+    x = concat(input_layernorm(embed(token)), hidden_norm(h))      [.., 2H]  (attention input)
     h' = h + o_proj(attention(x)); h'' = h' + mlp(post_attention_layernorm(h'))
     logits = lm_head(norm(h''))                                     [.., Vd]
 
@@ -11,6 +11,16 @@ Shapes (H = target hidden size, V = target vocab, Vd = draft vocab):
 SGLang's and vLLM's `llama_eagle3.py` carry between draft steps. Parameter names equal the
 exported checkpoint's (`midlayer.*`, `fc`, `norm`, `lm_head`), except `embed_tokens`, which is
 the target's own table, frozen and never exported (the engines share the target's).
+
+Variants (`train.drafter`, variants.py), each a line or two below:
+
+- the attention is Llama's (`DraftAttention`: q/k/v/o, grouped KV heads) or DeepSeek-V2's
+  multi-latent attention (`MLAAttention`, layer `mla`: low-rank q, a shared compressed KV
+  latent plus one RoPE key, interleaved RoPE, DeepSeek's YaRN softmax scale), computed in its
+  plain form; the engines compute the same thing with absorbed weights;
+- `fc_norm`: fc(concat(norm_i(aux_i))); `norm_before_fc`: fc(input_norm(aux));
+- `norm_output`: the next step receives norm(h''), not h'';
+- `norm_before_residual`: the residual is hidden_norm(h), not h.
 
 RoPE takes the target's base and scaling (`target_rope`); the frequencies come from
 transformers' own RoPE functions, which the engines' rotary embeddings for these types match,
@@ -33,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import PipelineError
+from .variants import MLA_DIMS, NORM_FLAGS, default_options, drafter_options
 
 # RoPE types the drafter carries from the target, with the scaling keys SGLang, vLLM and
 # transformers all read alike (`attention_factor` is transformers-only, `attn_factor`
@@ -105,22 +116,39 @@ class DrafterConfig:
     rope_scaling: dict | None = None  # {"rope_type": ..., its keys} or None (see target_rope)
     max_position_embeddings: int = 4096
     num_aux_hidden_states: int = 3
+    # The variant (variants.py): the draft layer and the EAGLE-3.1 norm flags.
+    layer: str = "llama"
+    fc_norm: bool = False
+    norm_before_fc: bool = False
+    norm_output: bool = False
+    norm_before_residual: bool = False
+    # Layer `mla` only.
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
 
     @classmethod
-    def from_target(cls, target_config: dict, draft_vocab_size: int) -> DrafterConfig:
-        """Llama-layer sizes shaped like the target (its text config for multimodal wrappers).
+    def from_target(
+        cls, target_config: dict, draft_vocab_size: int, options: dict | None = None
+    ) -> DrafterConfig:
+        """Sizes shaped like the target (its text config for multimodal wrappers), in the
+        variant `options` (`variants.drafter_options`; the plain Llama layer when None).
 
-        MLA targets (DeepSeek family) have no plain head_dim/num_key_value_heads: the drafter
-        is a Llama layer, so it uses hidden_size / num_attention_heads and full KV heads.
+        A Llama layer for an MLA target (DeepSeek family: no plain head_dim or
+        num_key_value_heads) uses hidden_size / num_attention_heads and full KV heads. An MLA
+        layer takes the target's MLA dimensions unless `options["mla"]` sets them.
         """
+        options = options or default_options()
         text = target_config.get("text_config") or target_config
         hidden = int(text["hidden_size"])
         heads = int(text["num_attention_heads"])
-        is_mla = "kv_lora_rank" in text
+        is_mla = text.get("kv_lora_rank") is not None
         kv_heads = heads if is_mla else int(text.get("num_key_value_heads") or heads)
         head_dim = (hidden // heads) if is_mla else int(text.get("head_dim") or hidden // heads)
         rope_theta, rope_scaling = target_rope(text)
-        return cls(
+        config = cls(
             hidden_size=hidden,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
@@ -132,7 +160,35 @@ class DrafterConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=int(text.get("max_position_embeddings", 4096)),
+            layer=options["layer"],
+            **{flag: bool(options[flag]) for flag in NORM_FLAGS},
         )
+        if config.layer == "mla":
+            if not is_mla:
+                raise PipelineError(
+                    "train.drafter.layer is mla, but the target has no multi-latent attention "
+                    "(no kv_lora_rank in its config): use layer llama"
+                )
+            given = options.get("mla") or {}
+            dims = {k: given[k] if given.get(k) is not None else text.get(k) for k in MLA_DIMS}
+            missing = [k for k, v in dims.items() if v is None]
+            if missing:
+                raise PipelineError(
+                    f"train.drafter.layer mla: the target's config has no {', '.join(missing)} "
+                    "(the engines' EAGLE-3 MLA layer needs a low-rank query): set "
+                    + ", ".join(f"train.drafter.mla.{k}" for k in missing)
+                )
+            if rope_scaling is not None and rope_scaling["rope_type"] != "yarn":
+                raise PipelineError(
+                    f"target config: {rope_scaling['rope_type']} RoPE scaling with "
+                    "train.drafter.layer mla: the engines' MLA layer reads any scaling as "
+                    "DeepSeek YaRN; only default and yarn RoPE are supported"
+                )
+            config.num_key_value_heads = heads
+            config.head_dim = int(dims["qk_nope_head_dim"]) + int(dims["qk_rope_head_dim"])
+            for key, value in dims.items():
+                setattr(config, key, int(value))
+        return config
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -160,9 +216,15 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def rope_frequencies(config: DrafterConfig) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies [head_dim/2] and the cos/sin scale of the drafter's RoPE."""
-    dim = config.head_dim
+def drafter_config(run, draft_vocab_size: int) -> DrafterConfig:
+    """The drafter of a run (a run.RunSpec): `train.drafter` and the target's config, the one
+    place both meet."""
+    options = drafter_options(run.train.drafter.as_dict())
+    return DrafterConfig.from_target(run.model.config, draft_vocab_size, options)
+
+
+def rope_frequencies(config: DrafterConfig, dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [dim/2] and the cos/sin scale of a RoPE over `dim` channels."""
     if config.rope_scaling is None:
         exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
         return 1.0 / config.rope_theta**exponents, 1.0
@@ -183,12 +245,13 @@ def rope_frequencies(config: DrafterConfig) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding(nn.Module):
-    """Llama (non-interleaved) rotary embedding with the target's base and scaling."""
+    """Llama (non-interleaved) rotary embedding over `dim` channels, the target's base and
+    scaling."""
 
-    def __init__(self, config: DrafterConfig):
+    def __init__(self, config: DrafterConfig, dim: int):
         super().__init__()
         # A plain attribute, not a buffer: never saved, never cast to bf16 with the module.
-        self.inv_freq, self.scale = rope_frequencies(config)
+        self.inv_freq, self.scale = rope_frequencies(config, dim)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [B, L, head_dim] for positions [B, L]."""
@@ -214,14 +277,36 @@ def ttt_attention_mask(seq_len: int, step: int, device=None) -> torch.Tensor:
     return torch.cat([causal] + [own] * step, dim=1)
 
 
+def ttt_attend(q, k, v, kv_cache: list, scale: float | None = None) -> torch.Tensor:
+    """Attention of this step's queries [B, heads, L, D] over every step's keys so far.
+
+    Appends this step's (k, v) to `kv_cache` (one entry per TTT step); KV heads fewer than the
+    query heads are repeated (grouped-query attention). Returns [B, L, heads * Dv].
+    """
+    kv_cache.append((k, v))
+    step = len(kv_cache) - 1
+    keys = torch.cat([kk for kk, _ in kv_cache], dim=2)
+    values = torch.cat([vv for _, vv in kv_cache], dim=2)
+    repeat = q.shape[1] // keys.shape[1]
+    if repeat > 1:
+        keys = keys.repeat_interleave(repeat, dim=1)
+        values = values.repeat_interleave(repeat, dim=1)
+    b, _, length, _ = q.shape
+    mask = ttt_attention_mask(length, step, device=q.device)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    return out.transpose(1, 2).reshape(b, length, -1)
+
+
 class DraftAttention(nn.Module):
+    """Llama attention over the 2H draft input."""
+
     def __init__(self, config: DrafterConfig):
         super().__init__()
         c = config
         self.num_heads = c.num_attention_heads
         self.num_kv_heads = c.num_key_value_heads
         self.head_dim = c.head_dim
-        self.rotary = RotaryEmbedding(c)
+        self.rotary = RotaryEmbedding(c, c.head_dim)
         self.q_proj = nn.Linear(2 * c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
         self.k_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
         self.v_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
@@ -240,17 +325,65 @@ class DraftAttention(nn.Module):
         v = self.v_proj(x).view(b, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q = self.rotary(q, positions)
         k = self.rotary(k, positions)
-        kv_cache.append((k, v))
-        step = len(kv_cache) - 1
-        keys = torch.cat([kk for kk, _ in kv_cache], dim=2)
-        values = torch.cat([vv for _, vv in kv_cache], dim=2)
-        repeat = self.num_heads // self.num_kv_heads
-        if repeat > 1:
-            keys = keys.repeat_interleave(repeat, dim=1)
-            values = values.repeat_interleave(repeat, dim=1)
-        mask = ttt_attention_mask(length, step, device=x.device)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-        return self.o_proj(out.transpose(1, 2).reshape(b, length, -1))
+        return self.o_proj(ttt_attend(q, k, v, kv_cache))
+
+
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """Channels (x0, x1, x2, x3, ..) as (x0, x2, .., x1, x3, ..): rotating these in halves is
+    rotating the pairs (x0, x1), (x2, x3), .. (interleaved RoPE), for any query-key product."""
+    return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+
+
+def mla_softmax_scale(config: DrafterConfig) -> float:
+    """1/sqrt(q/k head dim), times DeepSeek's YaRN mscale(factor, mscale_all_dim) squared."""
+    scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+    scaling = config.rope_scaling or {}
+    mscale_all_dim = float(scaling.get("mscale_all_dim") or 0.0)
+    factor = float(scaling.get("factor") or 1.0)
+    if mscale_all_dim and factor > 1.0:
+        scale *= (0.1 * mscale_all_dim * math.log(factor) + 1.0) ** 2
+    return scale
+
+
+class MLAAttention(nn.Module):
+    """DeepSeek-V2 multi-latent attention over the 2H draft input (layer `mla`).
+
+    q = q_b(norm(q_a(x))) per head as [nope | rope]; one compressed latent c and one RoPE key
+    k_pe per position from kv_a(x); per head [k_nope | v] = kv_b(norm(c)); k = [k_nope | k_pe].
+    RoPE is interleaved, as both engines apply it to MLA layers.
+    """
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        c = config
+        self.num_heads = c.num_attention_heads
+        self.dims = (c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank)
+        nope, rope, v_dim, kv_rank = self.dims
+        self.rotary = RotaryEmbedding(c, rope)
+        self.scale = mla_softmax_scale(c)
+        self.q_a_proj = nn.Linear(2 * c.hidden_size, c.q_lora_rank, bias=False)
+        self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
+        self.q_b_proj = nn.Linear(c.q_lora_rank, self.num_heads * (nope + rope), bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(2 * c.hidden_size, kv_rank + rope, bias=False)
+        self.kv_a_layernorm = RMSNorm(kv_rank, c.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(kv_rank, self.num_heads * (nope + v_dim), bias=False)
+        self.o_proj = nn.Linear(self.num_heads * v_dim, c.hidden_size, bias=False)
+
+    def forward(self, x, positions, kv_cache):
+        """x [B, L, 2H]; appends this step's (k, v) to `kv_cache` (one entry per TTT step)."""
+        b, length, _ = x.shape
+        nope, rope, v_dim, kv_rank = self.dims
+        heads = (b, length, self.num_heads, -1)
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(heads).transpose(1, 2)
+        q_nope, q_pe = q.split([nope, rope], dim=-1)
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([kv_rank, rope], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(heads).transpose(1, 2)
+        k_nope, v = kv.split([nope, v_dim], dim=-1)
+        q_pe = self.rotary(deinterleave(q_pe), positions)
+        k_pe = self.rotary(deinterleave(k_pe[:, None]), positions)
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        k = torch.cat([k_nope, k_pe.expand(-1, self.num_heads, -1, -1)], dim=-1)
+        return self.o_proj(ttt_attend(q, k, v, kv_cache, self.scale))
 
 
 class DraftMLP(nn.Module):
@@ -269,13 +402,16 @@ class DraftDecoderLayer(nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = DraftAttention(config)
+        self.self_attn = MLAAttention(config) if config.layer == "mla" else DraftAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = DraftMLP(config)
+        self.norm_before_residual = config.norm_before_residual
 
     def forward(self, embeds, hidden, positions, kv_cache):
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        hidden = hidden + self.self_attn(x, positions, kv_cache)
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
+        hidden = residual + self.self_attn(x, positions, kv_cache)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -286,7 +422,14 @@ class Eagle3Drafter(nn.Module):
         self.config = c
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        self.fc = nn.Linear(c.num_aux_hidden_states * c.hidden_size, c.hidden_size, bias=False)
+        aux_size = c.num_aux_hidden_states * c.hidden_size
+        self.fc = nn.Linear(aux_size, c.hidden_size, bias=False)
+        if c.fc_norm:  # one norm per aux layer, as engines name them: fc_norm.{0,1,2}
+            self.fc_norm = nn.ModuleList(
+                RMSNorm(c.hidden_size, c.rms_norm_eps) for _ in range(c.num_aux_hidden_states)
+            )
+        if c.norm_before_fc:
+            self.input_norm = RMSNorm(aux_size, c.rms_norm_eps)
         self.midlayer = DraftDecoderLayer(c)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
@@ -309,7 +452,14 @@ class Eagle3Drafter(nn.Module):
         return draft_ids + self.d2t[draft_ids]
 
     def project(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.fc(aux_hidden_states)
+        """fc over the concatenated aux states [.., 3H], normalised first if the variant says so."""
+        aux = aux_hidden_states
+        if self.config.norm_before_fc:
+            aux = self.input_norm(aux)
+        if self.config.fc_norm:
+            parts = aux.chunk(self.config.num_aux_hidden_states, dim=-1)
+            aux = torch.cat([norm(p) for norm, p in zip(self.fc_norm, parts, strict=True)], -1)
+        return self.fc(aux)
 
     def step(
         self,
@@ -318,10 +468,14 @@ class Eagle3Drafter(nn.Module):
         positions: torch.Tensor,
         kv_cache: list,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One draft step over [B, L] tokens: (next hidden [B, L, H], logits [B, L, Vd])."""
+        """One draft step over [B, L] tokens: (next hidden [B, L, H], logits [B, L, Vd]).
+
+        The next hidden is the layer's pre-norm output, or its normed one with `norm_output`.
+        """
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         hidden = self.midlayer(embeds, hidden, positions, kv_cache)
-        return hidden, self.lm_head(self.norm(hidden))
+        normed = self.norm(hidden)
+        return (normed if self.config.norm_output else hidden), self.lm_head(normed)
 
     def forward(
         self,

@@ -30,8 +30,9 @@ from ..run import RunSpec, TrainSettings
 from .chunks import Chunk, check_chunks, damage_error, list_chunks
 from .data import BatchStream, index_rows, plan_batches, split_row_ids
 from .loss import ttt_loss
-from .model import DrafterConfig, Eagle3Drafter
+from .model import Eagle3Drafter, drafter_config
 from .target_head import load_target_head
+from .variants import check_export_support
 from .vocab import load_vocab
 
 CHECKPOINT_RE = re.compile(r"step-(\d{8})\.pt$")
@@ -129,9 +130,8 @@ def lr_at(step: int, total_steps: int, peak: float, warmup: int) -> float:
 
 
 def build_drafter(run: RunSpec, vocab, target_head, seed: int) -> Eagle3Drafter:
-    drafter_config = DrafterConfig.from_target(run.model.config, vocab.size)
     torch.manual_seed(seed)
-    model = Eagle3Drafter(drafter_config)
+    model = Eagle3Drafter(drafter_config(run, vocab.size))
     with torch.no_grad():
         model.embed_tokens.weight.copy_(target_head.embed_tokens.float())
         model.d2t.copy_(vocab.d2t)
@@ -272,6 +272,9 @@ def train(
             print(message, flush=True)
 
     vocab = load_vocab(vocab_path)
+    # The variant's mistakes end the run before any data is read, not hours later at export.
+    drafter_config(run, vocab.size)
+    check_export_support(run.train.drafter.as_dict(), run.export.engines)
     head = load_target_head(run.model.directory)
     train_ids = split_row_ids(table_path, "train")
     chunks, facts = list_chunks(manifests, train_ids)

@@ -1,0 +1,103 @@
+"""Drafter variants: the `train.drafter` options and which engine loads which of them.
+
+The draft layer (`layer`) is `llama` (the original EAGLE-3 layout) or `mla` (the same layout
+with DeepSeek-V2 multi-latent attention, for targets with MLA attention: DeepSeek-V3,
+Kimi-K2.5). Four flags change where the layer normalises (EAGLE-3.1 and speculators):
+
+    fc_norm               an RMSNorm per aux layer before `fc`    (weights fc_norm.{0,1,2})
+    norm_before_fc        one RMSNorm over the concatenated aux states before `fc` (input_norm)
+    norm_output           the next draft step receives the post-norm hidden state, not pre-norm
+    norm_before_residual  the layer's residual is the hidden state after `hidden_norm`
+
+`fc_norm` and `norm_before_fc` exclude each other (speculators refuses both at once; the
+engines that read both would apply both).
+
+`ENGINE_OPTIONS` says which options each engine's draft class loads, for each layer. An export
+for an engine that would not load an option (it would drop the weights or ignore the flag
+without a word) is refused, naming engine and option; the workflow checks it when it parses
+the config, so no training runs for an export that cannot be served. Sources:
+
+- SGLang, both ends of the supported range (patch/sglang.toml, 0.5.14 and 0.5.23):
+  `LlamaForCausalLMEagle3` (models/llama_eagle3.py) reads `fc_norm` (or the legacy
+  `use_aux_norm`) and `norm_output`; only 0.5.23 reads `norm_before_fc`, so the range does not
+  load it. `Eagle3DeepseekV2ForCausalLM` (models/kimi_k25_eagle3.py) reads `fc_norm` and
+  `norm_output`. Neither reads `norm_before_residual`. tests/test_drafter_variants.py checks
+  this table against both ends' source.
+- vLLM 0.33.0 (its wheel, models/llama_eagle3.py and models/deepseek_eagle3.py):
+  `Eagle3LlamaForCausalLM` reads all four; `Eagle3DeepseekV2ForCausalLM` all but
+  `norm_before_fc`.
+
+This module stays free of torch: the Snakefile calls `check_export_support` at parse time.
+"""
+
+from __future__ import annotations
+
+from ..errors import PipelineError
+
+LAYERS = ("llama", "mla")
+NORM_FLAGS = ("fc_norm", "norm_before_fc", "norm_output", "norm_before_residual")
+# The MLA layer's dimensions; each defaults to the target's own value.
+MLA_DIMS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+# The exported `architectures` entry per layer (both engines register these names).
+ARCHITECTURES = {"llama": "LlamaForCausalLMEagle3", "mla": "Eagle3DeepseekV2ForCausalLM"}
+
+ENGINE_OPTIONS = {
+    ("sglang", "llama"): {"fc_norm", "norm_output"},
+    ("sglang", "mla"): {"fc_norm", "norm_output"},
+    ("vllm", "llama"): {"fc_norm", "norm_before_fc", "norm_output", "norm_before_residual"},
+    ("vllm", "mla"): {"fc_norm", "norm_output", "norm_before_residual"},
+}
+
+# Why an engine does not load an option, for the error message.
+_NOT_LOADED = {
+    ("sglang", "norm_before_fc"): (
+        "SGLang 0.5.14, the oldest release of the supported range, has no input_norm and drops "
+        "its weight (0.5.23 loads it; the MLA draft class loads it in neither)"
+    ),
+    ("sglang", "norm_before_residual"): (
+        "SGLang's draft layer always takes the residual before hidden_norm (0.5.14 to 0.5.23)"
+    ),
+    ("vllm", "norm_before_fc"): "vLLM's Eagle3DeepseekV2ForCausalLM has no input_norm (0.33.0)",
+}
+
+
+def default_options() -> dict:
+    return {"layer": "llama", **{flag: False for flag in NORM_FLAGS}, "mla": {}}
+
+
+def drafter_options(given: dict | None) -> dict:
+    """`train.drafter` (a dict, or DrafterSettings.as_dict()) with every default filled in and
+    the MLA dimensions left unset dropped; options that contradict each other are refused."""
+    given = given or {}
+    options = {**default_options(), **given}
+    options["mla"] = {k: v for k, v in (given.get("mla") or {}).items() if v is not None}
+    if options["fc_norm"] and options["norm_before_fc"]:
+        raise PipelineError(
+            "train.drafter: fc_norm and norm_before_fc exclude each other (a norm per aux "
+            "layer, or one over all three); set one"
+        )
+    if options["mla"] and options["layer"] != "mla":
+        raise PipelineError(
+            f"train.drafter.mla is set but train.drafter.layer is {options['layer']}: "
+            "the MLA dimensions apply to layer: mla only"
+        )
+    return options
+
+
+def unsupported_options(engine: str, options: dict) -> list[str]:
+    """The options set in `options` that `engine` does not load for that layer."""
+    loaded = ENGINE_OPTIONS[(engine, options["layer"])]
+    return [flag for flag in NORM_FLAGS if options[flag] and flag not in loaded]
+
+
+def check_export_support(options: dict, engines: list[str]) -> None:
+    """Refuse, in one line naming engine and option, an export an engine cannot load."""
+    for engine in engines:
+        for flag in unsupported_options(engine, options):
+            reason = _NOT_LOADED.get((engine, flag), f"{engine} does not read it")
+            raise PipelineError(
+                f"export.engines has {engine}, which cannot load a drafter with "
+                f"train.drafter.{flag} (layer {options['layer']}): {reason}; drop {engine} from "
+                f"export.engines or unset train.drafter.{flag}"
+            )
