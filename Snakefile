@@ -9,7 +9,14 @@ configfile: "config.yaml"
 
 
 include: "rules/common.smk"
-include: "rules/regenerate.smk"
+
+
+# Regeneration of the assistant turns by the target (dataset.regenerate), before prepare.
+if REGENERATE:
+
+    include: "rules/regenerate.smk"
+
+
 include: "rules/prepare.smk"
 include: "rules/extract.smk"
 include: "rules/validate.smk"

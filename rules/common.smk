@@ -20,7 +20,9 @@ with one_line_errors():
     MODEL_CONFIG = workflow_lib.model_config_file(RUN)
     workflow_lib.write_stamps(RUN)
     REGENERATE = RUN.dataset.regenerate.enabled
-    REGENERATION_IS_FRESH = workflow_lib.regeneration_freshness(RUN)
+    REGENERATION_IS_FRESH = (
+        workflow_lib.regeneration_freshness(RUN) if REGENERATE else None
+    )
     SHARD_IS_FRESH = workflow_lib.shard_freshness(RUN)
     PREPARE_IS_FRESH = workflow_lib.prepare_is_fresh(RUN)
     STALE_VALIDATIONS = workflow_lib.stale_validations(RUN, SHARDS)
