@@ -90,9 +90,14 @@ def validate_inputs(wildcards):
     shard = shard_name(wildcards)
     inputs = {"manifest": workflow_lib.manifest_path(shard)}
     if shard in STALE_VALIDATIONS:
-        # A stale report: a new stamp reruns it; the plain table input lets a rerun of prepare
-        # in the same run reach it (Snakemake skips jobs behind only ancient() inputs).
+        # A stale report: a new stamp reruns it.
         inputs["stamp"] = str(workflow_lib.validation_stamp(shard))
+    if shard in STALE_VALIDATIONS or not os.path.exists(
+        workflow_lib.validation_report_path(shard)
+    ):
+        # A report to (re)write gets the plain table input: when prepare reruns, Snakemake
+        # never looks at the jobs behind it that only ancient() inputs link, not even for a
+        # missing output, so without this edge the report would silently not be written.
         inputs["table"] = "prepared/tokenized.parquet"
     return inputs
 

@@ -43,16 +43,16 @@ JOB = textwrap.dedent(
     """
     import json, sys, time, urllib.request, uuid
     from pathlib import Path
-    from eaglepipe.config import config_from_arg
+    from eaglepipe.run import load_run
     from eaglepipe.server.lifecycle import server_lease
 
-    config, mode, out = config_from_arg(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+    run, mode, out = load_run(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
     if len(sys.argv) > 4:  # the light stand-in engine, for tests of the lifecycle mechanics
         from eaglepipe.server import lifecycle
         fake = sys.argv[4]
-        lifecycle.engine_command = lambda config, *, host, port, dump_dir, instance_id: (
+        lifecycle.engine_command = lambda run, *, host, port, dump_dir, instance_id: (
             [sys.executable, "-u", fake, host, str(port), instance_id], {})
-    with server_lease(resolve(config)) as handle:
+    with server_lease(run) as handle:
         payload = {"input_ids": [5, 6, 7], "rid": f"eaglepipe-{uuid.uuid4().hex[:12]}-0-0",
                    "sampling_params": {"max_new_tokens": 0}}
         request = urllib.request.Request(handle.url + "/generate", json.dumps(payload).encode(),

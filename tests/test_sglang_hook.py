@@ -393,3 +393,84 @@ def test_generation_requests_beside_extraction_requests_are_never_dumped(hook_mo
         aux, final, _ = read_dump(tmp_path / f"{batch.rids[index]}.safetensors")
         want_aux, want_final = batch.expected(index)
         assert torch.equal(aux, want_aux) and torch.equal(final, want_final)
+
+
+TP_RANK_SCRIPT = """
+import sys, types
+from pathlib import Path
+import torch
+import torch.distributed as dist
+
+rank, world, init_file = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+dump_dir = Path(sys.argv[4])
+dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+sys.path.insert(0, sys.argv[5])  # the tests directory
+import test_sglang_hook as t
+
+# One SGLang scheduler process per TP rank: its own import of the hook, its own rank.
+parallel = types.SimpleNamespace(tp_rank=dist.get_rank())
+runtime_context = types.ModuleType("sglang.srt.runtime_context")
+runtime_context.get_parallel = lambda: parallel
+for name in ("sglang", "sglang.srt"):
+    sys.modules[name] = types.ModuleType(name)
+sys.modules["sglang.srt.runtime_context"] = runtime_context
+sys.path.insert(0, str(t.PATCH_DIR))
+import eaglepipe_hook
+
+hook = t.make_hook(eaglepipe_hook, dump_dir)
+processor = t.attach(hook) if hook is not None else t.LogitsProcessorStandIn()
+for step in range(3):
+    batch = t.Batch([(t.rid(10 * step + i), 3 + i) for i in range(4)], seed=step)
+    # Every TP rank holds the same full-width hidden states after the all-reduce: rank 0's.
+    for tensor in [*batch.captures, batch.final]:
+        dist.broadcast(tensor, src=0)
+    t.run_forward(processor, batch, batch.forward_batch(), batch.aux("packed"))
+if hook is not None:
+    hook.close()
+dist.barrier()
+dist.destroy_process_group()
+print(f"rank {rank}: hook {'registered' if hook is not None else 'not registered'}")
+"""
+
+
+def test_tensor_parallel_ranks_in_a_process_group_dump_once_per_request(tmp_path):
+    """Two real processes in a gloo process group, as two TP ranks of one SGLang server: both run
+    the same batches through the hook, only rank 0 writes, and each request's dump holds the
+    full hidden width (a CPU stand-in for issue 20's TP=2 run on two GPUs)."""
+    import subprocess
+
+    dump_dir = tmp_path / "dumps"
+    script = tmp_path / "rank.py"
+    script.write_text(TP_RANK_SCRIPT)
+    tests_dir = str(Path(__file__).resolve().parent)
+    ranks = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(script),
+                str(r),
+                "2",
+                str(tmp_path / "init"),
+                str(dump_dir),
+                tests_dir,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        for r in range(2)
+    ]
+    outputs = [p.communicate(timeout=180)[0] for p in ranks]
+    assert [p.returncode for p in ranks] == [0, 0], outputs
+    assert "rank 0: hook registered" in outputs[0]
+    assert "rank 1: hook not registered" in outputs[1]
+    dumps = sorted(p.name for p in dump_dir.glob("*.safetensors"))
+    assert dumps == sorted(f"{rid(10 * s + i)}.safetensors" for s in range(3) for i in range(4))
+    for step in range(3):
+        batch = Batch([(rid(10 * step + i), 3 + i) for i in range(4)], seed=step)
+        for i in range(4):
+            aux, final, meta = read_dump(dump_dir / f"{rid(10 * step + i)}.safetensors")
+            want_aux, want_final = batch.expected(i)
+            assert aux.shape == (3 + i, len(AUX_IDS) * HIDDEN) and final.shape == (3 + i, HIDDEN)
+            assert torch.equal(aux, want_aux) and torch.equal(final, want_final)
+            assert meta["batch_requests"] == 4

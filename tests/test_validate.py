@@ -29,6 +29,7 @@ from conftest import PYTHON, REPO_ROOT, build_tiny_deepseek_v3
 from eaglepipe import shard_store
 from eaglepipe.config import load_config
 from eaglepipe.extract import extract_shard
+from eaglepipe.fingerprint import hash_bytes
 from eaglepipe.run import resolve
 from eaglepipe.server.lifecycle import stop_server
 from eaglepipe.validate import (
@@ -226,6 +227,45 @@ def test_clean_shard_passes_and_writes_the_report(workspace):
     assert on_disk["layer_norm_reference"] == SHARD
     assert on_disk["manifest_xxh3_128"]
     assert on_disk["provenance"]["aux_layer_ids"] == [1, 3, 4]
+
+
+def test_the_report_hashes_the_manifest_it_checked_even_if_it_is_replaced_meanwhile(
+    workspace, monkeypatch
+):
+    """The manifest is replaced (another extraction's) right after validation first reads it:
+    the report must describe one manifest, never the first one's hash with the second's checks."""
+    import builtins
+    import io
+
+    write_shard(workspace)
+    manifest = workspace.root / "hidden_states" / SHARD / "manifest.json"
+    first_bytes = manifest.read_bytes()
+    second = json.loads(first_bytes)
+    second["provenance"]["project_version"] = "replaced"
+    second_bytes = json.dumps(second).encode()
+    real_open, replaced = io.open, []
+
+    def open_then_replace(file, *args, **kwargs):
+        handle = real_open(file, *args, **kwargs)
+        is_path = isinstance(file, str | os.PathLike)
+        if not replaced and is_path and Path(file).resolve() == manifest:
+            replaced.append(True)
+            close = handle.close
+
+            def close_and_replace():
+                close()
+                manifest.write_bytes(second_bytes)
+
+            handle.close = close_and_replace
+        return handle
+
+    monkeypatch.setattr(io, "open", open_then_replace)
+    monkeypatch.setattr(builtins, "open", open_then_replace)
+    report = validate_shard(resolve(workspace.config), SHARD, progress=False)
+    monkeypatch.undo()
+    assert replaced  # the manifest was replaced during the validation
+    was_second = report["provenance"]["project_version"] == "replaced"
+    assert report["manifest_xxh3_128"] == hash_bytes(second_bytes if was_second else first_bytes)
 
 
 def test_later_shard_is_checked_against_the_first_validated_one(workspace):

@@ -148,7 +148,7 @@ def test_editing_one_row_makes_only_its_shard_stale(run_copy):
     lines = dataset.read_text().splitlines(keepends=True)
     row = json.loads(lines[13])
     row["messages"][-1]["content"] += " (edited)"
-    lines[13] = json.dumps(row) + "\n"
+    lines[13] = json.dumps(row, ensure_ascii=False) + "\n"
     dataset.write_text("".join(lines))
     result = run_snakemake(run_copy, "-n", *VALIDATED)
     assert dry_run_jobs(run_copy, *VALIDATED)["extract"] == 1
@@ -214,7 +214,7 @@ def test_a_same_size_edit_that_keeps_the_mtime_is_seen(run_copy):
     row = json.loads(lines[13])
     text = row["messages"][-1]["content"]
     row["messages"][-1]["content"] = text[:-1] + ("X" if text[-1] != "X" else "Y")
-    lines[13] = json.dumps(row) + "\n"
+    lines[13] = json.dumps(row, ensure_ascii=False) + "\n"
     dataset.write_text("".join(lines))
     assert dataset.stat().st_size == stat.st_size
     os.utime(dataset, ns=(stat.st_atime_ns, stat.st_mtime_ns))
