@@ -1,5 +1,5 @@
-# EAGLE-3 hidden-state pipeline: prepare -> extract -> validate -> vocab/train -> evaluate ->
-# export -> report. Rules hold wiring only; the logic lives in the eaglepipe package.
+# EAGLE-3 hidden-state pipeline: (regenerate ->) prepare -> extract -> validate -> vocab/train ->
+# evaluate -> export -> report. Rules hold wiring only; the logic lives in the eaglepipe package.
 from snakemake.utils import min_version
 
 min_version("9.0")
@@ -9,6 +9,14 @@ configfile: "config.yaml"
 
 
 include: "rules/common.smk"
+
+
+# Regeneration of the assistant turns by the target (dataset.regenerate), before prepare.
+if REGENERATE:
+
+    include: "rules/regenerate.smk"
+
+
 include: "rules/prepare.smk"
 include: "rules/extract.smk"
 include: "rules/validate.smk"

@@ -99,6 +99,11 @@ class _EndOfTurn:
         return self._marker
 
 
+def end_of_turn_marker(tokenizer) -> str:
+    """The text the chat template puts after an assistant reply (e.g. `<|eot_id|>`), stripped."""
+    return _EndOfTurn(tokenizer).marker()
+
+
 def assistant_char_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
     """The full rendered text and the character spans `[start, end)` the loss mask covers."""
     full = render(tokenizer, messages)

@@ -359,34 +359,7 @@ class ExtractionClient:
         )
 
     async def _watchdog(self) -> None:
-        """Fail fast when the server process dies or stops answering health probes.
-
-        Probes use their own session: the request session's connections can all be busy with
-        long prefills, and a probe queued behind them would read as a dead server.
-        """
-        async with aiohttp.ClientSession() as session:
-            await self._watch(session)
-
-    async def _watch(self, session) -> None:
-        failures = 0
-        probe_timeout = aiohttp.ClientTimeout(total=HEALTH_PROBE_TIMEOUT_S)
-        while True:
-            await asyncio.sleep(LIVENESS_INTERVAL_S)
-            if self.is_alive is not None and not await asyncio.to_thread(self.is_alive):
-                raise ServerLost(f"the server at {self.url} died during extraction")
-            if self.gate is not None and hasattr(self.gate, "check"):
-                self.gate.check()  # the lifecycle's own watchdog verdict, if it has one
-            try:
-                async with session.get(f"{self.url}/health", timeout=probe_timeout) as resp:
-                    ok = resp.status == 200
-            except (aiohttp.ClientError, TimeoutError):
-                ok = False
-            failures = 0 if ok else failures + 1
-            if failures >= HEALTH_FAILURES_FATAL:
-                raise ServerLost(
-                    f"the server at {self.url} stopped answering /health "
-                    f"({failures} probes in a row failed)" + _log_tail_of(self.gate)
-                )
+        await watch_server(self.url, self.is_alive, self.gate)
 
     def _remove_dump(self, rid: str) -> None:
         (self.dump_dir / f"{rid}.safetensors").unlink(missing_ok=True)
@@ -398,6 +371,37 @@ class ExtractionClient:
             for path in self.dump_dir.iterdir():
                 if marker in path.name and path.name.endswith(".safetensors"):
                     path.unlink(missing_ok=True)
+
+
+async def watch_server(
+    url: str, is_alive: Callable[[], bool] | None, gate=None, what: str = "extraction"
+) -> None:
+    """Raise ServerLost as soon as the server process dies or stops answering health probes
+    (runs beside a client's requests until cancelled).
+
+    Probes use their own session: the request session's connections can all be busy with
+    long requests, and a probe queued behind them would read as a dead server.
+    """
+    failures = 0
+    probe_timeout = aiohttp.ClientTimeout(total=HEALTH_PROBE_TIMEOUT_S)
+    async with aiohttp.ClientSession() as session:
+        while True:
+            await asyncio.sleep(LIVENESS_INTERVAL_S)
+            if is_alive is not None and not await asyncio.to_thread(is_alive):
+                raise ServerLost(f"the server at {url} died during {what}")
+            if gate is not None and hasattr(gate, "check"):
+                gate.check()  # the lifecycle's own watchdog verdict, if it has one
+            try:
+                async with session.get(f"{url}/health", timeout=probe_timeout) as resp:
+                    ok = resp.status == 200
+            except (aiohttp.ClientError, TimeoutError):
+                ok = False
+            failures = 0 if ok else failures + 1
+            if failures >= HEALTH_FAILURES_FATAL:
+                raise ServerLost(
+                    f"the server at {url} stopped answering /health "
+                    f"({failures} probes in a row failed)" + _log_tail_of(gate)
+                )
 
 
 def _first_error(group: BaseExceptionGroup) -> BaseException:

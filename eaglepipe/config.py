@@ -29,6 +29,7 @@ PREPARED_TABLE = PREPARED_DIR / "tokenized.parquet"
 PREPARED_SUMMARY = PREPARED_DIR / "summary.json"
 PREPARED_SKIPPED = PREPARED_DIR / "skipped.json"
 HIDDEN_STATES_DIR = Path("hidden_states")
+REGENERATED_DIR = Path("regenerated")
 VALIDATED_DIR = Path("validated")
 DRAFTER_DIR = Path("drafter")
 LOG_DIR = Path("logs")

@@ -83,12 +83,51 @@ class HoldoutSettings(Section):
 
 
 @dataclass(frozen=True)
+class RegenerateSettings(Section):
+    """`dataset.regenerate`: re-answer the assistant turns with the target before prepare."""
+
+    enabled: bool
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    turns: str  # all | last
+    on_length_limit: str  # keep | bad_row
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def sampling(self) -> dict:
+        """The sampling settings a regenerated reply depends on. Greedy decoding ignores
+        top_p and the seed, so they are left out: changing them reruns nothing."""
+        if self.greedy:
+            return {"greedy": True, "max_new_tokens": self.max_new_tokens}
+        return {
+            "greedy": False,
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "seed": self.seed,
+        }
+
+    def output_settings(self) -> dict:
+        """Everything besides the model and the source rows that a regenerated shard depends on."""
+        return {
+            "sampling": self.sampling(),
+            "turns": self.turns,
+            "on_length_limit": self.on_length_limit,
+        }
+
+
+@dataclass(frozen=True)
 class DatasetSettings(Section):
     path: str
     format: str
     max_length: int
     bad_rows: str
     holdout: HoldoutSettings
+    regenerate: RegenerateSettings
 
 
 @dataclass(frozen=True)
@@ -329,6 +368,7 @@ def resolve(config: dict) -> RunSpec:
     toy = _build(ToySettings, model_cfg["toy"]) if model_cfg.get("toy") else None
     dataset = dict(config["dataset"])
     dataset["holdout"] = _build(HoldoutSettings, dataset["holdout"])
+    dataset["regenerate"] = _build(RegenerateSettings, dataset["regenerate"])
     server = dict(config["server"])
     server["sglang"] = _build(SGLangSettings, server["sglang"])
     ids = config.get("aux_layer_ids")

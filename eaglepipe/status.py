@@ -32,7 +32,7 @@ from typing import TextIO
 import numpy as np
 import psutil
 
-from .config import HIDDEN_STATES_DIR, PREPARED_TABLE
+from .config import HIDDEN_STATES_DIR, PREPARED_TABLE, REGENERATED_DIR
 from .errors import PipelineError
 from .run import RunSpec
 from .shard_plan import parse_shard_name
@@ -488,6 +488,43 @@ def _hidden_size(run: RunSpec) -> int | None:
         return None
 
 
+def regeneration_lines(
+    regenerated_dir: Path, shard_names: list[str], *, hostname: str | None = None
+) -> tuple[list[str], bool]:
+    """What `eaglepipe status` says of the regeneration stage (dataset.regenerate): a count of
+    its shards by state, then each running or failed one; and whether one failed."""
+    counts = dict.fromkeys((DONE, RUNNING, FAILED, PARTIAL, REMAINING), 0)
+    listed = []
+    for name in shard_names:
+        shard_dir = regenerated_dir / name
+        if (shard_dir / MANIFEST_NAME).exists():
+            counts[DONE] += 1
+            continue
+        try:
+            rows = (shard_dir / JOURNAL_NAME).read_text().count("\n")
+        except (FileNotFoundError, NotADirectoryError):
+            rows = 0
+        lock = _read_lock(shard_dir / LOCK_NAME)
+        failure = read_failure(shard_dir)
+        if lock is not None and lock_is_live(lock, hostname=hostname):
+            counts[RUNNING] += 1
+            where = f"pid {lock.get('pid')}" + (f" on {lock['host']}" if lock.get("host") else "")
+            listed.append(f"  running  {REGENERATED_DIR}/{name}: {rows} rows done ({where})")
+        elif failure is not None:
+            counts[FAILED] += 1
+            listed.append(f"  FAILED   {REGENERATED_DIR}/{name}: {failure.get('error', '?')}")
+        elif rows:
+            counts[PARTIAL] += 1
+        else:
+            counts[REMAINING] += 1
+    head = (
+        f"regenerated: {len(shard_names)} planned, {counts[DONE]} done, {counts[RUNNING]} "
+        f"running, {counts[FAILED]} failed, {counts[PARTIAL]} partial (rows kept), "
+        f"{counts[REMAINING]} remaining"
+    )
+    return [head, *listed], counts[FAILED] > 0
+
+
 def print_status(
     run: RunSpec,
     *,
@@ -503,5 +540,12 @@ def print_status(
         hidden_size=_hidden_size(run),
         chunk_max_bytes=run.shards.chunk_max_bytes,
     )
-    print(format_status(summary, list_all=list_all), file=stream or sys.stdout, flush=True)
-    return 1 if summary.failed else 0
+    text = format_status(summary, list_all=list_all)
+    regeneration_failed = False
+    if run.dataset.regenerate.enabled:
+        lines, regeneration_failed = regeneration_lines(
+            workdir / REGENERATED_DIR, [s.name for s in summary.shards]
+        )
+        text = "\n".join(lines) + "\n" + text
+    print(text, file=stream or sys.stdout, flush=True)
+    return 1 if summary.failed or regeneration_failed else 0

@@ -10,6 +10,12 @@ from. A stage whose recorded hash equals the current one is *fresh*: its inputs 
 `ancient()`, so nothing upstream can trigger it. A stale stage gets plain inputs, so it reruns
 (the dry run names its stamp as the updated input), and so does anything downstream of it.
 
+With `dataset.regenerate.enabled`, each regenerated shard has a stamp of its own (the model,
+the regeneration settings and the shard's source rows), and the hidden states of a shard
+depend on its *regenerated* rows instead: their checksum, read from the regenerated shard's
+manifest while that shard is fresh. A regenerated shard that is stale or missing makes its
+hidden-state shard stale too (its rows are not known until it has run), and makes prepare stale.
+
 Why not Snakemake's params trigger: a job downstream of a job that must rerun is never
 checked for its own reasons when its only link is an `ancient()` input (snakemake's DAG masks
 it), so a changed shard would silently survive a run that also re-prepares the table.
@@ -28,7 +34,7 @@ from functools import cache
 from pathlib import Path
 
 from . import __version__
-from .config import HIDDEN_STATES_DIR, TOY_MODEL_DIR, VALIDATED_DIR
+from .config import HIDDEN_STATES_DIR, REGENERATED_DIR, TOY_MODEL_DIR, VALIDATED_DIR
 from .errors import PipelineError
 from .fingerprint import file_identity, hash_file, hash_json
 from .run import RunSpec
@@ -153,7 +159,11 @@ def _tokenization_settings(run: RunSpec) -> dict:
 
 
 def prepare_provenance(run: RunSpec) -> str:
-    """Hash of everything the prepared table depends on."""
+    """Hash of everything the prepared table depends on (with regeneration: every regenerated
+    shard's rows, or that it is still to be regenerated)."""
+    regenerated = None
+    if regeneration_enabled(run):
+        regenerated = regenerated_contents(run, shards(run))
     return hash_json(
         {
             "model": model_fingerprint(run),
@@ -161,6 +171,7 @@ def prepare_provenance(run: RunSpec) -> str:
             "tokenization": _tokenization_settings(run),
             "holdout": run.dataset.holdout.as_dict(),
             "rows_per_shard": run.shards.rows_per_shard,
+            "regenerated": regenerated,
         }
     )
 
@@ -170,21 +181,28 @@ def _shard_digests(path: str, rows_per_shard: int, identity: tuple) -> dict:
     return shard_source_digests(path, rows_per_shard)
 
 
+def _not_in_plan(run: RunSpec, shard: str) -> PipelineError:
+    return PipelineError(
+        f"shard {shard} is not in the plan of {run.dataset.path} with "
+        f"shards.rows_per_shard={run.shards.rows_per_shard}"
+    )
+
+
 def shard_provenance(run: RunSpec, shard: str) -> str:
     """Hash of everything a shard's hidden states depend on; a change makes only it stale."""
-    provenances = _shard_provenances(run)
-    if shard not in provenances:
-        raise PipelineError(
-            f"shard {shard} is not in the plan of {run.dataset.path} with "
-            f"shards.rows_per_shard={run.shards.rows_per_shard}"
-        )
-    return provenances[shard]
+    shared, digests = _shard_provenance_inputs(run)
+    if shard not in digests:
+        raise _not_in_plan(run, shard)
+    if regeneration_enabled(run):
+        return hash_json({**shared, **regenerated_contents(run, [shard])[shard]})
+    return hash_json({**shared, "source_rows": digests[shard]})
 
 
-_PROVENANCE_MEMO: dict[str, dict[str, str]] = {}
+_PROVENANCE_MEMO: dict[str, tuple[dict, dict[str, str]]] = {}
 
 
-def _shard_provenances(run: RunSpec) -> dict[str, str]:
+def _shard_provenance_inputs(run: RunSpec) -> tuple[dict, dict[str, str]]:
+    """(what every shard's provenance shares, each shard's source rows digest)."""
     # Parse time asks once per shard: fingerprint the model and read the source only once.
     config_key = run.config_hash
     if config_key not in _PROVENANCE_MEMO:
@@ -196,13 +214,145 @@ def _shard_provenances(run: RunSpec) -> dict[str, str]:
             "tokenization": _tokenization_settings(run),
             "chunk_max_bytes": run.shards.chunk_max_bytes,
         }
-        _PROVENANCE_MEMO[config_key] = {
-            shard: hash_json({**shared, "source_rows": digest}) for shard, digest in digests.items()
-        }
+        _PROVENANCE_MEMO[config_key] = (shared, digests)
     return _PROVENANCE_MEMO[config_key]
 
 
+def shard_source_rows_digest(run: RunSpec, shard: str) -> str:
+    """The xxh3-128 of a shard's raw source rows (`shard_plan.shard_source_digests`)."""
+    _, digests = _shard_provenance_inputs(run)
+    if shard not in digests:
+        raise _not_in_plan(run, shard)
+    return digests[shard]
+
+
+def _shard_provenances(run: RunSpec) -> dict[str, str]:
+    shared, digests = _shard_provenance_inputs(run)
+    if not regeneration_enabled(run):
+        return {shard: hash_json({**shared, "source_rows": d}) for shard, d in digests.items()}
+    contents = regenerated_contents(run, list(digests))
+    return {shard: hash_json({**shared, **contents[shard]}) for shard in digests}
+
+
+# --- regeneration (dataset.regenerate): one stamp per shard, content read from manifests -------
+
+REGENERATION_CACHE = Path(".eaglepipe/cache/regenerated.json")
+
+
+def regeneration_enabled(run: RunSpec) -> bool:
+    return run.dataset.regenerate.enabled
+
+
+def regeneration_stamp(shard: str) -> Path:
+    return REGENERATION_STAMP_DIR / f"{shard}.json"
+
+
+def regenerated_manifest_path(shard: str) -> str:
+    return os.path.join(REGENERATED_DIR, shard, "manifest.json")
+
+
+def regeneration_settings(run: RunSpec) -> dict:
+    """What every regenerated shard depends on besides its source rows."""
+    dataset = run.dataset
+    return {
+        "model": model_fingerprint(run),
+        **dataset.regenerate.output_settings(),
+        # A turn whose prompt reaches max_length ends the regenerated conversation.
+        "max_length": dataset.max_length,
+        "format": dataset.format,
+        "trust_remote_code": run.model.trust_remote_code,
+    }
+
+
+_REGENERATION_MEMO: dict[str, dict[str, str]] = {}
+
+
+def _regeneration_provenances(run: RunSpec) -> dict[str, str]:
+    config_key = run.config_hash
+    if config_key not in _REGENERATION_MEMO:
+        _, digests = _shard_provenance_inputs(run)
+        shared = regeneration_settings(run)
+        _REGENERATION_MEMO[config_key] = {
+            shard: hash_json({**shared, "source_rows": digest}) for shard, digest in digests.items()
+        }
+    return _REGENERATION_MEMO[config_key]
+
+
+def regeneration_provenance(run: RunSpec, shard: str) -> str:
+    """Hash of everything a regenerated shard depends on; a change makes only it stale."""
+    provenances = _regeneration_provenances(run)
+    if shard not in provenances:
+        raise _not_in_plan(run, shard)
+    return provenances[shard]
+
+
+def _regenerated_facts(shard_names: list[str]) -> dict[str, dict | None]:
+    """What each regenerated manifest records (`workflow` provenance, rows checksum), or None
+    when it is missing or unreadable. Cached by the manifest's identity: a warm parse only stats."""
+    from .atomic import write_json_if_changed
+
+    try:
+        cache = json.loads(REGENERATION_CACHE.read_text())
+    except (FileNotFoundError, ValueError):
+        cache = {}
+    facts: dict[str, dict | None] = {}
+    updated = dict(cache)
+    for shard in shard_names:
+        path = regenerated_manifest_path(shard)
+        identity = _identity_or_none(path)
+        if identity is None:
+            facts[shard] = None
+            updated.pop(shard, None)
+            continue
+        cached = cache.get(shard)
+        if not cached or cached.get("key") != identity:
+            try:
+                manifest = json.loads(Path(path).read_text())
+                cached = {
+                    "key": identity,
+                    "workflow": manifest["provenance"]["workflow"],
+                    "rows": manifest["xxh3_128"],
+                }
+            except (OSError, ValueError, KeyError, TypeError):
+                cached = {"key": identity, "workflow": None, "rows": None}
+            updated[shard] = cached
+        facts[shard] = cached
+    if updated != cache:
+        write_json_if_changed(REGENERATION_CACHE, updated, durable=False)
+    return facts
+
+
+def regeneration_freshness(run: RunSpec) -> Callable[[str], bool]:
+    """Whether a regenerated shard's manifest records the current regeneration provenance."""
+    provenances = _regeneration_provenances(run)
+    facts = _regenerated_facts(list(provenances))
+
+    def is_fresh(shard: str) -> bool:
+        if shard not in provenances:
+            raise _not_in_plan(run, shard)
+        recorded = facts.get(shard)
+        return recorded is not None and recorded["workflow"] == provenances[shard]
+
+    return is_fresh
+
+
+def regenerated_contents(run: RunSpec, shard_names: list[str]) -> dict[str, dict]:
+    """Per shard, what its regenerated rows are: their checksum while the regenerated shard is
+    fresh, else that it is still to be regenerated (so anything built on it is stale)."""
+    provenances = _regeneration_provenances(run)
+    facts = _regenerated_facts(shard_names)
+    contents = {}
+    for shard in shard_names:
+        recorded = facts.get(shard)
+        if recorded is not None and recorded["workflow"] == provenances[shard]:
+            contents[shard] = {"regenerated_rows": recorded["rows"]}
+        else:
+            contents[shard] = {"regeneration_pending": provenances[shard]}
+    return contents
+
+
 PROVENANCE_DIR = Path(".eaglepipe/provenance")
+REGENERATION_STAMP_DIR = PROVENANCE_DIR / "regenerate"
 PREPARE_STAMP = PROVENANCE_DIR / "prepare.json"
 TOY_STAMP = PROVENANCE_DIR / "toy-target.json"
 
@@ -263,6 +413,11 @@ def write_stamps(run: RunSpec) -> None:
     provenances = _shard_provenances(run)
     for shard in shards(run):
         write_json_if_changed(shard_stamp(shard), {"provenance": provenances[shard]}, durable=False)
+    if regeneration_enabled(run):
+        for shard, provenance in _regeneration_provenances(run).items():
+            write_json_if_changed(
+                regeneration_stamp(shard), {"provenance": provenance}, durable=False
+            )
 
 
 # --- runs left inconsistent: a missing or changed file upstream of a finished output ----------
@@ -353,12 +508,20 @@ def stale_validations(run: RunSpec, shard_names: list[str]) -> dict[str, str]:
     return stale
 
 
-def incomplete_targets(shard_names: list[str]) -> list[str]:
+def incomplete_targets(shard_names: list[str], *, regenerate: bool = False) -> list[str]:
     """Missing per-shard files whose consumers exist, as extra targets of `all`."""
-    from .config import DRAFTER_DIR
+    from .config import DRAFTER_DIR, PREPARED_SUMMARY
 
     trained = (DRAFTER_DIR / "model.safetensors").exists()
     targets = []
+    if regenerate and PREPARED_SUMMARY.exists():
+        # prepare read every regenerated shard: one deleted since is made again (its journalled
+        # rows are kept), then prepare and the hidden states of that shard follow.
+        targets += [
+            regenerated_manifest_path(shard)
+            for shard in shard_names
+            if not os.path.exists(regenerated_manifest_path(shard))
+        ]
     for shard in shard_names:
         manifest, report = manifest_path(shard), validation_report_path(shard)
         has_manifest, has_report = os.path.exists(manifest), os.path.exists(report)
@@ -397,7 +560,7 @@ def shard_freshness(run: RunSpec) -> Callable[[str], bool]:
     def is_fresh(shard: str) -> bool:
         current = provenances.get(shard)
         if current is None:
-            current = shard_provenance(run, shard)  # raises: the shard is not in the plan
+            raise _not_in_plan(run, shard)
         return _recorded_provenance(Path(manifest_path(shard))) == current
 
     return is_fresh

@@ -22,9 +22,14 @@ with one_line_errors():
     SHARDS = workflow_lib.shards(RUN)
     MODEL_CONFIG = workflow_lib.model_config_file(RUN)
     workflow_lib.write_stamps(RUN)
+    REGENERATE = RUN.dataset.regenerate.enabled
+    REGENERATION_IS_FRESH = (
+        workflow_lib.regeneration_freshness(RUN) if REGENERATE else None
+    )
     SHARD_IS_FRESH = workflow_lib.shard_freshness(RUN)
+    PREPARE_IS_FRESH = workflow_lib.prepare_is_fresh(RUN)
     STALE_VALIDATIONS = workflow_lib.stale_validations(RUN, SHARDS)
-    INCOMPLETE_TARGETS = workflow_lib.incomplete_targets(SHARDS)
+    INCOMPLETE_TARGETS = workflow_lib.incomplete_targets(SHARDS, regenerate=REGENERATE)
 RUN_TOKEN = workflow_lib.run_token()
 RESOLVED = str(RESOLVED_CONFIG)
 ENV = "../envs/pipeline.yaml"
@@ -61,6 +66,18 @@ def when_stale(path, fresh):
     return ancient(path) if fresh else path
 
 
+def regenerate_inputs(wildcards):
+    shard = shard_name(wildcards)
+    fresh = REGENERATION_IS_FRESH(shard)
+    # A stale shard takes every input plain: Snakemake does not check a job for reasons of its
+    # own when it is reached only through ancient() inputs (eaglepipe/workflow.py).
+    return {
+        "stamp": when_stale(str(workflow_lib.regeneration_stamp(shard)), fresh),
+        "dataset": ancient(DATASET),
+        "model": when_stale(MODEL_CONFIG, fresh),
+    }
+
+
 def extract_inputs(wildcards):
     shard = shard_name(wildcards)
     fresh = SHARD_IS_FRESH(shard)
@@ -93,16 +110,24 @@ def stage_stamp(stage):
 
 
 def prepare_inputs(wildcards):
-    fresh = workflow_lib.prepare_is_fresh(RUN)
-    return {
+    fresh = PREPARE_IS_FRESH
+    inputs = {
         "stamp": when_stale(str(workflow_lib.PREPARE_STAMP), fresh),
         "dataset": ancient(DATASET),
         "model": when_stale(MODEL_CONFIG, fresh),
     }
+    if REGENERATE:
+        # Prepare reads the regenerated rows of every shard (its provenance holds their
+        # checksums: a shard regenerated with other rows makes it stale).
+        inputs["regenerated"] = [
+            when_stale(workflow_lib.regenerated_manifest_path(shard), fresh)
+            for shard in SHARDS
+        ]
+    return inputs
 
 
 def prepared_table(wildcards=None):
-    return when_stale("prepared/tokenized.parquet", workflow_lib.prepare_is_fresh(RUN))
+    return when_stale("prepared/tokenized.parquet", PREPARE_IS_FRESH)
 
 
 def all_manifests(wildcards=None):

@@ -99,6 +99,7 @@ def test_table_matches_contract_and_masks(tmp_path, toy_dir, sample_rows):
         "tokenizer_fingerprint": tokenizer_fingerprint(toy_dir),
         "model_config_hash": model_config_hash(toy_dir),
         "max_length": 1024,
+        "regenerate": None,  # the dataset's own replies (dataset.regenerate off)
     }
     written = json.loads((tmp_path / "prepared" / "summary.json").read_text())
     assert written == summary

@@ -391,7 +391,7 @@ def test_prefix_filter_only_dumps_pipeline_rids(fleet):
     [
         ({"sampling_params": {"max_new_tokens": 0}}, "input_ids is required"),
         ({"text": "hi", "sampling_params": {"max_new_tokens": 0}}, "does not tokenize"),
-        (body(rid(1), [1, 2], max_new_tokens=5), "sampling_params.max_new_tokens is 5"),
+        (body(rid(1), [1, 2], max_new_tokens=5), "extraction requests are prefill only"),
         ({"input_ids": [1, 2], "rid": rid(1)}, "sampling_params.max_new_tokens"),
         (body(rid(1), [1] * 1025), "more than max_position_embeddings 1024"),
         (body(rid(1), [1, 300]), "token id 300 outside the vocabulary"),

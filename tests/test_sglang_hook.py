@@ -371,6 +371,30 @@ def test_the_hook_logs_what_it_costs_the_forward_thread(hook_module, tmp_path, m
     assert "in the hook per batch: mean " in lines[1] and "writer: 5 files" in lines[1]
 
 
+def test_generation_requests_beside_extraction_requests_are_never_dumped(hook_module, tmp_path):
+    """Regeneration's requests (`eaglepipe.generation` ids) share prefill batches with extraction
+    requests on one server: only the extraction requests are dumped, each its own slice, and
+    the generation requests' decode steps pass through."""
+    from eaglepipe.generation import make_generation_rid
+
+    hook = make_hook(hook_module, tmp_path)
+    processor = attach(hook)
+    generation = [make_generation_rid("eaglepipe", NONCE, row, 2, 0) for row in (10, 11)]
+    batch = Batch([(generation[0], 6), (rid(10), 5), (generation[1], 9), (rid(11), 3)])
+    run_forward(processor, batch, batch.forward_batch(), batch.aux("list"))
+    decode = Batch([(name, 1) for name in generation], seed=1)
+    fb = decode.forward_batch(mode=ForwardMode.DECODE, prefix_lens=[6, 9])
+    run_forward(processor, decode, fb, decode.aux("list"))
+    hook.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        f"{rid(r)}.safetensors" for r in (10, 11)
+    )
+    for index in (1, 3):
+        aux, final, _ = read_dump(tmp_path / f"{batch.rids[index]}.safetensors")
+        want_aux, want_final = batch.expected(index)
+        assert torch.equal(aux, want_aux) and torch.equal(final, want_final)
+
+
 TP_RANK_SCRIPT = """
 import sys, types
 from pathlib import Path

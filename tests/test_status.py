@@ -338,3 +338,28 @@ def test_reads_what_the_shard_store_writes(tmp_path):
         2200,
         2,
     )
+
+
+def test_regeneration_shards_are_counted_and_failures_named(tmp_path):
+    from eaglepipe.shard_store import record_failure
+
+    dataset = tmp_path / "conversations.jsonl"
+    dataset.write_text("".join(json.dumps({"messages": [], "i": i}) + "\n" for i in range(20)))
+    config = load_config(REPO_ROOT / "config.yaml")
+    config["dataset"]["path"] = str(dataset)
+    config["shards"]["rows_per_shard"] = 8
+    config["dataset"]["regenerate"]["enabled"] = True
+    regenerated = tmp_path / "regenerated"
+    (regenerated / "rows_0-8").mkdir(parents=True)
+    (regenerated / "rows_0-8" / "manifest.json").write_text("{}")
+    (regenerated / "rows_8-16").mkdir()
+    (regenerated / "rows_8-16" / "journal.jsonl").write_text('{"key": "k", "row": {}}\n' * 3)
+    out = io.StringIO()
+    assert status.print_status(resolve(config), workdir=tmp_path, stream=out) == 0
+    assert "regenerated: 3 planned, 1 done, 0 running, 0 failed, 1 partial (rows kept), " in (
+        out.getvalue()
+    )
+    record_failure(regenerated / "rows_16-20", "row 17: empty regenerated reply")
+    out = io.StringIO()
+    assert status.print_status(resolve(config), workdir=tmp_path, stream=out) == 1
+    assert "FAILED   regenerated/rows_16-20: row 17: empty regenerated reply" in out.getvalue()

@@ -90,6 +90,8 @@ class HiddenStateCapture:
         self.layers: dict[int, torch.Tensor] = {}
         self.final: torch.Tensor | None = None
         self._token_index: torch.Tensor | None = None
+        # Hooks keep nothing outside `capturing()` (e.g. the forwards of text generation).
+        self._active = False
         self._handles = [
             layers[i].register_forward_hook(self._layer_hook(i)) for i in self.layer_ids
         ]
@@ -102,21 +104,25 @@ class HiddenStateCapture:
 
     def _layer_hook(self, layer_id: int):
         def hook(_module, _args, output):
-            self.layers[layer_id] = self._gather(output)
+            if self._active:
+                self.layers[layer_id] = self._gather(output)
 
         return hook
 
     def _final_hook(self, _module, _args, output):
-        self.final = self._gather(output)
+        if self._active:
+            self.final = self._gather(output)
 
     @contextmanager
     def capturing(self, token_index: torch.Tensor | None) -> Iterator[HiddenStateCapture]:
         self.layers, self.final = {}, None
         self._token_index = token_index
+        self._active = True
         try:
             yield self
         finally:
             self._token_index = None
+            self._active = False
 
     def run(
         self, sequences: Sequence[Sequence[int]], aux_ids: Sequence[int], *, drop_last: bool = False

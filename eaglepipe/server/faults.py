@@ -14,6 +14,9 @@ variable holds a comma-separated list of modes (unset or empty: no fault):
 - `hang_after:N`: `/generate` requests after the first N are never answered and the batching
   worker stalls (so `/health_generate` stalls too); `/health` keeps answering, like a wedged
   GPU process whose HTTP thread is alive.
+- `empty_reply:ROW`: text generation requests for source row ROW (read from the generation
+  request id, `eaglepipe.generation`) answer at once with nothing but a stop token: a reply the
+  target "could not give", for the tests of the bad-row policy of regeneration.
 
 Example: `EAGLEPIPE_FAULT=shift_layer_batched,die_after:100`.
 """
@@ -36,6 +39,7 @@ class Faults:
     wrong_token_count: bool = False
     die_after: int | None = None
     hang_after: int | None = None
+    empty_reply_rows: frozenset[int] = frozenset()
 
     @property
     def active(self) -> bool:
@@ -51,6 +55,7 @@ class Faults:
             parts.append(f"die_after:{self.die_after}")
         if self.hang_after is not None:
             parts.append(f"hang_after:{self.hang_after}")
+        parts += [f"empty_reply:{row}" for row in sorted(self.empty_reply_rows)]
         return ",".join(parts) or "none"
 
     def dies_at(self, generate_ordinal: int) -> bool:
@@ -59,6 +64,15 @@ class Faults:
 
     def hangs_at(self, generate_ordinal: int) -> bool:
         return self.hang_after is not None and generate_ordinal > self.hang_after
+
+    def empty_reply_for(self, rid: str) -> bool:
+        """Whether a text generation request gets the empty reply of the empty_reply fault."""
+        if not self.empty_reply_rows:
+            return False
+        from ..generation import parse_generation_rid
+
+        parsed = parse_generation_rid(rid)
+        return parsed is not None and parsed[2] in self.empty_reply_rows
 
 
 def _count(mode: str, value: str) -> int:
@@ -82,10 +96,14 @@ def parse_faults(text: str | None) -> Faults:
             fields["hang_after"] = 0
         elif mode == "hang_after":
             fields["hang_after"] = _count(mode, value)
+        elif mode == "empty_reply":
+            fields["empty_reply_rows"] = fields.get("empty_reply_rows", frozenset()) | {
+                _count(mode, value)
+            }
         else:
             raise PipelineError(
                 f"{ENV_VAR}: unknown fault {item!r}; modes: shift_layer_batched, "
-                "wrong_token_count, die_after:N, hang, hang_after:N"
+                "wrong_token_count, die_after:N, hang, hang_after:N, empty_reply:ROW"
             )
     return Faults(**fields)
 

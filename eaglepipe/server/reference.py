@@ -1,9 +1,11 @@
 """The reference hidden-state server: any local Hugging Face causal LM behind SGLang's HTTP API.
 
-It speaks the subset of SGLang's API the client uses (`/health`, `/health_generate`,
+It speaks the subset of SGLang's API the clients use (`/health`, `/health_generate`,
 `/generate` with `max_new_tokens = 0`, `/model_info`, `/server_info`) and writes each prefixed
-request's hidden states through the same `DumpWriter` as the SGLang hook. Concurrent requests
-are batched by a token budget in one of two layouts (`--attention`):
+request's hidden states through the same `DumpWriter` as the SGLang hook. `/generate` with
+`max_new_tokens > 0` generates text instead (greedy or seeded sampling, batched, never dumped:
+`generate.py`). Concurrent prefill requests are batched by a token budget in one of two layouts
+(`--attention`):
 
 - packed: the requests end to end in one row of `--max-batch-tokens` tokens, each with its own
   positions, attention block-diagonal (flex_attention on CUDA): no padding is computed;
@@ -50,6 +52,7 @@ from ..fingerprint import hash_json, model_config_hash
 from ..layers import CONVENTION, FINAL_CONVENTION, validate_aux_layer_ids
 from .capture import HiddenStateCapture, text_config
 from .faults import DIE_EXIT_CODE, Faults, faults_from_env
+from .generate import BadSamplingParams, BatchGenerator, Generation, SamplingParams
 
 ENGINE = "reference"
 PROGRESS_INTERVAL_S = 5.0
@@ -155,6 +158,20 @@ class ReferenceEngine:
         self.shifted_layer_ids = [min(i + 1, self.num_layers - 1) for i in self.aux_layer_ids]
         hooked = self.aux_layer_ids + (self.shifted_layer_ids if hook_shifted_layers else [])
         self.capture = HiddenStateCapture(self.model, hooked)
+        self.generator = BatchGenerator(self.model, device, dtype)
+
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Generation]:
+        """Text generation for a batch of requests (`generate.BatchGenerator`)."""
+        if self.device.type != "cpu":
+            return self.generator.generate(prompts, params)
+        # One decode step of a small batch is too little work to share between CPU threads:
+        # on a busy machine, threads spinning on contended cores made it ~30x slower.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return self.generator.generate(prompts, params)
+        finally:
+            torch.set_num_threads(threads)
 
     def forward(
         self,
@@ -189,6 +206,8 @@ class _Request:
     generate_ordinal: int | None = None  # 1-based count of /generate requests; None for health
     batch_size: int = 0
     started: float = field(default_factory=time.monotonic)
+    sampling: SamplingParams | None = None  # set for text generation (max_new_tokens > 0)
+    generation: Generation | None = None  # its result
 
 
 @dataclass
@@ -207,6 +226,9 @@ class _Stats:
     padded_tokens: int = 0  # tokens computed, padding included
     last_busy_s: float = 0.0
     last_idle_s: float = 0.0
+    generated: int = 0  # text generation requests answered
+    generated_tokens: int = 0  # their new tokens
+    generation_batches: int = 0
 
     def as_dict(self) -> dict:
         return {
@@ -218,6 +240,9 @@ class _Stats:
             "busy_s": round(self.busy_s, 3),
             "idle_s": round(self.idle_s, 3),
             "computed_tokens": self.padded_tokens,
+            "generated": self.generated,
+            "generated_tokens": self.generated_tokens,
+            "generation_batches": self.generation_batches,
         }
 
 
@@ -321,7 +346,13 @@ class ReferenceServer:
         rid = body.get("rid") or uuid.uuid4().hex
         if rid in self._in_flight:
             return _error(400, f"rid {rid} is already in flight")
-        item = self._enqueue(rid, body["input_ids"], ordinal)
+        sampling = self._generation_params(body)
+        item = self._enqueue(rid, body["input_ids"], ordinal, sampling)
+        if sampling is not None and self.faults.empty_reply_for(rid):
+            # The empty_reply fault: the reply is only a stop token (the test of bad rows).
+            stop = sampling.stop_token_ids[0] if sampling.stop_token_ids else 0
+            item.generation = Generation([stop], "stop", stop)
+            item.future.set_result(None)
         try:
             await item.future
         except PipelineError as exc:
@@ -331,21 +362,29 @@ class ReferenceServer:
         finally:
             self._in_flight.discard(rid)
         tokens = len(item.input_ids)
+        generated = item.generation or Generation([], "length")
         return web.json_response(
             {
                 "text": "",
-                "output_ids": [],
+                "output_ids": generated.output_ids,
                 "meta_info": {
                     "id": rid,
                     "prompt_tokens": tokens,
-                    "completion_tokens": 0,
+                    "completion_tokens": len(generated.output_ids),
                     "cached_tokens": 0,
-                    "finish_reason": {"type": "length", "length": 0},
+                    "finish_reason": generated.finish_reason(),
                     "e2e_latency": time.monotonic() - item.started,
                     "batch_size": item.batch_size,
                 },
             }
         )
+
+    def _generation_params(self, body: dict) -> SamplingParams | None:
+        """The sampling parameters of a text generation request (checked), None for prefill."""
+        params = body.get("sampling_params") or {}
+        if params.get("max_new_tokens", 128) == 0:
+            return None
+        return SamplingParams.from_request(params, self.engine.vocab_size)
 
     def _check_body(self, body) -> str | None:
         """The first problem with a /generate body, naming the field, or None."""
@@ -370,14 +409,25 @@ class ReferenceServer:
         params = body.get("sampling_params") or {}
         if not isinstance(params, dict):
             return "sampling_params must be an object"
-        if params.get("max_new_tokens", 128) != 0:
-            return (
-                f"sampling_params.max_new_tokens is {params.get('max_new_tokens', 'unset')}; "
-                "it must be 0 (prefill only)"
-            )
         rid = body.get("rid")
         if rid is not None and not isinstance(rid, str):
             return "rid must be a string (batched requests are not supported)"
+        if params.get("max_new_tokens", 128) != 0:
+            # Text generation: never dumped, so never under the extraction prefix.
+            if rid is not None and is_pipeline_rid(rid, self.prefix):
+                return (
+                    f"rid {rid} is an extraction request id ({self.prefix}-...) but "
+                    "sampling_params.max_new_tokens is not 0: extraction requests are prefill only"
+                )
+            try:
+                sampling = SamplingParams.from_request(params, self.engine.vocab_size)
+            except BadSamplingParams as exc:
+                return str(exc)
+            if limit and len(ids) + sampling.max_new_tokens > limit:
+                return (
+                    f"input_ids has {len(ids)} tokens and sampling_params.max_new_tokens is "
+                    f"{sampling.max_new_tokens}: more than max_position_embeddings {limit}"
+                )
         if rid is not None and is_pipeline_rid(rid, self.prefix):
             try:
                 parse_rid(rid)
@@ -385,19 +435,38 @@ class ReferenceServer:
                 return f"rid: {exc}"
         return None
 
-    def _enqueue(self, rid: str, input_ids: list[int], ordinal: int | None = None) -> _Request:
-        item = _Request(rid, input_ids, asyncio.get_running_loop().create_future(), ordinal)
+    def _enqueue(
+        self,
+        rid: str,
+        input_ids: list[int],
+        ordinal: int | None = None,
+        sampling: SamplingParams | None = None,
+    ) -> _Request:
+        item = _Request(
+            rid, input_ids, asyncio.get_running_loop().create_future(), ordinal, sampling=sampling
+        )
         self._in_flight.add(rid)
-        self._queue.put_nowait(item)
+        if item.sampling is None or not self.faults.empty_reply_for(rid):
+            self._queue.put_nowait(item)
         return item
 
     # -- batching
 
     def _select_batch(self, pending: list[_Request]) -> tuple[list[_Request], list[_Request]]:
-        """The requests of the next forward pass, and the rest (which wait for the next one)."""
-        if self.engine.layout == "packed":
-            return self._select_packed(pending)
-        return self._select_padded(pending)
+        """The requests of the next forward pass, and the rest (which wait for the next one).
+
+        Prefill and text generation never share a batch: the oldest request decides which
+        kind runs next, and the requests of the other kind wait in order."""
+        generating = pending[0].sampling is not None
+        same = [r for r in pending if (r.sampling is not None) == generating]
+        other = [r for r in pending if (r.sampling is not None) != generating]
+        if generating:
+            batch, rest = self._select_padded(same)
+        elif self.engine.layout == "packed":
+            batch, rest = self._select_packed(same)
+        else:
+            batch, rest = self._select_padded(same)
+        return batch, sorted(rest + other, key=lambda r: r.started)
 
     def _select_packed(self, pending: list[_Request]) -> tuple[list[_Request], list[_Request]]:
         """Oldest first, each request that still fits the row's token budget (first fit)."""
@@ -468,7 +537,10 @@ class ReferenceServer:
 
     def _run_batch(self, batch: list[_Request], loop: asyncio.AbstractEventLoop) -> None:
         """Forward thread: one forward, then hand the tensors to the writer (may block on
-        backpressure, which stalls only this thread)."""
+        backpressure, which stalls only this thread); or a whole batch's text generation."""
+        if batch[0].sampling is not None:
+            self._run_generation(batch, loop)
+            return
         lengths = [len(r.input_ids) for r in batch]
         packed = self.engine.layout == "packed"
         self.stats.padded_tokens += (
@@ -486,6 +558,15 @@ class ReferenceServer:
             loop.call_soon_threadsafe(self._resolve, by_rid[rid], error)
 
         self.writer.submit([r.rid for r in batch], counts, aux, final, on_done)
+
+    def _run_generation(self, batch: list[_Request], loop: asyncio.AbstractEventLoop) -> None:
+        results = self.engine.generate([r.input_ids for r in batch], [r.sampling for r in batch])
+        self.stats.generation_batches += 1
+        for item, result in zip(batch, results, strict=True):
+            item.generation = result
+            self.stats.generated += 1
+            self.stats.generated_tokens += len(result.output_ids)
+            loop.call_soon_threadsafe(self._resolve, item, None)
 
     def _resolve(self, item: _Request, error: BaseException | None) -> None:
         if error is not None:
@@ -513,10 +594,15 @@ class ReferenceServer:
             share = busy / (busy + idle) if busy + idle > 0 else 0.0
             stats.last_tokens, stats.last_time = stats.tokens, now
             stats.last_busy_s, stats.last_idle_s = stats.busy_s, stats.idle_s
+            generated = (
+                f", {stats.generated} generated ({stats.generated_tokens} new tokens)"
+                if stats.generated
+                else ""
+            )
             log(
-                f"{stats.requests} requests done ({stats.dumped} dumped, {stats.failed} failed), "
-                f"{stats.tokens} tokens, {rate:.0f} tokens/s, {stats.batches} batches, "
-                f"forward busy {share:.0%}, {self._queue.qsize() + self._waiting} waiting"
+                f"{stats.requests} requests done ({stats.dumped} dumped, {stats.failed} failed"
+                f"{generated}), {stats.tokens} tokens, {rate:.0f} tokens/s, {stats.batches} "
+                f"batches, forward busy {share:.0%}, {self._queue.qsize() + self._waiting} waiting"
             )
 
 

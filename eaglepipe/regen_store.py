@@ -1,0 +1,136 @@
+"""The files of one regenerated shard: a row journal, the rows file and the manifest.
+
+`regenerated/rows_{start}-{end}/` (docs/CONTRACTS.md, "Regenerated shards"):
+
+- `journal.jsonl`: one line per finished row, appended and fsynced as the row finishes:
+  `{"key": ..., "row": <row record>}`. `key` hashes the shard's provenance and the engine; a
+  rerun keeps the rows journalled under the current key and drops the others, so a killed job
+  loses no finished row and a rerun with other settings starts over.
+- `rows.jsonl`: every source row of the shard, in row-id order, one row record per line
+  (canonical JSON), written atomically once every row is done. A row record is
+  `{"row_id", "messages", "regenerated_turns", "length_limited_turns", "turns_dropped",
+  "output_tokens"}`, or `{"row_id", "bad": {"reason", "detail"}}` for a row that could not be
+  regenerated (kept under `dataset.bad_rows: skip`).
+- `manifest.json`: written last, atomically: the shard is done only when it exists. It holds
+  the rows file's size and xxh3-128, counts, provenance and timing.
+- `writer.lock`, `failed.json`: as in a hidden-state shard (`shard_store`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from .atomic import atomic_write_bytes, atomic_write_json
+from .errors import PipelineError
+from .fingerprint import hash_bytes, hash_file
+from .jsonio import read_json_object
+
+FORMAT_VERSION = 1
+ROWS_NAME = "rows.jsonl"
+JOURNAL_NAME = "journal.jsonl"
+MANIFEST_NAME = "manifest.json"
+
+
+def row_line(record: dict) -> bytes:
+    """One row record as its canonical JSON line (the same record, the same bytes)."""
+    return (
+        json.dumps(record, sort_keys=True, ensure_ascii=False, separators=(",", ":")) + "\n"
+    ).encode()
+
+
+def append_row(shard_dir: str | os.PathLike, key: str, record: dict) -> None:
+    """Journal a finished row; durable before the call returns."""
+    line = json.dumps({"key": key, "row": record}, sort_keys=True, ensure_ascii=False) + "\n"
+    path = Path(shard_dir) / JOURNAL_NAME
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, line.encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def journalled_rows(shard_dir: str | os.PathLike, key: str, row_ids: Iterable[int]) -> dict:
+    """`{row_id: record}` of the rows finished under `key`; the journal is rewritten to hold
+    only them (entries of other settings, other rows and a torn last line are dropped)."""
+    shard_dir = Path(shard_dir)
+    wanted = set(row_ids)
+    kept: dict[int, dict] = {}
+    try:
+        text = (shard_dir / JOURNAL_NAME).read_text()
+    except FileNotFoundError:
+        return kept
+    for line in text.splitlines():
+        try:
+            entry = json.loads(line)
+            record = entry["row"]
+            row_id = record["row_id"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue  # a line torn by a kill mid-append
+        if entry.get("key") == key and row_id in wanted:
+            kept[row_id] = record
+    lines = "".join(
+        json.dumps({"key": key, "row": kept[r]}, sort_keys=True, ensure_ascii=False) + "\n"
+        for r in sorted(kept)
+    )
+    atomic_write_bytes(shard_dir / JOURNAL_NAME, lines.encode())
+    return kept
+
+
+def write_rows(shard_dir: str | os.PathLike, records: list[dict]) -> tuple[int, str]:
+    """Write `rows.jsonl` atomically; returns its size and xxh3-128."""
+    data = b"".join(row_line(r) for r in records)
+    atomic_write_bytes(Path(shard_dir) / ROWS_NAME, data)
+    return len(data), hash_bytes(data)
+
+
+def write_manifest(shard_dir: str | os.PathLike, manifest: dict) -> Path:
+    path = Path(shard_dir) / MANIFEST_NAME
+    atomic_write_json(path, manifest)
+    return path
+
+
+def read_manifest(path: str | os.PathLike) -> dict:
+    manifest = read_json_object(
+        path, what="regenerated shard manifest", missing="does not exist: run snakemake"
+    )
+    for key in ("shard", "row_start", "row_end", "rows_file", "bytes", "xxh3_128", "provenance"):
+        if key not in manifest:
+            raise PipelineError(f"regenerated shard manifest {path} has no {key!r}")
+    return manifest
+
+
+def iter_regenerated_rows(manifest_path: str | os.PathLike) -> Iterator[dict]:
+    """The row records of a finished regenerated shard, checked against its manifest: the rows
+    file's size and checksum, and one record per source row of the range, in order."""
+    manifest_path = Path(manifest_path)
+    manifest = read_manifest(manifest_path)
+    rows_path = manifest_path.parent / manifest["rows_file"]
+    repair = (
+        f"remove {manifest_path} and run snakemake again (the rows journalled in "
+        f"{manifest_path.parent / JOURNAL_NAME} are kept)"
+    )
+    try:
+        size = rows_path.stat().st_size
+    except FileNotFoundError:
+        raise PipelineError(f"{rows_path} is missing: {repair}") from None
+    if size != manifest["bytes"] or hash_file(rows_path) != manifest["xxh3_128"]:
+        raise PipelineError(f"{rows_path} does not match its manifest's checksum: {repair}")
+    expected = manifest["row_start"]
+    with open(rows_path, encoding="utf-8") as f:
+        for line in f:
+            record = json.loads(line)
+            if record.get("row_id") != expected:
+                raise PipelineError(
+                    f"{rows_path}: row {record.get('row_id')} where row {expected} was expected"
+                )
+            expected += 1
+            yield record
+    if expected != manifest["row_end"]:
+        raise PipelineError(
+            f"{rows_path} stops before row {expected}; its shard ends at row "
+            f"{manifest['row_end'] - 1}"
+        )

@@ -1,0 +1,21 @@
+#!/usr/bin/env python3
+"""Regenerate the assistant turns of one shard with the target (resumes journalled rows)."""
+
+import argparse
+
+from eaglepipe.errors import one_line_errors
+from eaglepipe.regenerate import run_regenerate_job
+from eaglepipe.run import load_run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--config", required=True, help="resolved config JSON or a YAML config")
+    parser.add_argument("--shard", required=True, help="e.g. rows_0-64")
+    args = parser.parse_args()
+    with one_line_errors():
+        run_regenerate_job(load_run(args.config), args.shard)
+
+
+if __name__ == "__main__":
+    main()
