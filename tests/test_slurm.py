@@ -243,7 +243,8 @@ def copy_before_extraction(source: Path, dest: Path) -> Path:
     prepared table, Snakemake's metadata and the provenance stamps; its own port and handoff."""
     shutil.copytree(source, dest, ignore=shutil.ignore_patterns(*NOT_COPIED), symlinks=True)
     config = yaml.safe_load((dest / "config.yaml").read_text())
-    config["dataset"]["path"] = str(dest / "conversations.jsonl")
+    # dataset.path stays the clean run's file (read only): a new path rebuilds the toy target's
+    # tokenizer and reruns prepare, as for any run whose dataset moved.
     config = isolate(config, dest)
     config["server"]["idle_timeout_s"] = 600
     write_config(dest, config)
