@@ -6,6 +6,9 @@
 #   bash tools/h200.sh fidelity OUT     benchmarks/sglang_fidelity.py (Llama, DeepSeek, Kimi)
 #   bash tools/h200.sh perf     OUT     benchmarks/bench_sglang_extraction.py (8B shape)
 #   bash tools/h200.sh pipeline OUT     benchmarks/sglang_pipeline_h200.sh (snakemake, engine sglang)
+#   bash tools/h200.sh live     OUT --config C --export-dir D --table T --eval E
+#                                       scripts/live_acceptance.py on a carried run's files (an
+#                                       exported drafter served by SGLang's speculative decoding)
 #   (extra arguments after OUT go to the part's script)
 #
 # Needs .whl-sglang/ (python tools/stage_sglang.py, here; carried with the call). Uses
@@ -21,16 +24,16 @@
 set -u -o pipefail
 
 if [ $# -lt 2 ]; then
-    echo "usage: bash tools/h200.sh check|fidelity|perf|pipeline OUT [args...]" >&2
+    echo "usage: bash tools/h200.sh check|fidelity|perf|pipeline|live OUT [args...]" >&2
     exit 2
 fi
 PART=$1
 OUT=$2
 shift 2
 case "$PART" in
-check | fidelity | perf | pipeline) ;;
+check | fidelity | perf | pipeline | live) ;;
 *)
-    echo "tools/h200.sh: unknown part '$PART' (check, fidelity, perf, pipeline)" >&2
+    echo "tools/h200.sh: unknown part '$PART' (check, fidelity, perf, pipeline, live)" >&2
     exit 2
     ;;
 esac
@@ -142,6 +145,10 @@ run_part() {
         pipeline)
             EAGLEPIPE_PIPELINE_LIMIT_S=$((left - 20)) timeout --signal=TERM --kill-after=20 \
                 "$left" bash benchmarks/sglang_pipeline_h200.sh "$OUT" "$@"
+            ;;
+        live)
+            timeout --signal=TERM --kill-after=20 "$left" python3 -u \
+                scripts/live_acceptance.py --out "$OUT/live.json" "$@"
             ;;
         esac
     )
