@@ -20,7 +20,6 @@ extraction requests.
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -28,25 +27,7 @@ import aiohttp
 
 from .client import BACKOFF_BASE_S, BACKOFF_MAX_S, TransientError
 from .errors import PipelineError, ServerLost
-
-_RID_RE = re.compile(r"^([A-Za-z][A-Za-z0-9]*)\.regen-([0-9a-f]{12})-(\d+)-(\d+)-(\d+)$")
-
-
-def make_generation_rid(prefix: str, nonce: str, row_id: int, turn: int, attempt: int) -> str:
-    """`<prefix>.regen-<nonce>-<row>-<turn>-<attempt>`: never `<prefix>-...`, so never dumped."""
-    rid = f"{prefix}.regen-{nonce}-{int(row_id)}-{int(turn)}-{int(attempt)}"
-    if not _RID_RE.match(rid):
-        raise PipelineError(f"cannot make a generation request id from {prefix!r}, {nonce!r}")
-    return rid
-
-
-def parse_generation_rid(rid: str) -> tuple[str, str, int, int, int] | None:
-    """(prefix, nonce, row id, turn, attempt) of a generation request id, else None."""
-    match = _RID_RE.match(rid) if isinstance(rid, str) else None
-    if match is None:
-        return None
-    prefix, nonce, row_id, turn, attempt = match.groups()
-    return prefix, nonce, int(row_id), int(turn), int(attempt)
+from .generation_rids import make_generation_rid
 
 
 class RowRefused(PipelineError):

@@ -22,10 +22,9 @@ from eaglepipe.generation import (
     GenerationClient,
     GenerationSettings,
     RowRefused,
-    make_generation_rid,
-    parse_generation_rid,
     parse_reply,
 )
+from eaglepipe.generation_rids import make_generation_rid, parse_generation_rid
 from eaglepipe.server.faults import parse_faults
 
 NONCE = "0123456789ab"

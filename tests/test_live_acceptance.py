@@ -25,7 +25,8 @@ from pipeline_run import write_config as write_run_config
 
 from eaglepipe.config import load_config
 from eaglepipe.drafter.export import export
-from eaglepipe.drafter.live import ExportInfo, first_difference, live_acceptance, live_export_engine
+from eaglepipe.drafter.live import live_acceptance, live_export_engine
+from eaglepipe.drafter.live_run import ExportInfo, first_difference
 from eaglepipe.drafter.live_sglang import (
     parse_generation,
     serve_command,

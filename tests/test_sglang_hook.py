@@ -375,7 +375,7 @@ def test_generation_requests_beside_extraction_requests_are_never_dumped(hook_mo
     """Regeneration's requests (`eaglepipe.generation` ids) share prefill batches with extraction
     requests on one server: only the extraction requests are dumped, each its own slice, and
     the generation requests' decode steps pass through."""
-    from eaglepipe.generation import make_generation_rid
+    from eaglepipe.generation_rids import make_generation_rid
 
     hook = make_hook(hook_module, tmp_path)
     processor = attach(hook)

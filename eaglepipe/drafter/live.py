@@ -21,12 +21,12 @@ This module stays free of torch at import: the Snakefile asks it which export th
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..atomic import atomic_write_json
 from ..errors import PipelineError
 from ..run import RunSpec
+from .live_run import ExportInfo, acceptance_length
 
 
 def live_export_engine(run: RunSpec) -> str | None:
@@ -52,71 +52,6 @@ def live_export_engine(run: RunSpec) -> str | None:
             "or set evaluate.live_prompts: 0"
         )
     return "sglang" if "sglang" in engines else engines[0]
-
-
-@dataclass(frozen=True)
-class ExportInfo:
-    """An exported drafter directory as its engine reads it."""
-
-    directory: Path
-    engine: str
-    written_layer_ids: list[int]  # as the engine reads them from config.json
-    exported: dict  # its config.json
-
-    @classmethod
-    def read(cls, export_dir: str | Path) -> ExportInfo:
-        directory = Path(export_dir)
-        path = directory / "config.json"
-        try:
-            config = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise PipelineError(f"{path} does not exist: run the export rule first") from None
-        engine = (config.get("eaglepipe") or {}).get("engine")
-        if engine == "sglang":
-            written = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-        elif engine == "vllm":
-            written = config.get("eagle_aux_hidden_state_layer_ids")
-        else:
-            raise PipelineError(f"{path} names no export engine (eaglepipe.engine: {engine!r})")
-        if not written:
-            raise PipelineError(f"{path} holds no aux layer ids where {engine} reads them")
-        return cls(directory, engine, [int(i) for i in written], config)
-
-
-@dataclass
-class PromptRun:
-    """One prompt decoded with the drafter, and the target's plain greedy output."""
-
-    row_id: int
-    produced: list[int]
-    greedy: list[int]
-    rounds: int  # verification forwards of the target
-    accepted: int  # draft tokens accepted over all rounds
-    extra: dict = field(default_factory=dict)
-
-    def record(self) -> dict:
-        return {
-            "row_id": self.row_id,
-            "rounds": self.rounds,
-            "accepted": self.accepted,
-            "acceptance_length": acceptance_length(self.accepted, self.rounds),
-            "matches_greedy": self.produced == self.greedy,
-            "first_difference": first_difference(self.produced, self.greedy),
-            **self.extra,
-        }
-
-
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    """The first position where two outputs differ (or the shorter one ends), None if equal."""
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
-def acceptance_length(accepted: int, rounds: int) -> float | None:
-    """Tokens per verification round: the accepted drafts plus the target's own token."""
-    return 1.0 + accepted / rounds if rounds else None
 
 
 def held_out_prompts(table_path, count: int) -> list[tuple[int, list[int]]]:

@@ -65,7 +65,7 @@ from ..server.lifecycle import (
 from ..server.ports import describe_port_holders, port_is_free, wait_port_free
 from ..server.sglang import check_extra_args, free_server_port
 from ..server.supervise import ENGINE_STOP_GRACE_S
-from .live import ExportInfo, PromptRun
+from .live_run import ExportInfo, PromptRun
 
 LIVE_STATE_ROOT = cfg.STATE_DIR / "live-server"
 LIVE_LOG_DIR = cfg.LOG_DIR / "live_acceptance"

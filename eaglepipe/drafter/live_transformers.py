@@ -21,7 +21,7 @@ import torch
 
 from ..run import RunSpec
 from .engine_load import load_exported_drafter
-from .live import ExportInfo, PromptRun
+from .live_run import ExportInfo, PromptRun
 from .model import Eagle3Drafter
 
 

@@ -69,7 +69,7 @@ class Faults:
         """Whether a text generation request gets the empty reply of the empty_reply fault."""
         if not self.empty_reply_rows:
             return False
-        from ..generation import parse_generation_rid
+        from ..generation_rids import parse_generation_rid
 
         parsed = parse_generation_rid(rid)
         return parsed is not None and parsed[2] in self.empty_reply_rows

@@ -56,7 +56,7 @@ def main():
     import torch
 
     from eaglepipe.drafter.export import engine_captured_layers, target_family
-    from eaglepipe.drafter.live import ExportInfo
+    from eaglepipe.drafter.live_run import ExportInfo
     from eaglepipe.drafter.live_transformers import (
         Target,
         load_exported_drafter,
