@@ -17,6 +17,31 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 
 
+_GREEDY_MODELS: dict = {}
+
+
+def plain_greedy(model_dir, prompt: list[int], budget: int, stops=()) -> list[int]:
+    """Greedy decoding the plain way: one unbatched fp32 forward of the whole sequence per token,
+    up to and including a stop token, or `budget` tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if model_dir not in _GREEDY_MODELS:
+        _GREEDY_MODELS[model_dir] = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32
+        ).eval()
+    ids, out = list(prompt), []
+    with torch.no_grad():
+        for _ in range(budget):
+            logits = _GREEDY_MODELS[model_dir](torch.tensor([ids]), use_cache=False).logits[0, -1]
+            token = int(logits.argmax())
+            out.append(token)
+            ids.append(token)
+            if token in stops:
+                break
+    return out
+
+
 def build_tiny_llama(out_dir: Path, *, num_layers: int = 8, hidden_size: int = 32) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -61,6 +61,29 @@ def write_config(workdir: Path, config: dict) -> Path:
     return path
 
 
+def run_on_toy_as_user_model(workdir: Path, config: dict, *targets: str) -> Path:
+    """Build the toy target, move it to `workdir/target` as a user's model directory, then run
+    `targets` with `model.path` pointing there."""
+    write_config(workdir, config)
+    run_snakemake(workdir, "--cores", "2", "models/toy-target/config.json")
+    shutil.copytree(workdir / "models" / "toy-target", workdir / "target")
+    shutil.rmtree(workdir / "models")
+    config["model"]["path"] = str(workdir / "target")
+    write_config(workdir, config)
+    run_snakemake(workdir, "--cores", "2", *targets)
+    return workdir
+
+
+def copy_run(source: Path, workdir: Path) -> Path:
+    """A private copy of a finished run (Snakemake metadata included): its own dataset file,
+    port and handoff dir; the model stays where it was."""
+    shutil.copytree(source, workdir, ignore=shutil.ignore_patterns("dumps", "server"))
+    config = yaml.safe_load((workdir / "config.yaml").read_text())
+    config["dataset"]["path"] = str(workdir / "conversations.jsonl")
+    write_config(workdir, isolate(config, workdir))
+    return workdir
+
+
 def snakemake_argv(workdir: Path, *args: str) -> list[str]:
     return [
         SNAKEMAKE,

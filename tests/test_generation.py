@@ -15,6 +15,7 @@ import signal
 import aiohttp
 import pytest
 import torch
+from conftest import plain_greedy
 from test_reference_server import body, generate, launch, rid, token_ids
 
 from eaglepipe.errors import PipelineError
@@ -43,29 +44,6 @@ def server(tmp_path_factory, tiny_llama_dir):
         proc.stop()
 
 
-_MODELS: dict = {}
-
-
-def reference_greedy(model_dir, prompt: list[int], new_tokens: int, stops=()) -> list[int]:
-    """Greedy decoding the plain way: one unbatched fp32 forward of the whole sequence per token."""
-    from transformers import AutoModelForCausalLM
-
-    if model_dir not in _MODELS:
-        _MODELS[model_dir] = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=torch.float32
-        ).eval()
-    ids, out = list(prompt), []
-    with torch.no_grad():
-        for _ in range(new_tokens):
-            logits = _MODELS[model_dir](torch.tensor([ids]), use_cache=False).logits[0, -1]
-            token = int(logits.argmax())
-            out.append(token)
-            ids.append(token)
-            if token in stops:
-                break
-    return out
-
-
 def gen_body(row: int, prompt: list[int], **params) -> dict:
     sampling = {"max_new_tokens": NEW_TOKENS, "temperature": 0.0, **params}
     return {
@@ -77,7 +55,7 @@ def gen_body(row: int, prompt: list[int], **params) -> dict:
 
 def test_greedy_replies_are_the_unbatched_greedy_decode_alone_or_batched(server, tiny_llama_dir):
     prompts = [token_ids(n, seed=n) for n in PROMPT_LENGTHS]
-    expected = [reference_greedy(tiny_llama_dir, p, NEW_TOKENS) for p in prompts]
+    expected = [plain_greedy(tiny_llama_dir, p, NEW_TOKENS) for p in prompts]
     alone = [generate(server, [gen_body(i, p)])[0] for i, p in enumerate(prompts)]
     batched = generate(server, [gen_body(i, p) for i, p in enumerate(prompts)])
     for (status_a, answer_a), (status_b, answer_b), want in zip(
@@ -91,7 +69,7 @@ def test_greedy_replies_are_the_unbatched_greedy_decode_alone_or_batched(server,
 
 def test_a_stop_token_ends_the_reply_and_is_reported_as_sglang_does(server, tiny_llama_dir):
     prompt = token_ids(20, seed=3)
-    full = reference_greedy(tiny_llama_dir, prompt, NEW_TOKENS)
+    full = plain_greedy(tiny_llama_dir, prompt, NEW_TOKENS)
     stop = full[3]
     [(status, answer)] = generate(server, [gen_body(1, prompt, stop_token_ids=[stop])])
     assert status == 200
@@ -180,7 +158,7 @@ def test_the_client_returns_replies_and_names_a_refused_row(server, tiny_llama_d
             return await client.generate(session, 42, 3, ids, new, seed=0)
 
     reply = asyncio.run(run(prompt, 6))
-    assert reply.output_ids == reference_greedy(tiny_llama_dir, prompt, 6)
+    assert reply.output_ids == plain_greedy(tiny_llama_dir, prompt, 6)
     assert reply.finish == "length"
     with pytest.raises(RowRefused, match=r"^row 42 turn 3: server refused request .* with 400"):
         asyncio.run(run([1] * 1020, 6))
@@ -215,7 +193,7 @@ def test_near_ties_are_decided_by_an_unbatched_forward(tiny_llama_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     prompts = [token_ids(n, seed=n) for n in (4, 19, 33)]
     params = [SamplingParams(max_new_tokens=5, temperature=0.0)] * len(prompts)
-    expected = [reference_greedy(tiny_llama_dir, p, 5) for p in prompts]
+    expected = [plain_greedy(tiny_llama_dir, p, 5) for p in prompts]
     for margin, unbatched in ((float("inf"), 15), (0.0, 0)):
         generator = BatchGenerator(model, torch.device("cpu"), torch.float32)
         generator.margin = margin

@@ -18,12 +18,13 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
+from conftest import plain_greedy
 from pipeline_run import (
+    copy_run,
     dry_run_jobs,
-    isolate,
     kill_group,
+    run_on_toy_as_user_model,
     run_snakemake,
     small_config,
     snakemake_argv,
@@ -71,52 +72,22 @@ def regenerated(tmp_path_factory) -> Path:
     workdir = tmp_path_factory.mktemp("regenerated")
     config = small_config(workdir, rows=20, rows_per_shard=10)
     config["dataset"]["regenerate"].update(enabled=True, max_new_tokens=MAX_NEW_TOKENS)
-    write_config(workdir, config)
-    run_snakemake(workdir, "--cores", "2", "models/toy-target/config.json")
-    shutil.copytree(workdir / "models" / "toy-target", workdir / "target")
-    shutil.rmtree(workdir / "models")
-    config["model"]["path"] = str(workdir / "target")
-    write_config(workdir, config)
-    run_snakemake(workdir, "--cores", "2", *EXTRACTED)
-    return workdir
+    return run_on_toy_as_user_model(workdir, config, *EXTRACTED)
 
 
 @pytest.fixture
 def run_copy(regenerated, tmp_path) -> Path:
     """A private copy of the run (Snakemake metadata included), its own dataset file and port."""
-    workdir = tmp_path / "run"
-    shutil.copytree(regenerated, workdir, ignore=shutil.ignore_patterns("dumps", "server"))
-    config = yaml.safe_load((workdir / "config.yaml").read_text())
-    config["dataset"]["path"] = str(workdir / "conversations.jsonl")
-    write_config(workdir, isolate(config, workdir))
-    return workdir
+    return copy_run(regenerated, tmp_path / "run")
 
 
 # ------------------------------------------------------------------ what regeneration writes
 
-_MODELS: dict = {}
-
 
 def greedy_reply(model_dir: Path, prompt: list[int], budget: int, stops: set[int]) -> list[int]:
-    """The target's greedy reply the plain way: an unbatched forward of the whole sequence per
-    token, up to a stop token (left out) or `budget` tokens."""
-    from transformers import AutoModelForCausalLM
-
-    if model_dir not in _MODELS:
-        _MODELS[model_dir] = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=torch.float32
-        ).eval()
-    ids, out = list(prompt), []
-    with torch.no_grad():
-        while len(out) < budget:
-            token = int(
-                _MODELS[model_dir](torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()
-            )
-            if token in stops:
-                break
-            out.append(token)
-            ids.append(token)
-    return out
+    """The target's greedy reply the plain way, up to a stop token (left out) or `budget`."""
+    out = plain_greedy(model_dir, prompt, budget, stops)
+    return out[:-1] if out and out[-1] in stops else out
 
 
 def test_each_turn_is_the_targets_greedy_reply_to_its_own_earlier_replies(regenerated):

@@ -263,12 +263,18 @@ def test_five_thousand_shards(tmp_path):
     assert len(status.format_status(summary, list_all=True).splitlines()) > 5000
 
 
-def test_print_status_exit_codes(tmp_path):
+def twenty_row_config(tmp_path: Path) -> dict:
+    """The embedded default over 20 empty rows in shards of 8: rows_0-8, rows_8-16, rows_16-20."""
     dataset = tmp_path / "conversations.jsonl"
     dataset.write_text("".join(json.dumps({"messages": [], "i": i}) + "\n" for i in range(20)))
     config = load_config(REPO_ROOT / "config.yaml")
     config["dataset"]["path"] = str(dataset)
     config["shards"]["rows_per_shard"] = 8
+    return config
+
+
+def test_print_status_exit_codes(tmp_path):
+    config = twenty_row_config(tmp_path)
 
     out = io.StringIO()
     assert status.print_status(resolve(config), workdir=tmp_path, stream=out) == 0
@@ -343,11 +349,7 @@ def test_reads_what_the_shard_store_writes(tmp_path):
 def test_regeneration_shards_are_counted_and_failures_named(tmp_path):
     from eaglepipe.shard_store import record_failure
 
-    dataset = tmp_path / "conversations.jsonl"
-    dataset.write_text("".join(json.dumps({"messages": [], "i": i}) + "\n" for i in range(20)))
-    config = load_config(REPO_ROOT / "config.yaml")
-    config["dataset"]["path"] = str(dataset)
-    config["shards"]["rows_per_shard"] = 8
+    config = twenty_row_config(tmp_path)
     config["dataset"]["regenerate"]["enabled"] = True
     regenerated = tmp_path / "regenerated"
     (regenerated / "rows_0-8").mkdir(parents=True)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -18,8 +17,9 @@ import pytest
 import yaml
 from drafter_helpers import flip_low_bit
 from pipeline_run import (
+    copy_run,
     dry_run_jobs,
-    isolate,
+    run_on_toy_as_user_model,
     run_snakemake,
     small_config,
     write_config,
@@ -39,28 +39,14 @@ def manifest(workdir: Path, shard: str) -> Path:
 def extracted(tmp_path_factory) -> Path:
     """Every shard extracted and validated, with the toy target used as a user model dir."""
     workdir = tmp_path_factory.mktemp("extracted")
-    config = small_config(workdir)
-    write_config(workdir, config)
-    run_snakemake(workdir, "--cores", "2", "models/toy-target/config.json")
-    shutil.copytree(workdir / "models" / "toy-target", workdir / "target")
-    shutil.rmtree(workdir / "models")
-    config["model"]["path"] = str(workdir / "target")
-    write_config(workdir, config)
-    run_snakemake(workdir, "--cores", "2", *VALIDATED)
-    return workdir
+    return run_on_toy_as_user_model(workdir, small_config(workdir), *VALIDATED)
 
 
 @pytest.fixture
 def run_copy(extracted, tmp_path) -> Path:
     """A private copy of the extracted run (Snakemake metadata included), on its own port."""
-    workdir = tmp_path / "run"
-    shutil.copytree(extracted, workdir, ignore=shutil.ignore_patterns("dumps", "server"))
-    config = yaml.safe_load((workdir / "config.yaml").read_text())
-    dataset = workdir / "conversations.jsonl"
-    config["dataset"]["path"] = str(dataset)
-    # Keep the model where it was: moving it would change nothing the provenance hashes.
-    write_config(workdir, isolate(config, workdir))
-    return workdir
+    # The model stays where it was: moving it would change nothing the provenance hashes.
+    return copy_run(extracted, tmp_path / "run")
 
 
 def test_schema_error_names_the_bad_key(tmp_path):
