@@ -190,22 +190,33 @@ def inspect_shard(
         status.bytes = sum(int(entry.get("bytes", 0)) for entry in journal)
         if journal:
             status.last_activity = (shard_dir / JOURNAL_NAME).stat().st_mtime
-        lock = _read_lock(shard_dir / LOCK_NAME)
-        if lock is not None and lock_is_live(lock, hostname=hostname):
-            status.state = RUNNING
-            status.lock_pid, status.lock_host = lock.get("pid"), lock.get("host")
-            status.started_at = _parse_time(lock.get("started_at"))
-            return status
+    set_aside = _read_json(shard_dir / INVALID_MANIFEST_NAME)
+    status.state, lock, failure = unfinished_state(
+        shard_dir, kept_work=bool(status.chunks_done or set_aside), hostname=hostname
+    )
+    if status.state == RUNNING:
+        status.lock_pid, status.lock_host = lock.get("pid"), lock.get("host")
+        status.started_at = _parse_time(lock.get("started_at"))
+    elif status.state == FAILED:
+        status.error = failure.get("error", "(no reason recorded)")
+    elif status.state == PARTIAL and set_aside is not None:
+        status.damage = set_aside.get("reason", "damaged")
+    return status
+
+
+def unfinished_state(
+    shard_dir: Path, *, kept_work: bool, hostname: str | None = None
+) -> tuple[str, dict | None, dict | None]:
+    """The state of a shard directory without its manifest, for every per-shard stage: RUNNING
+    under a live writer lock, else FAILED with a failure record, else PARTIAL when work is kept,
+    else REMAINING; with the lock and the failure record it read."""
+    lock = _read_lock(shard_dir / LOCK_NAME)
+    if lock is not None and lock_is_live(lock, hostname=hostname):
+        return RUNNING, lock, None
     failure = read_failure(shard_dir)
     if failure is not None:
-        status.state, status.error = FAILED, failure.get("error", "(no reason recorded)")
-        return status
-    set_aside = _read_json(shard_dir / INVALID_MANIFEST_NAME)
-    if set_aside is not None:
-        status.state, status.damage = PARTIAL, set_aside.get("reason", "damaged")
-    elif status.chunks_done:
-        status.state = PARTIAL
-    return status
+        return FAILED, lock, failure
+    return (PARTIAL if kept_work else REMAINING), lock, None
 
 
 @dataclass
@@ -504,19 +515,13 @@ def regeneration_lines(
             rows = (shard_dir / JOURNAL_NAME).read_text().count("\n")
         except (FileNotFoundError, NotADirectoryError):
             rows = 0
-        lock = _read_lock(shard_dir / LOCK_NAME)
-        failure = read_failure(shard_dir)
-        if lock is not None and lock_is_live(lock, hostname=hostname):
-            counts[RUNNING] += 1
+        state, lock, failure = unfinished_state(shard_dir, kept_work=rows > 0, hostname=hostname)
+        counts[state] += 1
+        if state == RUNNING:
             where = f"pid {lock.get('pid')}" + (f" on {lock['host']}" if lock.get("host") else "")
             listed.append(f"  running  {REGENERATED_DIR}/{name}: {rows} rows done ({where})")
-        elif failure is not None:
-            counts[FAILED] += 1
+        elif state == FAILED:
             listed.append(f"  FAILED   {REGENERATED_DIR}/{name}: {failure.get('error', '?')}")
-        elif rows:
-            counts[PARTIAL] += 1
-        else:
-            counts[REMAINING] += 1
     head = (
         f"regenerated: {len(shard_names)} planned, {counts[DONE]} done, {counts[RUNNING]} "
         f"running, {counts[FAILED]} failed, {counts[PARTIAL]} partial (rows kept), "
