@@ -15,7 +15,12 @@ held-out rows:
 
 Both runs build the same toy target (seeded; checked: same weights fingerprint). Also reported:
 each run's own drafter/eval.json and drafter/live.json, the pipeline's wall time, and the
-regeneration stage's output tokens and tokens/s per shard job. CPU only.
+regeneration stage's output tokens and tokens/s per shard job.
+
+`--overrides FILE` merges a YAML file over the config (the H200's SGLang engine and toy:
+benchmarks/h200_regeneration.yaml, through `bash tools/h200.sh regen-acceptance OUT`);
+`--parallel` runs the two pipelines at once (cores split between them); `--cross-live 0` leaves
+out the two extra live passes (each run's own drafter/live.json is still reported).
 
     python -u benchmarks/bench_regeneration.py --work-root /tmp/regen-bench \
         --out benchmarks/results/regeneration_cpu.json          # the embedded default
@@ -32,10 +37,11 @@ import argparse
 import copy
 import json
 import os
-import socket
+import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import yaml
@@ -45,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     REPO_ROOT,
     command_line,
+    free_port,
     log,
     machine_info,
     machine_line,
@@ -52,19 +59,25 @@ from common import (  # noqa: E402
     write_results,
 )
 
-SNAKEMAKE = str(Path(sys.executable).parent / "snakemake")
+SNAKEMAKE = [sys.executable, "-m", "snakemake"]  # also where snakemake has no script on PATH
 SAMPLE = REPO_ROOT / "data" / "sample" / "conversations.jsonl"
 VARIANTS = ("original", "regenerated")  # dataset.regenerate.enabled: false, true
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def merged(base: dict, overrides: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merged(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
 
 
 def base_config(args) -> dict:
     config = yaml.safe_load(Path(args.config).read_text())
+    if args.overrides:
+        config = merged(config, yaml.safe_load(Path(args.overrides).read_text()) or {})
     if args.quick:
         lines = SAMPLE.read_text().splitlines(keepends=True)[:40]
         dataset = Path(args.work_root) / "conversations-40.jsonl"
@@ -90,9 +103,13 @@ def run_config(config: dict, run_dir: Path, regenerate: bool) -> dict:
     return config
 
 
-def snakemake(run_dir: Path, cores: int, log_path: Path, *extra: str) -> float:
+def snakemake(
+    run_dir: Path, cores: int, log_path: Path, *extra: str, timeout_s: float | None = None
+) -> float:
+    """One snakemake run to the end; past `timeout_s` it is stopped as Ctrl-C stops it (its
+    jobs end, its lock goes), so the next call with the same work root resumes it."""
     argv = [
-        SNAKEMAKE,
+        *SNAKEMAKE,
         "--snakefile",
         str(REPO_ROOT / "Snakefile"),
         "--directory",
@@ -101,12 +118,26 @@ def snakemake(run_dir: Path, cores: int, log_path: Path, *extra: str) -> float:
         str(run_dir / "config.yaml"),
         "--cores",
         str(cores),
+        "--rerun-incomplete",
         *extra,
     ]
     started = time.monotonic()
     with open(log_path, "a") as out:
-        result = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, env=_env())
-    if result.returncode != 0:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=_env())
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            raise SystemExit(
+                f"snakemake in {run_dir} stopped after {timeout_s:.0f}s (--deadline-s); "
+                f"rerun with the same --work-root to resume; log: {log_path}"
+            ) from None
+    if proc.returncode != 0:
         raise SystemExit(f"snakemake failed in {run_dir}; log: {log_path}")
     return time.monotonic() - started
 
@@ -173,11 +204,13 @@ def cross_evaluate(runs: dict[str, Path], args, scratch: Path) -> dict:
                 "acceptance_length": result["acceptance_length"],
                 "rows": result.get("rows"),
             }
+    if args.cross_live == 0:
+        return {"offline": offline, "live": {}}
     # Live: the regenerated run's table for the prompts (the held-out prompts are the same rows'
     # system and user turns in both tables), its target, more prompts than the pipeline's check.
     data_dir = runs["regenerated"]
     config = read_json(data_dir / ".eaglepipe" / "config.json")
-    config["evaluate"]["live_prompts"] = args.live_prompts
+    config["evaluate"]["live_prompts"] = args.cross_live
     config["evaluate"]["live_new_tokens"] = args.live_new_tokens
     live_config = scratch / "live-config.json"
     live_config.write_text(json.dumps(config))
@@ -208,28 +241,45 @@ def main() -> None:
     parser.add_argument("--config", default=str(REPO_ROOT / "config.yaml"))
     parser.add_argument("--work-root", required=True, help="scratch dir for the two runs")
     parser.add_argument("--cores", type=int, default=2)
-    parser.add_argument("--live-prompts", type=int, default=256, help="at most; all held out")
+    parser.add_argument("--overrides", help="a YAML file merged over --config")
+    parser.add_argument("--parallel", action="store_true", help="both pipelines at once")
+    parser.add_argument(
+        "--cross-live", type=int, default=256, help="held-out prompts (at most) live; 0: none"
+    )
     parser.add_argument("--live-new-tokens", type=int, default=96)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--deadline-s", type=float, default=None, help="for the pipelines")
+    parser.add_argument(
+        "--snakemake-arg", action="append", default=[], help="passed on (repeatable)"
+    )
     parser.add_argument("--out")
     args = parser.parse_args()
     if args.quick:
-        args.live_prompts, args.live_new_tokens = min(args.live_prompts, 2), 8
+        args.cross_live, args.live_new_tokens = min(args.cross_live, 2), 8
     root = Path(args.work_root).resolve()
     root.mkdir(parents=True, exist_ok=True)
     args.work_root = str(root)
     config = base_config(args)
     runs = {variant: root / variant for variant in VARIANTS}
-    wall: dict[str, float] = {}
-    for variant, run_dir in runs.items():
+    cores = max(1, args.cores // len(runs)) if args.parallel else args.cores
+    deadline = None if args.deadline_s is None else time.monotonic() + args.deadline_s
+
+    def pipeline(variant: str) -> float:
+        run_dir = runs[variant]
         run_dir.mkdir(exist_ok=True)
         config_file = run_dir / "config.yaml"
         if not config_file.exists():  # keep the port of an interrupted run: same resolved config
             wanted = run_config(config, run_dir, variant == "regenerated")
             config_file.write_text(yaml.safe_dump(wanted, sort_keys=False))
-        log(f"{variant}: snakemake --cores {args.cores} in {run_dir}")
-        wall[variant] = round(snakemake(run_dir, args.cores, root / f"{variant}.log"), 1)
-        log(f"{variant}: {wall[variant]:.0f}s")
+        log(f"{variant}: snakemake --cores {cores} in {run_dir}")
+        left = None if deadline is None else max(1.0, deadline - time.monotonic())
+        log_path = root / f"{variant}.log"
+        seconds = round(snakemake(run_dir, cores, log_path, *args.snakemake_arg, timeout_s=left), 1)
+        log(f"{variant}: {seconds:.0f}s")
+        return seconds
+
+    with ThreadPoolExecutor(len(runs) if args.parallel else 1) as pool:
+        wall = dict(zip(runs, pool.map(pipeline, runs), strict=True))
     if config["model"]["path"] is None:
         # Each run built its own toy target: seeded, so the same bytes, or the comparison is void.
         weights = {(d / "models/toy-target/model.safetensors").read_bytes() for d in runs.values()}
@@ -238,18 +288,24 @@ def main() -> None:
     scratch = root / "cross"
     scratch.mkdir(exist_ok=True)
     cross = cross_evaluate(runs, args, scratch)
-    own = {
-        v: {
-            "offline": read_json(d / "drafter" / "eval.json")["acceptance_length"],
-            "live": read_json(d / "drafter" / "live.json")["acceptance_length"],
+    own = {}
+    for variant, run_dir in runs.items():
+        live = read_json(run_dir / "drafter" / "live.json")
+        own[variant] = {
+            "offline": read_json(run_dir / "drafter" / "eval.json")["acceptance_length"],
+            "live": live["acceptance_length"],
+            "live_prompts": live["prompts"],
+            "live_new_tokens": live["new_tokens"],
+            "live_outputs_match_greedy": live.get("outputs_match_greedy"),
+            "live_row_ids": [p["row_id"] for p in live.get("per_prompt", [])],
         }
-        for v, d in runs.items()
-    }
     results = {
         "benchmark": "regeneration",
         "command": command_line(),
-        "machine": machine_info("cpu"),
+        "machine": machine_info(),
         "config": args.config,
+        "overrides": args.overrides,
+        "parallel": args.parallel,
         "quick": args.quick,
         "pipeline_wall_s": wall,
         "regeneration": regeneration_stats(runs["regenerated"]),
@@ -263,12 +319,12 @@ def main() -> None:
                 f"{drafter} replies",
                 cross["offline"][drafter]["regenerated"]["acceptance_length"],
                 cross["offline"][drafter]["original"]["acceptance_length"],
-                cross["live"][drafter]["acceptance_length"],
+                cross["live"].get(drafter, {}).get("acceptance_length", "not run"),
                 own[drafter]["offline"],
                 own[drafter]["live"],
             ]
         )
-    live = cross["live"]["regenerated"]
+    live = cross["live"].get("regenerated", {"prompts": 0, "new_tokens": 0})
     markdown = (
         f"Machine: {machine_line(results['machine'])}\n\n"
         + markdown_table(

@@ -9,6 +9,13 @@
 #   bash tools/h200.sh live     OUT --config C --export-dir D --table T --eval E
 #                                       scripts/live_acceptance.py on a carried run's files (an
 #                                       exported drafter served by SGLang's speculative decoding)
+#   bash tools/h200.sh regen    OUT     benchmarks/bench_sglang_regeneration.py (8B shape): the
+#                                       regenerate stage vs SGLang's bench_serving, same batch
+#   bash tools/h200.sh regen-acceptance OUT
+#                                       benchmarks/bench_regeneration.py with SGLang: drafters
+#                                       trained on the dataset's and on the target's replies
+#                                       (two pipelines at once; a second call on the warm
+#                                       machine resumes them)
 #   (extra arguments after OUT go to the part's script)
 #
 # Needs .whl-sglang/ (python tools/stage_sglang.py, here; carried with the call). Uses
@@ -24,16 +31,16 @@
 set -u -o pipefail
 
 if [ $# -lt 2 ]; then
-    echo "usage: bash tools/h200.sh check|fidelity|perf|pipeline|live OUT [args...]" >&2
+    echo "usage: bash tools/h200.sh check|fidelity|perf|pipeline|live|regen|regen-acceptance OUT [args...]" >&2
     exit 2
 fi
 PART=$1
 OUT=$2
 shift 2
 case "$PART" in
-check | fidelity | perf | pipeline | live) ;;
+check | fidelity | perf | pipeline | live | regen | regen-acceptance) ;;
 *)
-    echo "tools/h200.sh: unknown part '$PART' (check, fidelity, perf, pipeline, live)" >&2
+    echo "tools/h200.sh: unknown part '$PART' (check, fidelity, perf, pipeline, live, regen, regen-acceptance)" >&2
     exit 2
     ;;
 esac
@@ -150,8 +157,35 @@ run_part() {
             timeout --signal=TERM --kill-after=20 "$left" python3 -u \
                 scripts/live_acceptance.py --out "$OUT/live.json" "$@"
             ;;
+        regen)
+            timeout --signal=TERM --kill-after=20 "$left" python3 -u \
+                benchmarks/bench_sglang_regeneration.py --out "$OUT/sglang_regeneration.json" \
+                --deadline-s $((left - 25)) --work-root /tmp "$@"
+            ;;
+        regen-acceptance)
+            # --scheduler greedy: the ilp scheduler needs pulp, which is not staged.
+            timeout --signal=TERM --kill-after=20 "$left" python3 -u \
+                benchmarks/bench_regeneration.py --overrides benchmarks/h200_regeneration.yaml \
+                --work-root "$ROOT/regen-acceptance" --cores "$(nproc)" --parallel \
+                --cross-live 0 --deadline-s $((left - 45)) --snakemake-arg=--scheduler \
+                --snakemake-arg=greedy --out "$OUT/regen_acceptance.json" "$@"
+            rc=$?
+            keep_log_tails "$ROOT/regen-acceptance" "$OUT/regen_acceptance_logs.tgz"
+            exit $rc
+            ;;
         esac
     )
+}
+
+keep_log_tails() {
+    # The last 200 lines of every log under $1 (snakemake's, the rules', the servers') into $2.
+    local root=$1 archive=$2 tails
+    tails=$(mktemp -d)
+    find "$root" -name '*.log' -type f 2>/dev/null | while read -r f; do
+        mkdir -p "$tails/$(dirname "${f#"$root"/}")"
+        tail -n 200 "$f" >"$tails/${f#"$root"/}"
+    done
+    tar -czf "$archive" -C "$tails" . && rm -rf "$tails"
 }
 
 stop_leftovers() {
