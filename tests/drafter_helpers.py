@@ -152,6 +152,7 @@ def write_config(
     config["model"]["path"] = str(model_dir)
     config["dataset"]["path"] = str(dataset)
     config["shards"]["rows_per_shard"] = rows_per_shard
+    config["dataset"]["regenerate"]["enabled"] = False  # the drafter reads these rows as they are
     config["train"].update(
         {
             "draft_vocab_size": 128,

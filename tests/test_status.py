@@ -270,6 +270,7 @@ def twenty_row_config(tmp_path: Path) -> dict:
     config = load_config(REPO_ROOT / "config.yaml")
     config["dataset"]["path"] = str(dataset)
     config["shards"]["rows_per_shard"] = 8
+    config["dataset"]["regenerate"]["enabled"] = False  # extraction only, unless a test says so
     return config
 
 
