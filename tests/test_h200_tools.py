@@ -219,6 +219,51 @@ def test_the_extraction_benchmark_builds_the_bare_and_pipeline_commands(
     assert list(tmp_path.glob("eaglepipe-bench-sglang-*")) == []  # the scratch dir is removed
 
 
+def test_the_regeneration_benchmark_builds_its_three_commands(tmp_path):
+    out = tmp_path / "r.json"
+    done = run_script(
+        "benchmarks/bench_sglang_regeneration.py", "--dry-run", "--sglang-version", "0.5.14",
+        "--work-root", str(tmp_path), "--out", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads(out.read_text())
+    pipeline, stock = results["pipeline"]["argv"], results["stock"]["argv"]
+    capture_only = ["--forward-hooks", "--disable-radix-cache", "--chunked-prefill-size=-1",
+                    "--disable-prefill-cuda-graph", "--disable-decode-cuda-graph"]  # fmt: skip
+    assert all(flag in pipeline for flag in capture_only)
+    assert not any(flag in stock for flag in capture_only)
+    # Apart from what the capture needs, the stock server is the pipeline's: same model,
+    # memory, dtype and the slim install's backends.
+    hook_at = pipeline.index("--forward-hooks")
+    kept = pipeline[:hook_at] + [a for a in pipeline[hook_at + 2 :] if a not in capture_only]
+    assert stock == kept
+    bench = results["bench_serving"]["argv"]
+    assert bench[bench.index("--max-concurrency") + 1] == "8"  # 2 jobs x 4 in flight (tiny)
+    assert bench[bench.index("--random-range-ratio") + 1] == "1.0"
+    assert list(tmp_path.glob("eaglepipe-bench-regen-*")) == []
+
+
+def test_the_regeneration_benchmark_uses_only_flags_bench_serving_has():
+    """bench_serving's options in the recommended release's source (never imported here)."""
+    from sglang_source import sglang_source_root, supported
+
+    version = supported()["recommended"]
+    source = (sglang_source_root(version) / "bench_serving.py").read_text()
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    try:
+        from bench_sglang_regeneration import bench_serving_command, parse_args
+    finally:
+        sys.path.pop(0)
+    argv = bench_serving_command(
+        "http://127.0.0.1:30000", Path("/m"), parse_args([]), 256, Path("/o")
+    )
+    flags = [a for a in argv if a.startswith("--")]
+    assert flags and all(f'"{flag}"' in source for flag in flags), [
+        f for f in flags if f'"{f}"' not in source
+    ]
+    assert '"random-ids"' in source
+
+
 def test_the_fidelity_check_builds_deepseek_and_kimi_and_catches_a_shifted_layer(tmp_path):
     out = tmp_path / "fidelity.json"
     done = run_script(
@@ -295,6 +340,25 @@ def test_the_fidelity_harness_end_to_end_on_the_reference_server(tmp_path):
     assert llama["checks"]["one_dump_per_request"] and llama["other_requests"]["stray_dumps"] == []
     assert [e["layer"] for e in llama["single"]] == ["aux 1", "aux 3", "aux 4", "final"]
     assert not list(tmp_path.glob("eaglepipe-fidelity-*"))  # the scratch dir is gone
+
+
+@pytest.mark.slow
+def test_the_regeneration_benchmark_end_to_end_on_the_reference_server(tmp_path):
+    """The pipeline half of bench_sglang_regeneration.py (its dataset and chat template, the
+    lifecycle, concurrent regenerate jobs, the summary) with the built-in server on CPU."""
+    out = tmp_path / "r.json"
+    done = run_script(
+        "benchmarks/bench_sglang_regeneration.py", "--engine", "reference",
+        "--work-root", str(tmp_path), "--out", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    regeneration = json.loads(out.read_text())["pipeline"]["regeneration"]
+    assert regeneration["rows"] == 8 and regeneration["shards"] == 2
+    # Replies of at most 8 new tokens (the tiny check), counted from the manifests.
+    assert 0 < regeneration["output_tokens"] <= 8 * 8
+    assert regeneration["output_tokens_per_row"] == round(regeneration["output_tokens"] / 8, 1)
+    assert regeneration["output_tokens_per_s"] > 0
+    assert (tmp_path / "r.md").read_text().count("pipeline regeneration") == 1
 
 
 @pytest.mark.slow
