@@ -51,9 +51,10 @@ def write_dataset(path: Path, rows: int) -> None:
             f.write(json.dumps({"messages": messages}) + "\n")
 
 
-def write_config(path: Path, dataset: Path, rows_per_shard: int) -> None:
+def write_config(path: Path, dataset: Path, rows_per_shard: int, regenerate: bool) -> None:
     config = yaml.safe_load((REPO_ROOT / "config.yaml").read_text())
     config["dataset"]["path"] = str(dataset)
+    config["dataset"]["regenerate"]["enabled"] = regenerate
     config["shards"]["rows_per_shard"] = rows_per_shard
     path.write_text(yaml.safe_dump(config, sort_keys=False))
 
@@ -89,6 +90,12 @@ def main(argv=None) -> int:
     parser.add_argument("--rows-per-shard", type=int, default=2)
     parser.add_argument("--work-root", default=None, help="scratch parent dir (default: /tmp)")
     parser.add_argument("--keep", action="store_true", help="keep the scratch dir")
+    parser.add_argument(
+        "--regenerate",
+        action="store_true",
+        help="plan the regenerate jobs too (dataset.regenerate, on in config.yaml); off by "
+        "default, as in the recorded runs before it existed",
+    )
     parser.add_argument("--out", default=None, help="results JSON (markdown beside it)")
     args = parser.parse_args(argv)
 
@@ -96,7 +103,9 @@ def main(argv=None) -> int:
     shards = -(-args.rows // args.rows_per_shard)
     try:
         write_dataset(work / "conversations.jsonl", args.rows)
-        write_config(work / "config.yaml", work / "conversations.jsonl", args.rows_per_shard)
+        write_config(
+            work / "config.yaml", work / "conversations.jsonl", args.rows_per_shard, args.regenerate
+        )
         log(f"dry run over {args.rows} rows, {shards} shards in {work}")
         cold = dry_run(work, work / "cold.log")
         log(f"cold: {cold['seconds']}s, {cold['jobs']} jobs")
@@ -113,7 +122,12 @@ def main(argv=None) -> int:
         "benchmark": "dryrun",
         "command": command_line(),
         "machine": machine_info("cpu"),
-        "setup": {"rows": args.rows, "rows_per_shard": args.rows_per_shard, "shards": shards},
+        "setup": {
+            "rows": args.rows,
+            "rows_per_shard": args.rows_per_shard,
+            "shards": shards,
+            "regenerate": args.regenerate,
+        },
         "cold": cold,
         "warm": warm,
         "warm_quiet": quiet,
