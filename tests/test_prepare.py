@@ -43,6 +43,7 @@ def _config(toy_dir, data_path, **dataset_overrides):
     config = copy.deepcopy(load_config(REPO_ROOT / "config.yaml"))
     config["model"]["path"] = str(toy_dir)
     config["dataset"]["path"] = str(data_path)
+    config["dataset"]["regenerate"]["enabled"] = False  # prepare reads the dataset's own replies
     config["dataset"].update(dataset_overrides)
     config["shards"]["rows_per_shard"] = 16
     return config
