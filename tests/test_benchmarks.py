@@ -102,7 +102,7 @@ def test_dryrun_quick_check_plans_every_shard(tmp_path):
         "bench_dryrun.py", "--rows", "40", "--work-root", str(tmp_path), "--out", str(out)
     )
     results = json.loads(out.read_text())
-    assert results["setup"] == {"rows": 40, "rows_per_shard": 2, "shards": 20}
+    assert results["setup"] == {"rows": 40, "rows_per_shard": 2, "shards": 20, "regenerate": False}
     for run in ("cold", "warm"):
         assert results[run]["seconds"] > 0
         # An extract and a validate job per shard, plus the stages around them.
@@ -112,6 +112,14 @@ def test_dryrun_quick_check_plans_every_shard(tmp_path):
     assert "jobs planned" in out.with_suffix(".md").read_text()
     # The scratch run directory is gone afterwards.
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dryrun.json", "dryrun.md"]
+    # --regenerate plans a regenerate job per shard besides.
+    with_regeneration = tmp_path / "regen.json"
+    run_benchmark(
+        "bench_dryrun.py", "--rows", "40", "--regenerate", "--work-root", str(tmp_path),
+        "--out", str(with_regeneration),
+    )  # fmt: skip
+    planned = json.loads(with_regeneration.read_text())["warm"]["jobs"]
+    assert planned == results["warm"]["jobs"] + 20
 
 
 def test_job_start_quick_check_reads_the_same_rows_both_ways(tmp_path):
