@@ -50,7 +50,6 @@ from common import (  # noqa: E402
     GpuUtilisation,
     chunk_storage,
     command_line,
-    extract_in_parallel,
     free_port,
     log,
     machine_info,
@@ -60,6 +59,7 @@ from common import (  # noqa: E402
     rate,
     ratio,
     seeded_rows,
+    shard_jobs_in_parallel,
     timed,
     working_directory,
     write_prepared,
@@ -356,7 +356,7 @@ def run_server(
             with GpuUtilisation() as gpu:
                 if parallel_shards > 1:
                     with timed() as t:
-                        manifests = extract_in_parallel(run_dir, config, names, parallel_shards)
+                        manifests = shard_jobs_in_parallel(run_dir, config, names, parallel_shards)
                     seconds = t["seconds"]
                     log(
                         f"server: {len(names)} shards, {parallel_shards} at a time, "

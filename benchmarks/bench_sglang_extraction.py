@@ -54,9 +54,9 @@ from common import (  # noqa: E402
     REPO_ROOT,
     SGLANG_EXTRA_ARGS,
     GpuUtilisation,
+    add_engine_options,
     chunk_storage,
     command_line,
-    extract_in_parallel,
     free_port,
     log,
     log_between,
@@ -66,6 +66,7 @@ from common import (  # noqa: E402
     random_llama,
     ratio,
     seeded_rows,
+    shard_jobs_in_parallel,
     working_directory,
     write_prepared,
     write_results,
@@ -105,13 +106,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--deadline-s", type=float, default=540.0, help="whole-run budget")
     parser.add_argument("--health-s", type=float, default=300.0)
     parser.add_argument("--out", default=None)
-    parser.add_argument("--dry-run", action="store_true", help="tiny model, commands, no server")
-    parser.add_argument("--sglang-version", default=None, help="with --dry-run")
-    parser.add_argument(
-        "--engine",
-        choices=["sglang", "reference"],
-        default="sglang",
-        help="reference: the pipeline runs only, through the built-in server on CPU with a tiny "
+    add_engine_options(
+        parser,
+        "reference: the pipeline runs only, through the built-in server on CPU with a tiny "
         "model (a check of this script itself)",
     )
     args = parser.parse_args(argv)
@@ -442,7 +439,7 @@ def run_pipeline(run_dir: Path, config: dict, rows, warmup, args, deadline) -> d
                     offset = handle.log_path.stat().st_size
                     with GpuUtilisation() as gpu:
                         t0 = time.perf_counter()
-                        manifests = extract_in_parallel(
+                        manifests = shard_jobs_in_parallel(
                             run_dir, config, names, args.parallel_shards
                         )
                         seconds = time.perf_counter() - t0

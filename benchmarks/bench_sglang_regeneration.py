@@ -43,7 +43,6 @@ import sys
 import tempfile
 import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -64,6 +63,7 @@ from common import (  # noqa: E402
     REPO_ROOT,
     SGLANG_EXTRA_ARGS,
     GpuUtilisation,
+    add_engine_options,
     command_line,
     free_port,
     log,
@@ -72,6 +72,7 @@ from common import (  # noqa: E402
     markdown_table,
     random_llama,
     ratio,
+    shard_jobs_in_parallel,
     working_directory,
     write_results,
 )
@@ -110,13 +111,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--health-s", type=float, default=300.0)
     parser.add_argument("--work-root", default=None, help="scratch dir (default /tmp)")
     parser.add_argument("--out", default=None)
-    parser.add_argument("--dry-run", action="store_true", help="tiny model, commands, no server")
-    parser.add_argument("--sglang-version", default=None, help="with --dry-run")
-    parser.add_argument(
-        "--engine",
-        choices=["sglang", "reference"],
-        default="sglang",
-        help="reference: the pipeline run only, through the built-in server on CPU with a tiny "
+    add_engine_options(
+        parser,
+        "reference: the pipeline run only, through the built-in server on CPU with a tiny "
         "model (a check of this script itself)",
     )
     args = parser.parse_args(argv)
@@ -262,27 +259,6 @@ def run_bench_serving(url: str, model_dir: Path, args, output_len: int, work: Pa
     return result
 
 
-def regenerate_in_parallel(run_dir: Path, config: dict, names: list[str]) -> list[dict]:
-    """Each shard as its own `scripts/regenerate.py` process, all at once (one per job)."""
-    from eaglepipe.config import write_resolved
-
-    resolved = write_resolved(config, run_dir / ".eaglepipe" / "config.json")
-
-    def one(name: str) -> dict:
-        argv = [sys.executable, "-u", str(REPO_ROOT / "scripts" / "regenerate.py")]
-        argv += ["--config", str(resolved), "--shard", name]
-        started = time.perf_counter()
-        done = subprocess.run(argv, cwd=run_dir, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"{name} failed: {done.stderr[-2000:]}")
-        manifest = json.loads((run_dir / "regenerated" / name / "manifest.json").read_text())
-        manifest["job_wall_s"] = round(time.perf_counter() - started, 3)
-        return manifest
-
-    with ThreadPoolExecutor(len(names)) as pool:
-        return list(pool.map(one, names))
-
-
 def run_pipeline(run_dir: Path, config: dict, model_dir: Path, args, work: Path) -> dict:
     from eaglepipe.run import resolve
     from eaglepipe.server.lifecycle import start_server, stop_server
@@ -300,7 +276,9 @@ def run_pipeline(run_dir: Path, config: dict, model_dir: Path, args, work: Path)
             offset = handle.log_path.stat().st_size
             with GpuUtilisation() as gpu:
                 t0 = time.perf_counter()
-                manifests = regenerate_in_parallel(run_dir, config, names)
+                manifests = shard_jobs_in_parallel(
+                    run_dir, config, names, len(names), stage="regenerate"
+                )
                 seconds = time.perf_counter() - t0
             time.sleep(0.5)
             text = log_between(handle.log_path, offset)

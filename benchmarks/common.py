@@ -268,24 +268,30 @@ def working_directory(path: Path):
         os.chdir(previous)
 
 
-def extract_in_parallel(run_dir: Path, config: dict, names: list[str], jobs: int) -> list[dict]:
-    """Each shard as its own `scripts/extract.py` process, `jobs` at a time (Snakemake's way)."""
+def shard_jobs_in_parallel(
+    run_dir: Path, config: dict, names: list[str], jobs: int, *, stage: str = "extract"
+) -> list[dict]:
+    """Each shard as its own `scripts/<stage>.py` process, `jobs` at a time (Snakemake's way);
+    their manifests, each with the job's whole wall time. Extracted shards are removed once
+    read (the disk holds only the shards in progress); regenerated ones are small and kept."""
     from eaglepipe.config import write_resolved
 
     resolved = write_resolved(config, run_dir / ".eaglepipe" / "config.json")
+    outputs = {"extract": "hidden_states", "regenerate": "regenerated"}[stage]
 
     def one(name: str) -> dict:
-        argv = [sys.executable, "-u", str(REPO_ROOT / "scripts" / "extract.py")]
+        argv = [sys.executable, "-u", str(REPO_ROOT / "scripts" / f"{stage}.py")]
         argv += ["--config", str(resolved), "--shard", name]
         started = time.perf_counter()
         done = subprocess.run(argv, cwd=run_dir, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{name} failed: {done.stderr[-2000:]}")
-        shard_dir = run_dir / "hidden_states" / name
+        shard_dir = run_dir / outputs / name
         manifest = json.loads((shard_dir / "manifest.json").read_text())
         # The job's whole life (interpreter start, imports, lease) beside the manifest's timing.
         manifest["job_wall_s"] = round(time.perf_counter() - started, 3)
-        shutil.rmtree(shard_dir)  # the disk holds only the shards in progress
+        if stage == "extract":
+            shutil.rmtree(shard_dir)
         return manifest
 
     with ThreadPoolExecutor(jobs) as pool:
@@ -350,6 +356,19 @@ def chunk_storage(run_dir: Path, storage: str) -> Path | None:
 
 
 # ----------------------------------------------------------------------------- SGLang runs
+
+
+def add_engine_options(parser, reference_help: str) -> None:
+    """The options every SGLang benchmark takes: a dry run that builds the commands for a
+    given release without a server, and the reference engine on CPU to check the script."""
+    parser.add_argument("--dry-run", action="store_true", help="tiny model, commands, no server")
+    parser.add_argument(
+        "--sglang-version", default=None, help="with --dry-run: the release to build argv for"
+    )
+    parser.add_argument(
+        "--engine", choices=["sglang", "reference"], default="sglang", help=reference_help
+    )
+
 
 # The server flags that ran live on the H200 with SGLang 0.5.14 (../shared/sglang-h200):
 # triton attention (no FA3 or flashinfer kernels), torch sampling, no grammar backend.

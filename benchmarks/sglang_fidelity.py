@@ -59,6 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     REPO_ROOT,
     SGLANG_EXTRA_ARGS,
+    add_engine_options,
     command_line,
     free_port,
     log,
@@ -161,16 +162,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--deadline-s", type=float, default=520.0, help="whole-run budget")
     parser.add_argument("--device", default="auto", help="for the transformers references")
     parser.add_argument("--small", action="store_true", help="smaller shapes (CPU checks)")
-    parser.add_argument("--dry-run", action="store_true", help="no server: see the docstring")
-    parser.add_argument(
-        "--sglang-version", default=None, help="with --dry-run: the release to build argv for"
-    )
     parser.add_argument("--keep", action="store_true", help="keep the scratch dir")
-    parser.add_argument(
-        "--engine",
-        choices=["sglang", "reference"],
-        default="sglang",
-        help="reference: the built-in server on CPU, a check of this script itself (no decode "
+    add_engine_options(
+        parser,
+        "reference: the built-in server on CPU, a check of this script itself (no decode "
         "request, no packing count)",
     )
     args = parser.parse_args(argv)
