@@ -29,10 +29,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from eaglepipe import shard_store
 from eaglepipe.config import load_config
 from eaglepipe.fingerprint import hash_file
 from eaglepipe.run import resolve
+from eaglepipe.shard_store import (
+    RowTensors,
+    build_manifest,
+    plan_chunks,
+    write_chunk,
+    write_manifest,
+)
 from eaglepipe.validate import ShardPaths, expected_provenance, validate_shard, verify_all
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -76,7 +82,7 @@ def build(root: Path, gb: float, hidden: int, chunk_mb: int, row_tokens: int) ->
         json.dumps({"provenance": {"dataset_hash": "d" * 32, "tokenizer_fingerprint": "t" * 32}})
     )
 
-    chunks = shard_store.plan_chunks(
+    chunks = plan_chunks(
         list(range(num_rows)), [row_tokens] * num_rows, hidden, max_chunk_bytes=chunk_mb << 20
     )
     shard_dir = root / "hidden_states" / shard
@@ -88,7 +94,7 @@ def build(root: Path, gb: float, hidden: int, chunk_mb: int, row_tokens: int) ->
     records = []
     for index, rows in enumerate(chunks):
         tensors = [
-            shard_store.RowTensors(
+            RowTensors(
                 row_id=row,
                 input_ids=torch.from_numpy(ids[row]),
                 loss_mask=torch.from_numpy(masks[row]),
@@ -97,7 +103,7 @@ def build(root: Path, gb: float, hidden: int, chunk_mb: int, row_tokens: int) ->
             )
             for row in rows
         ]
-        records.append(shard_store.write_chunk(shard_dir, index, tensors, hidden_size=hidden))
+        records.append(write_chunk(shard_dir, index, tensors, hidden_size=hidden))
     provenance = {
         **expected_provenance(resolve(config), prepared / "summary.json"),
         "shard_inputs_hash": "s" * 32,
@@ -105,9 +111,9 @@ def build(root: Path, gb: float, hidden: int, chunk_mb: int, row_tokens: int) ->
         "engine_version": "0",
         "project_version": "0.1.0",
     }
-    shard_store.write_manifest(
+    write_manifest(
         shard_dir,
-        shard_store.build_manifest(
+        build_manifest(
             shard=shard,
             row_start=0,
             row_end=num_rows,

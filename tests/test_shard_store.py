@@ -12,13 +12,13 @@ import torch
 from conftest import shard_lock_held_elsewhere
 from safetensors import safe_open
 
-from eaglepipe import shard_store
 from eaglepipe.errors import PipelineError
 from eaglepipe.fingerprint import hash_file
 from eaglepipe.shard_store import (
     RowTensors,
     ShardLock,
     append_journal,
+    build_manifest,
     check_free_space,
     iter_rows,
     open_chunk,
@@ -27,6 +27,7 @@ from eaglepipe.shard_store import (
     read_manifest,
     verified_chunks,
     write_chunk,
+    write_manifest,
 )
 
 H = 8
@@ -147,7 +148,7 @@ def test_bit_flip_is_caught_by_the_rehash(tmp_path):
 def test_manifest_roundtrip_and_iter_rows(tmp_path):
     chunks = [[0, 1], [5]]
     records = _write_shard(tmp_path, chunks, "d", tokens=4)
-    manifest = shard_store.build_manifest(
+    manifest = build_manifest(
         shard="rows_0-8",
         row_start=0,
         row_end=8,
@@ -157,7 +158,7 @@ def test_manifest_roundtrip_and_iter_rows(tmp_path):
         provenance={"engine": "test"},
         timing={"requests_sent": 3},
     )
-    path = shard_store.write_manifest(tmp_path, manifest)
+    path = write_manifest(tmp_path, manifest)
     loaded = read_manifest(path)
     assert loaded == manifest
     assert loaded["num_rows"] == 3 and loaded["num_tokens"] == 12

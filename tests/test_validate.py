@@ -26,12 +26,12 @@ import torch
 from aiohttp import web
 from conftest import PYTHON, REPO_ROOT, build_tiny_deepseek_v3
 
-from eaglepipe import shard_store
 from eaglepipe.config import load_config
 from eaglepipe.extract import extract_shard
 from eaglepipe.fingerprint import hash_bytes
 from eaglepipe.run import resolve
 from eaglepipe.server.lifecycle import stop_server
+from eaglepipe.shard_store import RowTensors, build_manifest, write_chunk, write_manifest
 from eaglepipe.validate import (
     ShardPaths,
     StoredRow,
@@ -125,10 +125,10 @@ def workspace(tmp_path, monkeypatch, tiny_llama_dir) -> Workspace:
     return Workspace(tmp_path, config, input_ids, loss_masks)
 
 
-def synthetic_row(ws: Workspace, row: int, scale: float = 1.0) -> shard_store.RowTensors:
+def synthetic_row(ws: Workspace, row: int, scale: float = 1.0) -> RowTensors:
     generator = torch.Generator().manual_seed(row)
     tokens = len(ws.input_ids[row])
-    return shard_store.RowTensors(
+    return RowTensors(
         row_id=row,
         input_ids=torch.from_numpy(ws.input_ids[row]),
         loss_mask=torch.from_numpy(ws.loss_masks[row]),
@@ -159,7 +159,7 @@ def write_shard(
         if tweak:
             for row_tensors in tensors:
                 tweak(row_tensors)
-        records.append(shard_store.write_chunk(shard_dir, index, tensors, hidden_size=HIDDEN))
+        records.append(write_chunk(shard_dir, index, tensors, hidden_size=HIDDEN))
     provenance = provenance or {
         **expected_provenance(resolve(ws.config)),
         "shard_inputs_hash": shard.ljust(32, "0"),
@@ -169,7 +169,7 @@ def write_shard(
         # Per shard, as extraction records it: the hash of the shard's own source rows.
         "workflow": f"workflow-stamp-of-{shard}",
     }
-    manifest = shard_store.build_manifest(
+    manifest = build_manifest(
         shard=shard,
         row_start=start,
         row_end=end,
@@ -179,7 +179,7 @@ def write_shard(
         provenance=provenance,
         timing={"seconds": 1.0},
     )
-    shard_store.write_manifest(shard_dir, manifest)
+    write_manifest(shard_dir, manifest)
     return shard_dir
 
 
@@ -419,7 +419,7 @@ def test_row_that_prepare_skipped_must_not_be_stored(workspace):
 
 
 def test_input_ids_differing_from_the_prepared_table_fail_coverage(workspace):
-    def corrupt(row: shard_store.RowTensors) -> None:
+    def corrupt(row: RowTensors) -> None:
         if row.row_id == 9:
             row.input_ids = row.input_ids.clone()
             row.input_ids[2] += 1
@@ -431,7 +431,7 @@ def test_input_ids_differing_from_the_prepared_table_fail_coverage(workspace):
 
 
 def test_loss_mask_differing_from_the_prepared_table_fails_coverage(workspace):
-    def corrupt(row: shard_store.RowTensors) -> None:
+    def corrupt(row: RowTensors) -> None:
         if row.row_id == 12:
             row.loss_mask = 1 - row.loss_mask
 
@@ -444,7 +444,7 @@ def test_loss_mask_differing_from_the_prepared_table_fails_coverage(workspace):
 
 
 def test_zeroed_sample_fails_values_naming_row_and_layer(workspace):
-    def zero(row: shard_store.RowTensors) -> None:
+    def zero(row: RowTensors) -> None:
         if row.row_id == 8:
             row.final_hidden_states = torch.zeros_like(row.final_hidden_states)
 
@@ -455,7 +455,7 @@ def test_zeroed_sample_fails_values_naming_row_and_layer(workspace):
 
 
 def test_constant_aux_layer_fails_values(workspace):
-    def flatten(row: shard_store.RowTensors) -> None:
+    def flatten(row: RowTensors) -> None:
         if row.row_id == 13:
             row.aux_hidden_states = row.aux_hidden_states.clone()
             row.aux_hidden_states[:, HIDDEN : 2 * HIDDEN] = 0.5
@@ -466,7 +466,7 @@ def test_constant_aux_layer_fails_values(workspace):
 
 
 def test_non_finite_value_fails_values(workspace):
-    def poison(row: shard_store.RowTensors) -> None:
+    def poison(row: RowTensors) -> None:
         if row.row_id == 2:
             row.aux_hidden_states = row.aux_hidden_states.clone()
             row.aux_hidden_states[1, 5] = float("nan")

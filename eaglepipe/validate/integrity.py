@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .. import shard_store
 from ..errors import PipelineError
 from ..fingerprint import hash_file
+from ..shard_store import MANIFEST_NAME
+from ..shard_store import read_manifest_and_hash as read_shard_manifest
 from .checks import CHUNK_GLOB, ValidationFailure
 
 
@@ -19,7 +20,7 @@ def read_manifest(shard_dir: Path, shard: str) -> dict:
 def read_manifest_and_hash(shard_dir: Path, shard: str) -> tuple[dict, str]:
     """`read_manifest` and the hash of the bytes it parsed."""
     try:
-        manifest, digest = shard_store.read_manifest_and_hash(shard_dir / shard_store.MANIFEST_NAME)
+        manifest, digest = read_shard_manifest(shard_dir / MANIFEST_NAME)
     except PipelineError as exc:
         raise ValidationFailure(shard, "schema", str(exc)) from None
     if manifest["shard"] != shard:

@@ -19,10 +19,10 @@ import psutil
 import torch
 from safetensors import safe_open
 
-from .. import shard_store
 from ..dump import dump_path, make_rid, read_dump, wait_for_dump
 from ..errors import PipelineError
 from ..run import RunSpec, TargetModel, ValidateSettings
+from ..shard_store import format_bytes
 from .checks import LAYER_NAMES, ValidationFailure
 from .spot_rule import (
     LayerReference,
@@ -274,10 +274,7 @@ def independent_forward_fits(model: TargetModel) -> tuple[bool, str]:
     """Whether an fp32 CPU forward leaves ample memory: weights at most a quarter of free RAM."""
     need = model_fp32_bytes(model)
     available = psutil.virtual_memory().available
-    reason = (
-        f"model needs ~{shard_store.format_bytes(need)} in fp32, "
-        f"{shard_store.format_bytes(available)} available"
-    )
+    reason = f"model needs ~{format_bytes(need)} in fp32, {format_bytes(available)} available"
     return need * 4 <= available, reason
 
 

@@ -12,9 +12,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from .. import config as cfg
-from .. import shard_store
 from ..errors import PipelineError
 from ..shard_plan import parse_shard_name
+from ..shard_store import MANIFEST_NAME, invalidate_shard
 from .checks import ValidationFailure
 from .integrity import check_chunk_checksum, check_chunk_file, check_no_stray_chunks, read_manifest
 from .schema import check_chunk_schema, check_manifest_schema, open_chunk
@@ -74,7 +74,7 @@ def verify_shards(
             if shard not in present:
                 report.unfinished[shard] = f"shard {shard}: not extracted yet"
     for shard_dir in found:
-        if not (shard_dir / shard_store.MANIFEST_NAME).exists():
+        if not (shard_dir / MANIFEST_NAME).exists():
             problem = f"shard {shard_dir.name}: no manifest.json (extraction not finished)"
             report.unfinished[shard_dir.name] = problem
             shards.append((shard_dir, None))
@@ -145,7 +145,7 @@ def invalidate_damaged(
     invalidated = []
     for shard, problems in report.damaged.items():
         shard_dir = Path(hidden_states_dir) / shard
-        if (shard_dir / shard_store.MANIFEST_NAME).exists():
-            shard_store.invalidate_shard(shard_dir, problems[0])
+        if (shard_dir / MANIFEST_NAME).exists():
+            invalidate_shard(shard_dir, problems[0])
             invalidated.append(shard)
     return invalidated
