@@ -25,16 +25,16 @@ include: "rules/report.smk"
 
 
 onstart:
-    workflow_lib.warn_about_rerun_triggers(workflow)
-    workflow_lib.print_space_plan(RUN)
+    hooks.warn_about_rerun_triggers(workflow)
+    hooks.print_space_plan(RUN)
 
 
 onsuccess:
-    workflow_lib.stop_server_started_by_this_run()
+    hooks.stop_server_started_by_this_run()
 
 
 onerror:
-    workflow_lib.stop_server_started_by_this_run()
+    hooks.stop_server_started_by_this_run()
 
 
 rule all:

@@ -40,14 +40,14 @@ from pathlib import Path
 
 import torch
 
-from eaglepipe.config import RESOLVED_CONFIG, config_from_arg
+from eaglepipe.core.config import RESOLVED_CONFIG, config_from_arg
+from eaglepipe.core.drafter_options import NORM_FLAGS, default_options
+from eaglepipe.core.run import resolve
 from eaglepipe.drafter.evaluate import evaluate
 from eaglepipe.drafter.export import export
 from eaglepipe.drafter.live import live_acceptance, live_export_engine
 from eaglepipe.drafter.train import train
-from eaglepipe.drafter.variants import NORM_FLAGS, default_options
-from eaglepipe.run import resolve
-from eaglepipe.workflow import planned_manifests, planned_validations
+from eaglepipe.plan.freshness import planned_manifests, planned_validations
 
 DEFAULT_VARIANTS = "plain,fc_norm,norm_output,fc_norm+norm_output"
 TABLE = "prepared/tokenized.parquet"

@@ -8,7 +8,7 @@ directory), and generates seeded token rows of 512-4096 tokens (uniform, mean ~2
 - (a) bare: the in-process model over the batches the server forms (rows sorted by length,
   right-padded, at most --max-batch-tokens padded tokens per batch), no capture: the ceiling.
 - (b) server: the real reference server (started by the real lifecycle) and the real client
-  (`eaglepipe.extract.extract_shard`) writing real checksummed chunks and manifests from a
+  (`eaglepipe.extract.shard.extract_shard`) writing real checksummed chunks and manifests from a
   prepared table of the same rows. Shards are deleted once done so the disk holds one at a time.
 - (c) per-sample: what common scripts do: one sample per forward with
   `output_hidden_states=True`, the aux and final layers moved to the host and `torch.save`d per
@@ -66,7 +66,7 @@ from common import (  # noqa: E402
     write_results,
 )
 
-from eaglepipe.layers import default_aux_layer_ids  # noqa: E402
+from eaglepipe.core.layers import default_aux_layer_ids  # noqa: E402
 
 SHAPES = {
     # Llama-3.1-8B
@@ -245,7 +245,7 @@ def handoff_root(work: Path, need_bytes: int) -> Path:
 
 def make_run_dir(run_dir: Path, model_dir: Path, rows, args, shape, device: str) -> dict:
     """A run directory as the pipeline sees it: dataset, prepared table, summary, config."""
-    from eaglepipe.config import load_config, validate_config
+    from eaglepipe.core.config import load_config, validate_config
 
     dataset = write_prepared(run_dir, rows)
 
@@ -332,10 +332,10 @@ def run_server(
     attention: str = "auto",
     storage: str = "disk",
 ) -> dict:
-    from eaglepipe.extract import extract_shard
-    from eaglepipe.run import resolve
+    from eaglepipe.core.run import resolve
+    from eaglepipe.extract.shard import extract_shard
+    from eaglepipe.plan.provenance import shards
     from eaglepipe.server.lifecycle import start_server, stop_server
-    from eaglepipe.workflow import shards
 
     config = json.loads(json.dumps(config))
     config["server"].update(attention=attention, port=free_port())

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Client ingest throughput: handoff dumps -> checked, checksummed chunk files, in GB/s.
 
-Synthetic dumps (the server's exact dump format, written with eaglepipe.dump.DumpWriter) are
+Synthetic dumps (the server's exact dump format, written with
+eaglepipe.server.dump_writer.DumpWriter) are
 placed in a handoff directory; the timed part is what the extraction client does per row:
 read the dump, check it against the request, delete it, and write the rows as planned chunks
 (streamed xxh3-128, fsync, rename, journal line). Beside it, in the same run and on the same
@@ -23,15 +24,12 @@ from pathlib import Path
 
 import torch
 
-from eaglepipe.client import ClientSettings, RowRequest, check_dump
-from eaglepipe.dump import DumpWriter, dump_path, make_rid, read_dump
-from eaglepipe.shard_store import (
-    RowTensors,
-    append_journal,
-    plan_chunks,
-    plan_digest,
-    write_chunk,
-)
+from eaglepipe.extract.chunk_file import RowTensors, plan_chunks, plan_digest, write_chunk
+from eaglepipe.extract.client import ClientSettings, RowRequest, check_dump
+from eaglepipe.extract.shard_files import append_journal
+from eaglepipe.server.dump_writer import DumpWriter
+from eaglepipe.server.handoff import dump_path, read_dump
+from eaglepipe.server.request_ids import make_rid
 
 NONCE = "0123456789ab"
 PREFIX = "eaglepipe"

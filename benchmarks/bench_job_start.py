@@ -6,7 +6,7 @@ request of a job whenever every running job is starting or finishing at once (BE
 "job turnover"), so this read must not grow with the dataset. The prepared table holds one
 parquet row group per shard; the timed paths, in the same run and on the same file:
 
-- shard: `eaglepipe.extract.load_shard_rows` (reads the shard's row group only);
+- shard: `eaglepipe.extract.shard.load_shard_rows` (reads the shard's row group only);
 - whole table: the whole table read and then sliced to the shard (what a job did before).
 
     python -u benchmarks/bench_job_start.py --rows 20000 --rows-per-shard 200 --mean-len 2000
@@ -35,8 +35,8 @@ from common import (  # noqa: E402
     write_results,
 )
 
-from eaglepipe.extract import load_shard_rows  # noqa: E402
-from eaglepipe.prepare import _parquet_bytes, load_prepared, rows_in_range  # noqa: E402
+from eaglepipe.extract.shard import load_shard_rows  # noqa: E402
+from eaglepipe.prepare.table import _parquet_bytes, load_prepared, rows_in_range  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -179,7 +179,7 @@ def save_word_tokenizer(model_dir: Path, vocab: int) -> None:
 
 
 def pipeline_config(run_dir: Path, model_dir: Path, dataset: Path, rows, args, shape) -> dict:
-    from eaglepipe.config import load_config, validate_config
+    from eaglepipe.core.config import load_config, validate_config
 
     token_bytes = 4 * shape["hidden"] * 2
     tokens = sum(len(r) for r in rows)
@@ -217,7 +217,7 @@ def pipeline_config(run_dir: Path, model_dir: Path, dataset: Path, rows, args, s
 
 def bare_command(config: dict, sglang_version: str | None = None) -> tuple[list[str], dict]:
     """The launcher's command without the hook and the capture; every other flag the same."""
-    from eaglepipe.run import resolve
+    from eaglepipe.core.run import resolve
     from eaglepipe.server.sglang import launch_command
     from eaglepipe.server.sglang_plugin import CAPTURE_ENV
 
@@ -408,9 +408,9 @@ def hook_delta(now: dict | None, before: dict | None) -> dict | None:
 
 
 def run_pipeline(run_dir: Path, config: dict, rows, warmup, args, deadline) -> dict:
-    from eaglepipe.run import resolve
+    from eaglepipe.core.run import resolve
+    from eaglepipe.plan.provenance import shards
     from eaglepipe.server.lifecycle import start_server, stop_server
-    from eaglepipe.workflow import shards
 
     result: dict = {"variants": {}}
     tokens = sum(len(r) for r in rows)
@@ -668,14 +668,14 @@ def main(argv=None) -> int:
 
             results["bare"] = {"argv": bare_command(config, args.sglang_version)[0],
                                "env": bare_command(config, args.sglang_version)[1]}  # fmt: skip
-            from eaglepipe.run import resolve
+            from eaglepipe.core.run import resolve
 
             argv, env = launch_command(
                 resolve(config), host="127.0.0.1", port=config["server"]["port"],
                 dump_dir=Path(config["server"]["dump_root"]) / "x", instance_id="dry-run",
                 sglang_version=args.sglang_version,
             )  # fmt: skip
-            from eaglepipe.workflow import shards
+            from eaglepipe.plan.provenance import shards
 
             with working_directory(run_dir):
                 names = shards(resolve(config))

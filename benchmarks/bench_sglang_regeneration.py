@@ -158,7 +158,7 @@ def write_conversations(path: Path, rows: int, prompt_tokens: int, vocab: int, s
 
 
 def pipeline_config(run_dir: Path, model_dir: Path, dataset: Path, args) -> dict:
-    from eaglepipe.config import load_config, validate_config
+    from eaglepipe.core.config import load_config, validate_config
 
     config = load_config(REPO_ROOT / "config.yaml")
     config["model"]["path"] = str(model_dir)
@@ -260,9 +260,9 @@ def run_bench_serving(url: str, model_dir: Path, args, output_len: int, work: Pa
 
 
 def run_pipeline(run_dir: Path, config: dict, model_dir: Path, args, work: Path) -> dict:
-    from eaglepipe.run import resolve
+    from eaglepipe.core.run import resolve
+    from eaglepipe.plan.provenance import shards
     from eaglepipe.server.lifecycle import start_server, stop_server
-    from eaglepipe.workflow import shards
 
     result: dict = {}
     with working_directory(run_dir):
@@ -459,7 +459,7 @@ def main(argv=None) -> int:
         write_conversations(dataset, args.rows, args.prompt_tokens, shape["vocab"], args.seed)
         config = pipeline_config(run_dir, model_dir, dataset, args)
         if args.dry_run:
-            from eaglepipe.run import resolve
+            from eaglepipe.core.run import resolve
             from eaglepipe.server.sglang import launch_command
 
             argv, _ = launch_command(

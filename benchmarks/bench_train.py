@@ -27,12 +27,13 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
-from eaglepipe.config import PROJECT_ROOT
+from eaglepipe.core.config import PROJECT_ROOT
+from eaglepipe.core.fingerprint import hash_file
+from eaglepipe.core.layers import default_aux_layer_ids
 from eaglepipe.drafter.train import train
 from eaglepipe.drafter.vocab import build_draft_vocab, save_vocab
-from eaglepipe.fingerprint import hash_file
-from eaglepipe.layers import default_aux_layer_ids
-from eaglepipe.shard_store import RowTensors, build_manifest, write_chunk, write_manifest
+from eaglepipe.extract.chunk_file import RowTensors, write_chunk
+from eaglepipe.extract.shard_files import build_manifest, write_manifest
 
 SHAPES = {
     # Llama-3.1-8B-Instruct
@@ -179,8 +180,8 @@ def main() -> None:
             "lr": 1e-4,
         }
     )
-    from eaglepipe.config import validate_config
-    from eaglepipe.run import resolve
+    from eaglepipe.core.config import validate_config
+    from eaglepipe.core.run import resolve
 
     config = validate_config(config)
     summary = train(

@@ -29,16 +29,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from eaglepipe.config import load_config
-from eaglepipe.fingerprint import hash_file
-from eaglepipe.run import resolve
-from eaglepipe.shard_store import (
-    RowTensors,
-    build_manifest,
-    plan_chunks,
-    write_chunk,
-    write_manifest,
-)
+from eaglepipe.core.config import load_config
+from eaglepipe.core.fingerprint import hash_file
+from eaglepipe.core.run import resolve
+from eaglepipe.extract.chunk_file import RowTensors, plan_chunks, write_chunk
+from eaglepipe.extract.shard_files import build_manifest, write_manifest
 from eaglepipe.validate import ShardPaths, expected_provenance, validate_shard, verify_all
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

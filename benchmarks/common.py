@@ -31,7 +31,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from eaglepipe.atomic import atomic_write_bytes, atomic_write_json  # noqa: E402
+from eaglepipe.core.atomic import atomic_write_bytes, atomic_write_json  # noqa: E402
 
 
 def log(message: str) -> None:
@@ -222,7 +222,7 @@ def write_prepared(run_dir: Path, rows) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from eaglepipe.prepare import table_schema
+    from eaglepipe.prepare.table import table_schema
 
     prepared = run_dir / "prepared"
     prepared.mkdir(parents=True)
@@ -274,7 +274,7 @@ def shard_jobs_in_parallel(
     """Each shard as its own `scripts/<stage>.py` process, `jobs` at a time (Snakemake's way);
     their manifests, each with the job's whole wall time. Extracted shards are removed once
     read (the disk holds only the shards in progress); regenerated ones are small and kept."""
-    from eaglepipe.config import write_resolved
+    from eaglepipe.core.config import write_resolved
 
     resolved = write_resolved(config, run_dir / ".eaglepipe" / "config.json")
     outputs = {"extract": "hidden_states", "regenerate": "regenerated"}[stage]

@@ -3,7 +3,7 @@
 
 The embedded default's toy target is a Llama; an MLA draft layer needs a target with MLA
 attention. This builds one the same way (same tokenizer, same short seeded pre-training on the
-same conversations, `eaglepipe.toy_target.pretrain`) so a pipeline run with `model.path` set to
+same conversations, `eaglepipe.data.toy_target.pretrain`) so a pipeline run with `model.path` set to
 it gives `bench_drafter_variants.py --variants plain,mla` a learnable target:
 
     python -u benchmarks/deepseek_toy_target.py --tokenizer-from <run>/models/toy-target \
@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, DeepseekV3Config, DeepseekV3ForCausalLM
 
-from eaglepipe.dataset import read_conversations
-from eaglepipe.toy_target import pretrain
+from eaglepipe.data.dataset import read_conversations
+from eaglepipe.data.toy_target import pretrain
 
 
 def main() -> None:

@@ -39,7 +39,7 @@ export PYTHONUNBUFFERED=1
 {
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     python3 -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__, "gpus", torch.cuda.device_count())'
-    python3 -c 'import eaglepipe.config, aiohttp, xxhash, psutil, filelock, jsonschema; print("imports ok")'
+    python3 -c 'import eaglepipe.core.config, aiohttp, xxhash, psutil, filelock, jsonschema; print("imports ok")'
     nproc
     df -h /tmp /dev/shm 2>/dev/null
 } 2>&1 | tee -a "$LOG"

@@ -71,7 +71,7 @@ from common import (  # noqa: E402
     write_results,
 )
 
-from eaglepipe.validate import (  # noqa: E402
+from eaglepipe.validate import (
     DEFAULT_NEIGHBOUR_FRACTION,
     DEFAULT_NOISE_MARGIN,
     rel_l2,
@@ -193,7 +193,7 @@ def rows_for(vocab: int) -> list[list[int]]:
 
 
 def tokenizer_for(vocab_size: int):
-    from eaglepipe.toy_target import train_tokenizer
+    from eaglepipe.data.toy_target import train_tokenizer
 
     texts = [
         " ".join(CORPUS_WORDS[(i * 7 + j) % len(CORPUS_WORDS)] for j in range(40))
@@ -214,7 +214,7 @@ def save_checkpoint(model, tokenizer, out: Path) -> None:
 
 
 def build_llama(out: Path, size: str) -> dict:
-    from eaglepipe.toy_target import build_model
+    from eaglepipe.data.toy_target import build_model
 
     shape = LLAMA[size]
     tokenizer = tokenizer_for(shape["vocab_size"])
@@ -443,8 +443,8 @@ def compare_runs(single: dict, packed: dict, count: int, floors: list[float]) ->
 def server_config(
     model_dir: Path, dump_root: Path, extra_args: list[str], health_s: float, engine="sglang"
 ):
-    from eaglepipe.config import load_config, validate_config
-    from eaglepipe.run import resolve
+    from eaglepipe.core.config import load_config, validate_config
+    from eaglepipe.core.run import resolve
 
     config = load_config(REPO_ROOT / "config.yaml")
     config["model"]["path"] = str(model_dir)
@@ -474,7 +474,8 @@ def post_generate(url: str, ids: list[int], rid: str, max_new_tokens: int) -> di
 
 def extract(handle, rows: list[list[int]], hidden: int, inflight: int, prefix: str) -> dict:
     """The rows through the project's ExtractionClient: row id -> (aux, final) clones."""
-    from eaglepipe.client import ClientSettings, ExtractionClient, RowRequest, liveness_check
+    from eaglepipe.extract.client import ClientSettings, ExtractionClient, RowRequest
+    from eaglepipe.server.watch import liveness_check
 
     settings = ClientSettings(
         request_prefix=prefix,
@@ -499,7 +500,8 @@ def extract(handle, rows: list[list[int]], hidden: int, inflight: int, prefix: s
 def check_other_requests(handle, rows: list[list[int]], prefix: str, decode: bool) -> dict:
     """Requests that must leave no dump, and (`decode`) a prefixed one that decodes: one dump,
     of its prompt."""
-    from eaglepipe.dump import make_rid, read_dump
+    from eaglepipe.server.handoff import read_dump
+    from eaglepipe.server.request_ids import make_rid
 
     dump_dir = Path(handle.dump_dir)
     ids = rows[2]

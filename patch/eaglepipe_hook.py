@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from eaglepipe.dump import DumpWriter, concat_aux, prepare_dump_dir
+from eaglepipe.server.dump_writer import DumpWriter
+from eaglepipe.server.handoff import concat_aux, prepare_dump_dir
 
 logger = logging.getLogger("eaglepipe_hook")
 

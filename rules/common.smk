@@ -1,39 +1,42 @@
-# Helpers and input functions; all logic is in eaglepipe.workflow.
+# Helpers and input functions; the logic is in eaglepipe.plan (shard plan, provenance stamps,
+# rerun policy) and eaglepipe.ops.snakefile_hooks (start and end of a run).
 import os
 
-import eaglepipe.workflow as workflow_lib
-from eaglepipe.config import RESOLVED_CONFIG
-from eaglepipe.run import resolve_at_workflow_start
+import eaglepipe.ops.snakefile_hooks as hooks
+import eaglepipe.plan.freshness as freshness
+import eaglepipe.plan.provenance as provenance
+from eaglepipe.core.config import RESOLVED_CONFIG
+from eaglepipe.core.run import resolve_at_workflow_start
 from eaglepipe.drafter.live import live_export_engine
 from eaglepipe.drafter.variants import check_export_support
-from eaglepipe.errors import one_line_errors
+from eaglepipe.core.errors import one_line_errors
 from snakemake.utils import validate
 
-workflow_lib.tune_gc_for_dag()
+hooks.tune_gc_for_dag()
 # A config or dataset error ends the parse with one `error:` line, not a traceback.
 with one_line_errors():
-    workflow_lib.use_project_python()
+    hooks.use_project_python()
     # Our check first: its message names the offending key; then Snakemake's, which fills
-    # defaults. RUN is the run description every rule's wiring reads (eaglepipe/run.py).
+    # defaults. RUN is the run description every rule's wiring reads (eaglepipe/core/run.py).
     RUN = resolve_at_workflow_start(config)
     validate(config, schema="../schemas/config.schema.yaml")
     # A drafter variant an exported engine cannot load is refused before anything runs.
     check_export_support(RUN.train.drafter.as_dict(), RUN.export.engines)
-    SHARDS = workflow_lib.shards(RUN)
-    MODEL_CONFIG = workflow_lib.model_config_file(RUN)
-    workflow_lib.write_stamps(RUN)
+    SHARDS = provenance.shards(RUN)
+    MODEL_CONFIG = provenance.model_config_file(RUN)
+    provenance.write_stamps(RUN)
     REGENERATE = RUN.dataset.regenerate.enabled
     REGENERATION_IS_FRESH = (
-        workflow_lib.regeneration_freshness(RUN) if REGENERATE else None
+        freshness.regeneration_freshness(RUN) if REGENERATE else None
     )
-    SHARD_IS_FRESH = workflow_lib.shard_freshness(RUN)
-    PREPARE_IS_FRESH = workflow_lib.prepare_is_fresh(RUN)
-    STALE_VALIDATIONS = workflow_lib.stale_validations(RUN, SHARDS)
-    INCOMPLETE_TARGETS = workflow_lib.incomplete_targets(SHARDS, regenerate=REGENERATE)
-RUN_TOKEN = workflow_lib.run_token()
+    SHARD_IS_FRESH = freshness.shard_freshness(RUN)
+    PREPARE_IS_FRESH = freshness.prepare_is_fresh(RUN)
+    STALE_VALIDATIONS = freshness.stale_validations(RUN, SHARDS)
+    INCOMPLETE_TARGETS = freshness.incomplete_targets(SHARDS, regenerate=REGENERATE)
+RUN_TOKEN = hooks.run_token()
 RESOLVED = str(RESOLVED_CONFIG)
 ENV = "../envs/pipeline.yaml"
-TOY_STAMP = str(workflow_lib.TOY_STAMP)
+TOY_STAMP = str(provenance.TOY_STAMP)
 DATASET = RUN.dataset.path
 
 
@@ -70,9 +73,9 @@ def regenerate_inputs(wildcards):
     shard = shard_name(wildcards)
     fresh = REGENERATION_IS_FRESH(shard)
     # A stale shard takes every input plain: Snakemake does not check a job for reasons of its
-    # own when it is reached only through ancient() inputs (eaglepipe/workflow.py).
+    # own when it is reached only through ancient() inputs (eaglepipe/plan/provenance.py).
     return {
-        "stamp": when_stale(str(workflow_lib.regeneration_stamp(shard)), fresh),
+        "stamp": when_stale(str(provenance.regeneration_stamp(shard)), fresh),
         "dataset": ancient(DATASET),
         "model": when_stale(MODEL_CONFIG, fresh),
     }
@@ -82,7 +85,7 @@ def extract_inputs(wildcards):
     shard = shard_name(wildcards)
     fresh = SHARD_IS_FRESH(shard)
     return {
-        "stamp": when_stale(str(workflow_lib.shard_stamp(shard)), fresh),
+        "stamp": when_stale(str(provenance.shard_stamp(shard)), fresh),
         "table": when_stale("prepared/tokenized.parquet", fresh),
         "summary": when_stale("prepared/summary.json", fresh),
         "model": ancient(MODEL_CONFIG),
@@ -91,12 +94,12 @@ def extract_inputs(wildcards):
 
 def validate_inputs(wildcards):
     shard = shard_name(wildcards)
-    inputs = {"manifest": workflow_lib.manifest_path(shard)}
+    inputs = {"manifest": freshness.manifest_path(shard)}
     if shard in STALE_VALIDATIONS:
         # A stale report: a new stamp reruns it.
-        inputs["stamp"] = str(workflow_lib.validation_stamp(shard))
+        inputs["stamp"] = str(freshness.validation_stamp(shard))
     if shard in STALE_VALIDATIONS or not os.path.exists(
-        workflow_lib.validation_report_path(shard)
+        freshness.validation_report_path(shard)
     ):
         # A report to (re)write gets the plain table input: when prepare reruns, Snakemake
         # never looks at the jobs behind it that only ancient() inputs link, not even for a
@@ -106,13 +109,13 @@ def validate_inputs(wildcards):
 
 
 def stage_stamp(stage):
-    return str(workflow_lib.stage_stamp(stage))
+    return str(provenance.stage_stamp(stage))
 
 
 def prepare_inputs(wildcards):
     fresh = PREPARE_IS_FRESH
     inputs = {
-        "stamp": when_stale(str(workflow_lib.PREPARE_STAMP), fresh),
+        "stamp": when_stale(str(provenance.PREPARE_STAMP), fresh),
         "dataset": ancient(DATASET),
         "model": when_stale(MODEL_CONFIG, fresh),
     }
@@ -120,7 +123,7 @@ def prepare_inputs(wildcards):
         # Prepare reads the regenerated rows of every shard (its provenance holds their
         # checksums: a shard regenerated with other rows makes it stale).
         inputs["regenerated"] = [
-            when_stale(workflow_lib.regenerated_manifest_path(shard), fresh)
+            when_stale(provenance.regenerated_manifest_path(shard), fresh)
             for shard in SHARDS
         ]
     return inputs
@@ -131,7 +134,7 @@ def prepared_table(wildcards=None):
 
 
 def all_manifests(wildcards=None):
-    return [workflow_lib.manifest_path(shard) for shard in SHARDS]
+    return [freshness.manifest_path(shard) for shard in SHARDS]
 
 
 def all_validations(wildcards=None):
@@ -183,7 +186,7 @@ def final_targets():
     # Every shard's validation is an input of train, so `all` need not list 5,000 of them again:
     # each extra listing is one more edge Snakemake resolves and checks per shard. Missing
     # intermediates are targets, though: Snakemake would not rebuild them otherwise
-    # (eaglepipe/workflow.py, "runs left inconsistent").
+    # (eaglepipe/plan/freshness.py, "runs left inconsistent").
     return [
         MODEL_CONFIG,
         "prepared/tokenized.parquet",

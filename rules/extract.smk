@@ -9,7 +9,7 @@ rule extract:
     benchmark:
         "logs/benchmarks/extract/rows_{start}-{end}.tsv"
     # No `retries:` (it would repeat deterministic failures too): a job retries in itself only
-    # when the server is lost (eaglepipe.extract.run_extract_job). The log is appended to, so
+    # when the server is lost (eaglepipe.extract.shard.run_extract_job). The log is appended to, so
     # every attempt's lines stay.
     conda:
         ENV

@@ -2,7 +2,7 @@ rule validate:
     """Integrity, schema, coverage, values, provenance and a server spot check of one shard."""
     input:
         # The prepared table is read too, but is no input of a fresh report: it exists whenever
-        # a manifest does, and re-preparing must not revalidate terabytes (eaglepipe/workflow.py).
+        # a manifest does, and re-preparing must not revalidate terabytes (eaglepipe/plan/provenance.py).
         unpack(validate_inputs),
     output:
         "validated/rows_{start}-{end}.json",

@@ -4,9 +4,9 @@
 import argparse
 import sys
 
-from eaglepipe.errors import one_line_errors
-from eaglepipe.run import load_run
-from eaglepipe.toy_target import build_toy_target
+from eaglepipe.core.errors import one_line_errors
+from eaglepipe.core.run import load_run
+from eaglepipe.data.toy_target import build_toy_target
 
 
 def main() -> int:

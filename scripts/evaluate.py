@@ -4,10 +4,10 @@ acceptance length."""
 
 import argparse
 
+from eaglepipe.core.errors import one_line_errors
+from eaglepipe.core.run import load_run
 from eaglepipe.drafter.evaluate import evaluate
-from eaglepipe.errors import one_line_errors
-from eaglepipe.run import load_run
-from eaglepipe.workflow import planned_manifests
+from eaglepipe.plan.freshness import planned_manifests
 
 
 def main() -> None:

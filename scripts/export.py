@@ -3,9 +3,9 @@
 
 import argparse
 
+from eaglepipe.core.errors import one_line_errors
+from eaglepipe.core.run import load_run
 from eaglepipe.drafter.export import export
-from eaglepipe.errors import one_line_errors
-from eaglepipe.run import load_run
 
 
 def main() -> None:

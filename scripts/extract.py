@@ -4,9 +4,9 @@
 import argparse
 import sys
 
-from eaglepipe.errors import one_line_errors
-from eaglepipe.extract import run_extract_job
-from eaglepipe.run import load_run
+from eaglepipe.core.errors import one_line_errors
+from eaglepipe.core.run import load_run
+from eaglepipe.extract.shard import run_extract_job
 
 
 def main() -> int:

@@ -4,10 +4,10 @@
 import argparse
 from pathlib import Path
 
-from eaglepipe.config import DRAFTER_DIR
+from eaglepipe.core.config import DRAFTER_DIR
+from eaglepipe.core.errors import one_line_errors
+from eaglepipe.core.run import load_run
 from eaglepipe.drafter.live import live_acceptance
-from eaglepipe.errors import one_line_errors
-from eaglepipe.run import load_run
 
 
 def main() -> None:

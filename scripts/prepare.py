@@ -4,9 +4,9 @@
 import argparse
 import sys
 
-from eaglepipe.errors import one_line_errors
-from eaglepipe.prepare import run_prepare
-from eaglepipe.run import load_run
+from eaglepipe.core.errors import one_line_errors
+from eaglepipe.core.run import load_run
+from eaglepipe.prepare.table import run_prepare
 
 
 def main() -> int:

@@ -3,9 +3,9 @@
 
 import argparse
 
-from eaglepipe.errors import one_line_errors
-from eaglepipe.regenerate import run_regenerate_job
-from eaglepipe.run import load_run
+from eaglepipe.core.errors import one_line_errors
+from eaglepipe.core.run import load_run
+from eaglepipe.regenerate.shard import run_regenerate_job
 
 
 def main() -> None:

@@ -8,11 +8,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from eaglepipe import report
-from eaglepipe.config import HIDDEN_STATES_DIR, VALIDATED_DIR
-from eaglepipe.errors import PipelineError, one_line_errors
-from eaglepipe.run import load_run
-from eaglepipe.status import planned_shard_names
+from eaglepipe.core.config import HIDDEN_STATES_DIR, VALIDATED_DIR
+from eaglepipe.core.errors import PipelineError, one_line_errors
+from eaglepipe.core.run import load_run
+from eaglepipe.ops import report
+from eaglepipe.ops.status import planned_shard_names
 
 
 def _inputs(files: list[str], config_path: str | None, template: str) -> list[Path]:

@@ -6,7 +6,7 @@ python -u scripts/server.py start|status|stop [--config PATH]
 
 import sys
 
-from eaglepipe.cli import main
+from eaglepipe.ops.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["server", *sys.argv[1:]]))

@@ -9,10 +9,10 @@ import argparse
 
 import torch
 
+from eaglepipe.core.errors import one_line_errors
+from eaglepipe.core.run import load_run
 from eaglepipe.drafter.train import train
-from eaglepipe.errors import one_line_errors
-from eaglepipe.run import load_run
-from eaglepipe.workflow import planned_manifests, planned_validations
+from eaglepipe.plan.freshness import planned_manifests, planned_validations
 
 
 def main() -> None:

@@ -7,9 +7,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from eaglepipe.config import VALIDATED_DIR
-from eaglepipe.errors import one_line_errors
-from eaglepipe.run import load_run
+from eaglepipe.core.config import VALIDATED_DIR
+from eaglepipe.core.errors import one_line_errors
+from eaglepipe.core.run import load_run
 from eaglepipe.validate import ShardPaths, validate_shard
 
 

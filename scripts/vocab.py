@@ -3,10 +3,10 @@
 
 import argparse
 
+from eaglepipe.core.errors import one_line_errors
+from eaglepipe.core.run import load_run
 from eaglepipe.drafter.vocab import build_draft_vocab, save_vocab
-from eaglepipe.errors import one_line_errors
-from eaglepipe.prepare import load_prepared
-from eaglepipe.run import load_run
+from eaglepipe.prepare.table import load_prepared
 
 
 def main() -> None:

@@ -116,7 +116,7 @@ def shard_lock_held_elsewhere(shard_dir: Path) -> Iterator[subprocess.Popen]:
             textwrap.dedent(
                 f"""
                 import time
-                from eaglepipe.shard_store import ShardLock
+                from eaglepipe.core.shard_job import ShardLock
                 ShardLock({str(shard_dir)!r}).acquire()
                 print("locked", flush=True)
                 time.sleep(120)

@@ -1,7 +1,7 @@
 """Test inputs for the drafter stages: a prepared table, real shards of a tiny target, reports.
 
 The shards hold the tiny target's real hidden states (transformers forward, aux ids per
-eaglepipe/layers.py), written with the project's shard writer, so the drafter trains on
+eaglepipe/core/layers.py), written with the project's shard writer, so the drafter trains on
 exactly what extraction would produce.
 """
 
@@ -15,10 +15,11 @@ import pandas as pd
 import torch
 import yaml
 
-from eaglepipe.config import PROJECT_ROOT
-from eaglepipe.fingerprint import hash_file
-from eaglepipe.layers import default_aux_layer_ids
-from eaglepipe.shard_store import RowTensors, build_manifest, write_chunk, write_manifest
+from eaglepipe.core.config import PROJECT_ROOT
+from eaglepipe.core.fingerprint import hash_file
+from eaglepipe.core.layers import default_aux_layer_ids
+from eaglepipe.extract.chunk_file import RowTensors, write_chunk
+from eaglepipe.extract.shard_files import build_manifest, write_manifest
 
 
 def synthetic_rows(num_rows: int, vocab_size: int, seed: int = 0) -> list[dict]:

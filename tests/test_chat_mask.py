@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from eaglepipe import dataset
-from eaglepipe.chat_mask import assistant_char_spans, tokenize_conversation
-from eaglepipe.dataset import RowProblem, normalize_record
-from eaglepipe.toy_target import CHAT_TEMPLATE, train_tokenizer
+from eaglepipe.data import dataset
+from eaglepipe.data.chat_mask import assistant_char_spans, tokenize_conversation
+from eaglepipe.data.dataset import RowProblem, normalize_record
+from eaglepipe.data.toy_target import CHAT_TEMPLATE, train_tokenizer
 
 LLAMA3_TEMPLATE = (
     "{% set loop_messages = messages %}"

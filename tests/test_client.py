@@ -18,21 +18,21 @@ import pytest
 import torch
 from aiohttp import web
 
-from eaglepipe.client import (
+from eaglepipe.core.config import load_config
+from eaglepipe.core.errors import PipelineError
+from eaglepipe.core.run import resolve
+from eaglepipe.extract.client import (
     ByteBudget,
     ClientSettings,
     ExtractedRow,
     ExtractionClient,
     RowRequest,
     extract_rows,
-    liveness_check,
 )
-from eaglepipe.config import load_config
-from eaglepipe.dump import parse_rid
-from eaglepipe.errors import PipelineError
-from eaglepipe.run import resolve
 from eaglepipe.server.leases import ServerPaths
 from eaglepipe.server.lifecycle import server_lease, stop_server
+from eaglepipe.server.request_ids import parse_rid
+from eaglepipe.server.watch import liveness_check
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 H = 32

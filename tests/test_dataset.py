@@ -7,10 +7,16 @@ import json
 import pandas as pd
 import pytest
 
-from eaglepipe import dataset
-from eaglepipe.dataset import BadRow, Conversation, iter_rows, normalize_record, read_conversations
-from eaglepipe.errors import PipelineError
-from eaglepipe.fingerprint import hash_file
+from eaglepipe.core.errors import PipelineError
+from eaglepipe.core.fingerprint import hash_file
+from eaglepipe.data import dataset
+from eaglepipe.data.dataset import (
+    BadRow,
+    Conversation,
+    iter_rows,
+    normalize_record,
+    read_conversations,
+)
 
 OPENAI_ROW = {
     "messages": [

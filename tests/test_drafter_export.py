@@ -23,14 +23,14 @@ from safetensors.torch import save
 from sglang_source import range_ends, sglang_source_root
 from transformers import DeepseekV3Config, LlamaConfig
 
-from eaglepipe.atomic import atomic_write_bytes
-from eaglepipe.config import load_config
+from eaglepipe.core.atomic import atomic_write_bytes
+from eaglepipe.core.config import load_config
+from eaglepipe.core.errors import PipelineError
+from eaglepipe.core.run import RunSpec, resolve
 from eaglepipe.drafter import engine_load as el
 from eaglepipe.drafter import export as ex
 from eaglepipe.drafter.model import DrafterConfig, Eagle3Drafter
 from eaglepipe.drafter.vocab import choose_draft_vocab, save_vocab
-from eaglepipe.errors import PipelineError
-from eaglepipe.run import RunSpec, resolve
 
 EXPECTED_KEYS = {
     "fc.weight",

@@ -19,12 +19,12 @@ import torch
 from conftest import PYTHON, REPO_ROOT, build_tiny_llama
 from drafter_helpers import make_inputs, synthetic_rows, train_tiny_target
 
-from eaglepipe.config import config_from_arg
+from eaglepipe.core.config import config_from_arg
+from eaglepipe.core.run import resolve
 from eaglepipe.drafter.evaluate import eval_rows, evaluate_model
 from eaglepipe.drafter.target_head import load_target_head
 from eaglepipe.drafter.train import build_drafter
 from eaglepipe.drafter.vocab import load_vocab
-from eaglepipe.run import resolve
 
 TRAIN = {"batch_tokens": 256, "lr": 0.01, "epochs": 10, "warmup_steps": 10}
 
@@ -219,7 +219,7 @@ def test_a_changed_drafter_variant_never_resumes_another_variants_checkpoint(
 ):
     """Checkpoints belong to one variant: the run key holds the whole `train` section."""
     from eaglepipe.drafter.train import train
-    from eaglepipe.workflow import planned_manifests, planned_validations
+    from eaglepipe.plan.freshness import planned_manifests, planned_validations
 
     config = json.loads(json.dumps(config_from_arg(pipeline["config"])))
     config["train"]["checkpoint_every"] = 2

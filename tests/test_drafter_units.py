@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from eaglepipe.core.errors import PipelineError
 from eaglepipe.drafter.chunks import list_chunks, require_intact
 from eaglepipe.drafter.data import (
     ChunkCache,
@@ -28,8 +29,8 @@ from eaglepipe.drafter.vocab import (
     load_vocab,
     save_vocab,
 )
-from eaglepipe.errors import PipelineError
-from eaglepipe.shard_store import RowTensors, build_manifest, write_chunk, write_manifest
+from eaglepipe.extract.chunk_file import RowTensors, write_chunk
+from eaglepipe.extract.shard_files import build_manifest, write_manifest
 
 
 def tiny_config(**overrides) -> DrafterConfig:
@@ -334,7 +335,7 @@ def test_gate_needs_a_matching_validation_report(tmp_path):
     manifest, _ = write_test_shard(tmp_path, "rows_0-4", [0, 1, 2, 3], [4, 4, 4, 4])
     with pytest.raises(PipelineError, match="shard rows_0-4 .* has no validation report"):
         check_validated([str(manifest)], [])
-    from eaglepipe.fingerprint import hash_file
+    from eaglepipe.core.fingerprint import hash_file
 
     report = tmp_path / "rows_0-4.json"
     report.write_text(json.dumps({"shard": "rows_0-4", "manifest_xxh3_128": hash_file(manifest)}))
@@ -390,7 +391,7 @@ def test_a_checkpoint_that_runs_code_is_refused_not_executed(tmp_path):
 
 def test_gate_names_a_missing_manifest_or_report_in_one_line(tmp_path):
     manifest, _ = write_test_shard(tmp_path, "rows_0-4", [0, 1, 2, 3], [4, 4, 4, 4])
-    from eaglepipe.fingerprint import hash_file
+    from eaglepipe.core.fingerprint import hash_file
 
     report = tmp_path / "rows_0-4.json"
     report.write_text(json.dumps({"shard": "rows_0-4", "manifest_xxh3_128": hash_file(manifest)}))

@@ -25,22 +25,17 @@ from test_drafter_export import (
     self_attributes,
 )
 
-from eaglepipe.atomic import atomic_write_bytes
-from eaglepipe.config import validate_config
+from eaglepipe.core.atomic import atomic_write_bytes
+from eaglepipe.core.config import validate_config
+from eaglepipe.core.drafter_options import NORM_FLAGS, default_options, drafter_options
+from eaglepipe.core.errors import PipelineError
+from eaglepipe.core.run import resolve
 from eaglepipe.drafter import engine_load as el
 from eaglepipe.drafter import export as ex
 from eaglepipe.drafter.loss import ttt_loss
 from eaglepipe.drafter.model import DrafterConfig, Eagle3Drafter
-from eaglepipe.drafter.variants import (
-    ENGINE_OPTIONS,
-    NORM_FLAGS,
-    check_export_support,
-    default_options,
-    drafter_options,
-)
+from eaglepipe.drafter.variants import ENGINE_OPTIONS, check_export_support
 from eaglepipe.drafter.vocab import choose_draft_vocab, save_vocab
-from eaglepipe.errors import PipelineError
-from eaglepipe.run import resolve
 
 # (name, options): every flag alone, the 3.1 pair, and the MLA layer plain and with the pair.
 VARIANTS = {

@@ -21,13 +21,15 @@ import pytest
 import torch
 from conftest import shard_lock_held_elsewhere
 
-from eaglepipe.config import load_config
-from eaglepipe.dump import DumpWriter, make_rid
-from eaglepipe.errors import PipelineError
-from eaglepipe.extract import extract_shard
-from eaglepipe.run import resolve
+from eaglepipe.core.config import load_config
+from eaglepipe.core.errors import PipelineError
+from eaglepipe.core.run import resolve
+from eaglepipe.extract.chunk_file import open_chunk
+from eaglepipe.extract.shard import extract_shard
+from eaglepipe.extract.shard_files import iter_rows, read_manifest
+from eaglepipe.server.dump_writer import DumpWriter
 from eaglepipe.server.lifecycle import server_status, stop_server
-from eaglepipe.shard_store import iter_rows, open_chunk, read_manifest
+from eaglepipe.server.request_ids import make_rid
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHARD = "rows_0-24"
@@ -67,7 +69,7 @@ def make_workdir(root: Path, model_dir: Path) -> Path:
     import pyarrow.parquet as pq
     from tokenizers import Tokenizer, models
 
-    from eaglepipe.prepare import table_schema
+    from eaglepipe.prepare.table import table_schema
 
     root.mkdir(parents=True, exist_ok=True)
     # The target as a run sees it: weights plus tokenizer files (fingerprinted for provenance).
@@ -117,7 +119,7 @@ def make_workdir(root: Path, model_dir: Path) -> Path:
 
 
 def run_config(workdir: Path) -> dict:
-    from eaglepipe.config import config_from_arg
+    from eaglepipe.core.config import config_from_arg
 
     return config_from_arg(workdir / "config.json")
 
@@ -212,7 +214,7 @@ def test_every_row_equals_a_direct_forward(main_run, tiny_llama_dir):
     assert manifest["hidden_size"] == 32 and manifest["aux_layer_ids"] == AUX_IDS
     assert manifest["provenance"]["engine"] == "reference"
     assert manifest["provenance"]["dataset_hash"] == "d" * 32
-    assert manifest["provenance"]["workflow"]  # the rerun stamp eaglepipe.workflow compares
+    assert manifest["provenance"]["workflow"]  # the rerun stamp eaglepipe.plan compares
     assert manifest["timing"]["requests_sent"] == len(prepared)
     seen = []
     for row_id, tensors in iter_rows(shard_dir):
@@ -390,7 +392,7 @@ def test_too_little_free_space_writes_nothing(tmp_path, tiny_llama_dir, in_dir, 
 def test_weights_fingerprint_tells_a_fine_tune_from_its_base(tiny_llama_dir, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from eaglepipe.fingerprint import weights_fingerprint
+    from eaglepipe.core.fingerprint import weights_fingerprint
 
     copy = tmp_path / "copy"
     shutil.copytree(tiny_llama_dir, copy)
@@ -414,7 +416,7 @@ def test_a_shard_outside_the_plan_is_refused_before_any_work(tmp_path, tiny_llam
 
 def _assembler(shard_dir: Path, lookahead_bytes: int):
     """Four chunks of two 4-token rows each, hidden size 8: each row is 256 bytes of dumps."""
-    from eaglepipe.extract import ChunkAssembler, Progress, ShardRows
+    from eaglepipe.extract.shard import ChunkAssembler, Progress, ShardRows
 
     row_ids = list(range(8))
     rows = ShardRows(
@@ -432,7 +434,7 @@ def _assembler(shard_dir: Path, lookahead_bytes: int):
 
 
 def _extracted(row_id: int):
-    from eaglepipe.client import ExtractedRow
+    from eaglepipe.extract.client import ExtractedRow
 
     return ExtractedRow(
         row_id=row_id,

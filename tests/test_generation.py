@@ -18,15 +18,15 @@ import torch
 from conftest import plain_greedy
 from test_reference_server import body, generate, launch, rid, token_ids
 
-from eaglepipe.errors import PipelineError
-from eaglepipe.generation import (
+from eaglepipe.core.errors import PipelineError
+from eaglepipe.regenerate.client import (
     GenerationClient,
     GenerationSettings,
     RowRefused,
     parse_reply,
 )
-from eaglepipe.generation_rids import make_generation_rid, parse_generation_rid
 from eaglepipe.server.faults import parse_faults
+from eaglepipe.server.request_ids import make_generation_rid, parse_generation_rid
 
 NONCE = "0123456789ab"
 # Prompt lengths of one concurrent wave: padding, and requests finishing at different steps.

@@ -1,4 +1,5 @@
-"""Contract test: what regeneration through SGLang (eaglepipe/generation.py) relies on, checked
+"""Contract test: what regeneration through SGLang (eaglepipe/regenerate/client.py) relies on,
+checked
 against the source of both ends of the supported range (parsed, never imported):
 
 - /generate takes `input_ids`, `rid` and `sampling_params`;
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 from sglang_source import range_ends, sglang_source_root
 
-from eaglepipe.generation import GenerationSettings, parse_reply, sampling_params
+from eaglepipe.regenerate.client import GenerationSettings, parse_reply, sampling_params
 
 pytestmark = pytest.mark.network
 

@@ -25,11 +25,11 @@ import pytest
 import yaml
 from conftest import REPO_ROOT
 
-from eaglepipe.cli import EXIT_NOT_RUNNING
-from eaglepipe.cli import main as cli_main
-from eaglepipe.config import validate_config
-from eaglepipe.errors import PipelineError
-from eaglepipe.run import resolve
+from eaglepipe.core.config import validate_config
+from eaglepipe.core.errors import PipelineError
+from eaglepipe.core.run import resolve
+from eaglepipe.ops.cli import EXIT_NOT_RUNNING
+from eaglepipe.ops.cli import main as cli_main
 from eaglepipe.server import lifecycle
 from eaglepipe.server.leases import ServerPaths, read_history, read_json
 from eaglepipe.server.lifecycle import server_lease, stop_if_started_by
@@ -43,7 +43,7 @@ JOB = textwrap.dedent(
     """
     import json, sys, time, urllib.request, uuid
     from pathlib import Path
-    from eaglepipe.run import load_run
+    from eaglepipe.core.run import load_run
     from eaglepipe.server.lifecycle import server_lease
 
     run, mode, out = load_run(sys.argv[1]), sys.argv[2], Path(sys.argv[3])

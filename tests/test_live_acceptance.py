@@ -23,21 +23,17 @@ from drafter_helpers import synthetic_rows, write_config, write_table
 from pipeline_run import default_config, run_snakemake, small_config
 from pipeline_run import write_config as write_run_config
 
-from eaglepipe.config import load_config
+from eaglepipe.core.config import load_config
+from eaglepipe.core.errors import PipelineError
+from eaglepipe.core.run import resolve
 from eaglepipe.drafter.export import export
 from eaglepipe.drafter.live import live_acceptance, live_export_engine
 from eaglepipe.drafter.live_run import ExportInfo, first_difference
-from eaglepipe.drafter.live_sglang import (
-    parse_generation,
-    serve_command,
-    served,
-)
+from eaglepipe.drafter.live_sglang import parse_generation, serve_command, served
 from eaglepipe.drafter.live_transformers import load_exported_drafter
 from eaglepipe.drafter.target_head import load_target_head
 from eaglepipe.drafter.train import build_drafter, save_drafter
 from eaglepipe.drafter.vocab import build_draft_vocab, save_vocab
-from eaglepipe.errors import PipelineError
-from eaglepipe.run import resolve
 from eaglepipe.server.ports import port_is_free
 from eaglepipe.server.sglang import MAX_SERVER_PORT, check_port
 from eaglepipe.server.sglang import free_server_port as free_port
@@ -286,7 +282,7 @@ def test_the_whole_process_group_is_stopped(exported, fake_sglang, monkeypatch):
 SERVE_AND_WAIT = """
 import json, sys, time
 from eaglepipe.drafter.live_sglang import serve_command, served
-from eaglepipe.run import resolve
+from eaglepipe.core.run import resolve
 config, port = json.loads(sys.argv[1]), int(sys.argv[2])
 argv = serve_command(resolve(config), host="127.0.0.1", port=port)
 with served(argv, run=resolve(config), name="target", host="127.0.0.1", port=port):

@@ -24,9 +24,9 @@ import pytest
 from filelock import FileLock
 from sglang_source import _download_wheel, cache_dir
 
-from eaglepipe.config import load_config
+from eaglepipe.core.config import load_config
+from eaglepipe.core.run import resolve
 from eaglepipe.drafter.live_sglang import serve_command
-from eaglepipe.run import resolve
 
 pytestmark = pytest.mark.network
 

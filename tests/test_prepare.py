@@ -14,14 +14,14 @@ import pytest
 import yaml
 from conftest import PYTHON, REPO_ROOT
 
-from eaglepipe import dataset
-from eaglepipe.chat_mask import tokenize_conversation
-from eaglepipe.config import load_config
-from eaglepipe.errors import PipelineError
-from eaglepipe.fingerprint import hash_file, model_config_hash, tokenizer_fingerprint
-from eaglepipe.prepare import is_eval_row, load_prepared, rows_in_range, run_prepare
-from eaglepipe.run import resolve
-from eaglepipe.toy_target import build_toy_target
+from eaglepipe.core.config import load_config
+from eaglepipe.core.errors import PipelineError
+from eaglepipe.core.fingerprint import hash_file, model_config_hash, tokenizer_fingerprint
+from eaglepipe.core.run import resolve
+from eaglepipe.data import dataset
+from eaglepipe.data.chat_mask import tokenize_conversation
+from eaglepipe.data.toy_target import build_toy_target
+from eaglepipe.prepare.table import is_eval_row, load_prepared, rows_in_range, run_prepare
 
 SAMPLE = REPO_ROOT / "data" / "sample" / "conversations.jsonl"
 OUTPUTS = ("tokenized.parquet", "skipped.json", "summary.json")
@@ -92,7 +92,7 @@ def test_table_matches_contract_and_masks(tmp_path, toy_dir, sample_rows):
     assert sum(summary["length_histogram"]["counts"]) == 40
     assert [s["shard"] for s in summary["shards"]] == ["rows_0-16", "rows_16-32", "rows_32-40"]
     provenance = dict(summary["provenance"])
-    assert provenance.pop("workflow")  # the workflow's rerun stamp (eaglepipe.workflow)
+    assert provenance.pop("workflow")  # the workflow's rerun stamp (eaglepipe.plan)
     assert provenance == {
         "dataset_path": str(data),
         "dataset_format": "auto",

@@ -22,7 +22,7 @@ from packaging.requirements import Requirement
 from packaging.version import Version
 from pipeline_run import copy_workflow
 
-from eaglepipe.shard_plan import plan_for_source
+from eaglepipe.plan.shard_plan import plan_for_source
 
 SNAKEMAKE = str(Path(sys.executable).parent / "snakemake")
 PROFILES = {name: REPO_ROOT / "profiles" / name / "config.yaml" for name in ("default", "slurm")}

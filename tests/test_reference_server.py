@@ -23,9 +23,10 @@ import aiohttp
 import pytest
 import torch
 
-from eaglepipe.dump import make_rid, prepare_dump_dir, read_dump
 from eaglepipe.server.faults import DIE_EXIT_CODE, ENV_VAR, parse_faults
-from eaglepipe.server.reference import ReferenceEngine
+from eaglepipe.server.handoff import prepare_dump_dir, read_dump
+from eaglepipe.server.reference_engine import ReferenceEngine
+from eaglepipe.server.request_ids import make_rid
 
 PYTHON = sys.executable
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -515,7 +516,7 @@ def test_fault_syntax():
     assert parse_faults("shift_layer_batched, die_after:3").die_after == 3
     assert parse_faults("hang").hang_after == 0
     assert not parse_faults("").active
-    from eaglepipe.errors import PipelineError
+    from eaglepipe.core.errors import PipelineError
 
     with pytest.raises(PipelineError, match="unknown fault 'explode'"):
         parse_faults("explode")

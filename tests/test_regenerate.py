@@ -31,8 +31,8 @@ from pipeline_run import (
     write_config,
 )
 
-from eaglepipe.config import load_config
-from eaglepipe.run import resolve
+from eaglepipe.core.config import load_config
+from eaglepipe.core.run import resolve
 
 SHARDS = ["rows_0-10", "rows_10-20"]
 EXTRACTED = [f"hidden_states/{s}/manifest.json" for s in SHARDS]
@@ -321,7 +321,7 @@ def test_a_dry_run_lists_every_shard_still_to_regenerate(tmp_path):
 
 
 def test_the_seed_matters_only_when_sampling(tmp_path, monkeypatch):
-    from eaglepipe.workflow import regeneration_provenance
+    from eaglepipe.plan.provenance import regeneration_provenance
 
     monkeypatch.chdir(tmp_path)
     dataset = tmp_path / "rows.jsonl"

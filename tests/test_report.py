@@ -16,8 +16,8 @@ import pytest
 import yaml
 from conftest import PYTHON, REPO_ROOT
 
-from eaglepipe import report
-from eaglepipe.errors import PipelineError
+from eaglepipe.core.errors import PipelineError
+from eaglepipe.ops import report
 
 T0 = datetime(2026, 3, 1, 8, 0, tzinfo=UTC)
 

@@ -31,8 +31,8 @@ import torch
 from sglang_source import REPO_ROOT, range_ends, sglang_source_root
 from torch import nn
 
-from eaglepipe.errors import PipelineError
-from eaglepipe.run import resolve
+from eaglepipe.core.errors import PipelineError
+from eaglepipe.core.run import resolve
 from eaglepipe.server import sglang as recipe
 
 pytestmark = pytest.mark.network
@@ -282,7 +282,7 @@ def launch(tmp_path_factory, version):
 
 
 def _config(model_dir: Path, *, tp_size: int = 1, extra_args=None, trust_remote_code=True):
-    from eaglepipe.config import load_config
+    from eaglepipe.core.config import load_config
 
     config = load_config(REPO_ROOT / "config.yaml")
     config["model"]["path"] = str(model_dir)
@@ -1036,7 +1036,7 @@ def test_layer_id_translation_for_the_kimi_depth(src, architecture):
 
 def test_default_capture_matches_our_default_layers(src):
     """SGLang's default ([2, L//2, L-3] as inputs) is our default [1, L//2-1, L-4]."""
-    from eaglepipe.layers import default_aux_layer_ids
+    from eaglepipe.core.layers import default_aux_layer_ids
 
     for architecture in recipe.LAYER_ID_RULES:
         captured = _capture_of(src, architecture, None, 61)
@@ -1336,7 +1336,7 @@ def test_server_info_echoes_the_hook_config_clients_check(src, launch, version, 
     # Reported by SGLang itself where it has the flag, by our hook's config where it does not.
     assert info["sglang_capture_layer_ids"] == [2, 30, 58]
 
-    from eaglepipe.extract import check_server_info
+    from eaglepipe.extract.shard import check_server_info
 
     check_server_info(info, resolve(config).aux_layer_ids, 7168, "http://127.0.0.1:31555")
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from eaglepipe.errors import PipelineError
-from eaglepipe.run import resolve
+from eaglepipe.core.errors import PipelineError
+from eaglepipe.core.run import resolve
 from eaglepipe.server import sglang as recipe
 from eaglepipe.server import sglang_plugin
 
@@ -46,7 +46,7 @@ def server_site(tmp_path, monkeypatch):
 
 
 def llama_config(tmp_path: Path) -> dict:
-    from eaglepipe.config import load_config
+    from eaglepipe.core.config import load_config
 
     model = tmp_path / "model"
     model.mkdir()

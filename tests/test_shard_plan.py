@@ -8,8 +8,8 @@ import os
 import pandas as pd
 import pytest
 
-from eaglepipe.errors import PipelineError
-from eaglepipe.shard_plan import (
+from eaglepipe.core.errors import PipelineError
+from eaglepipe.plan.shard_plan import (
     Shard,
     count_source_rows,
     parse_shard_name,

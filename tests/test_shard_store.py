@@ -12,21 +12,23 @@ import torch
 from conftest import shard_lock_held_elsewhere
 from safetensors import safe_open
 
-from eaglepipe.errors import PipelineError
-from eaglepipe.fingerprint import hash_file
-from eaglepipe.shard_store import (
+from eaglepipe.core.errors import PipelineError
+from eaglepipe.core.fingerprint import hash_file
+from eaglepipe.core.shard_job import ShardLock
+from eaglepipe.core.space import check_free_space
+from eaglepipe.extract.chunk_file import (
     RowTensors,
-    ShardLock,
-    append_journal,
-    build_manifest,
-    check_free_space,
-    iter_rows,
     open_chunk,
     plan_chunks,
     plan_digest,
+    write_chunk,
+)
+from eaglepipe.extract.shard_files import (
+    append_journal,
+    build_manifest,
+    iter_rows,
     read_manifest,
     verified_chunks,
-    write_chunk,
     write_manifest,
 )
 

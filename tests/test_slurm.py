@@ -56,9 +56,9 @@ from slurm_cluster import (
 )
 from test_workflow_faults import assert_same_chunks, server_group, tail, wait_for
 
+from eaglepipe.plan.shard_plan import plan_shards
 from eaglepipe.server.leases import ServerPaths, hostname, read_history
 from eaglepipe.server.ports import port_is_free
-from eaglepipe.shard_plan import plan_shards
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 

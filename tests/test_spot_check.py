@@ -9,12 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from eaglepipe.validate import (
-    hf_layer_references,
-    rel_l2,
-    spot_check_verdict,
-    token_rel_l2,
-)
+from eaglepipe.validate import hf_layer_references, rel_l2, spot_check_verdict, token_rel_l2
 
 TOKENS, HIDDEN = 2317, 512  # the H200 Llama run's spot tokens and width
 

@@ -18,11 +18,11 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import REPO_ROOT
 
-from eaglepipe import status
-from eaglepipe.config import load_config
-from eaglepipe.run import resolve
-from eaglepipe.shard_plan import plan_shards
-from eaglepipe.shard_store import plan_chunks
+from eaglepipe.core.config import load_config
+from eaglepipe.core.run import resolve
+from eaglepipe.extract.chunk_file import plan_chunks
+from eaglepipe.ops import status
+from eaglepipe.plan.shard_plan import plan_shards
 
 HIDDEN = 64
 NOW = datetime(2026, 1, 2, 12, 0, tzinfo=UTC).timestamp()
@@ -86,8 +86,8 @@ def write_lock(shard_dir: Path, pid: int, *, host: str | None = None, started: f
 
 
 def write_failure(workdir: Path, name: str, message: str):
-    """What a failed extraction job leaves (eaglepipe.extract.run_extract_job)."""
-    from eaglepipe.shard_store import record_failure
+    """What a failed extraction job leaves (eaglepipe.extract.shard.run_extract_job)."""
+    from eaglepipe.core.shard_job import record_failure
 
     record_failure(workdir / "hidden_states" / name, message)
 
@@ -298,14 +298,10 @@ def test_chunk_plan_matches_extraction():
 
 
 def test_reads_what_the_shard_store_writes(tmp_path):
-    """Contract: the real writer lock, journal and manifest of eaglepipe.shard_store."""
-    from eaglepipe.shard_store import (
-        ChunkRecord,
-        ShardLock,
-        append_journal,
-        build_manifest,
-        write_manifest,
-    )
+    """Contract: the real writer lock, journal and manifest the extraction writes."""
+    from eaglepipe.core.shard_job import ShardLock
+    from eaglepipe.extract.chunk_file import ChunkRecord
+    from eaglepipe.extract.shard_files import append_journal, build_manifest, write_manifest
 
     shard_dir = tmp_path / "hidden_states" / "rows_0-8"
     records = [
@@ -348,7 +344,7 @@ def test_reads_what_the_shard_store_writes(tmp_path):
 
 
 def test_regeneration_shards_are_counted_and_failures_named(tmp_path):
-    from eaglepipe.shard_store import record_failure
+    from eaglepipe.core.shard_job import record_failure
 
     config = twenty_row_config(tmp_path)
     config["dataset"]["regenerate"]["enabled"] = True

@@ -8,11 +8,11 @@ import pytest
 import yaml
 from conftest import PYTHON, REPO_ROOT
 
-from eaglepipe.chat_mask import tokenize_conversation
-from eaglepipe.config import load_config
-from eaglepipe.dataset import read_conversations
-from eaglepipe.errors import PipelineError
-from eaglepipe.toy_target import CHAT_TEMPLATE, build_toy_target, read_build_info
+from eaglepipe.core.config import load_config
+from eaglepipe.core.errors import PipelineError
+from eaglepipe.data.chat_mask import tokenize_conversation
+from eaglepipe.data.dataset import read_conversations
+from eaglepipe.data.toy_target import CHAT_TEMPLATE, build_toy_target, read_build_info
 
 SAMPLE = REPO_ROOT / "data" / "sample" / "conversations.jsonl"
 

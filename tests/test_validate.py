@@ -26,12 +26,13 @@ import torch
 from aiohttp import web
 from conftest import PYTHON, REPO_ROOT, build_tiny_deepseek_v3
 
-from eaglepipe.config import load_config
-from eaglepipe.extract import extract_shard
-from eaglepipe.fingerprint import hash_bytes
-from eaglepipe.run import resolve
+from eaglepipe.core.config import load_config
+from eaglepipe.core.fingerprint import hash_bytes
+from eaglepipe.core.run import resolve
+from eaglepipe.extract.chunk_file import RowTensors, write_chunk
+from eaglepipe.extract.shard import extract_shard
+from eaglepipe.extract.shard_files import build_manifest, write_manifest
 from eaglepipe.server.lifecycle import stop_server
-from eaglepipe.shard_store import RowTensors, build_manifest, write_chunk, write_manifest
 from eaglepipe.validate import (
     ShardPaths,
     StoredRow,
@@ -565,7 +566,7 @@ def served(workspace):
     # tokenizer files and the prepared table a source whose plan holds the shard.
     from tokenizers import Tokenizer, models
 
-    from eaglepipe.fingerprint import tokenizer_fingerprint
+    from eaglepipe.core.fingerprint import tokenizer_fingerprint
 
     target = workspace.root / "target"
     shutil.copytree(config["model"]["path"], target)
@@ -693,7 +694,8 @@ class SGLangLikeServer:
 
     def __init__(self, dump_dir: Path, values: dict, *, delay_s: float, batched_with=0,
                  batched_times=0):  # fmt: skip
-        from eaglepipe.dump import DumpWriter, prepare_dump_dir
+        from eaglepipe.server.dump_writer import DumpWriter
+        from eaglepipe.server.handoff import prepare_dump_dir
 
         self.dump_dir = prepare_dump_dir(dump_dir)
         self.values = values  # tuple(input_ids) -> (aux bf16 [T, 3H], final bf16 [T, H])

@@ -25,7 +25,7 @@ from pipeline_run import (
     write_config,
 )
 
-from eaglepipe.fingerprint import hash_file
+from eaglepipe.core.fingerprint import hash_file
 
 SHARDS = ["rows_0-10", "rows_10-20", "rows_20-30", "rows_30-40"]
 VALIDATED = [f"validated/{s}.json" for s in SHARDS]

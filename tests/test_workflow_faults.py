@@ -42,10 +42,10 @@ from pipeline_run import (
 )
 from safetensors.torch import load_file
 
-from eaglepipe.fingerprint import hash_file
+from eaglepipe.core.fingerprint import hash_file
+from eaglepipe.plan.shard_plan import plan_shards
 from eaglepipe.server.leases import ServerPaths, hostname, read_history, read_json
 from eaglepipe.server.ports import port_holders, port_is_free
-from eaglepipe.shard_plan import plan_shards
 
 ROWS = 40
 ROWS_PER_SHARD = 2

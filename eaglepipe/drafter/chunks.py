@@ -21,9 +21,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import PipelineError
-from ..fingerprint import hash_file
-from ..shard_store import format_bytes, read_manifest
+from ..core.errors import PipelineError
+from ..core.fingerprint import hash_file
+from ..core.space import format_bytes
+from ..extract.shard_files import read_manifest
 
 INTACT, MISSING, WRONG_SIZE, WRONG_CHECKSUM, UNREADABLE = range(5)
 PROGRESS_EVERY_S = 30.0

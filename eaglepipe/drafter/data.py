@@ -22,8 +22,8 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from ..errors import PipelineError
-from ..prepare import load_prepared
+from ..core.errors import PipelineError
+from ..prepare.table import load_prepared
 from .chunks import Chunk
 
 SORT_WINDOW_BATCHES = 32

@@ -32,9 +32,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from ..errors import PipelineError
+from ..core.drafter_options import MLA_DIMS, NORM_FLAGS
+from ..core.errors import PipelineError
 from .model import DrafterConfig, Eagle3Drafter, target_rope
-from .variants import ARCHITECTURES, ENGINE_OPTIONS, MLA_DIMS, NORM_FLAGS
+from .variants import ARCHITECTURES, ENGINE_OPTIONS
 
 # SGLang 0.5.14 and 0.5.23, LlamaForCausalLMEagle3.load_weights.
 SGLANG_STACKED_PARAMS = [

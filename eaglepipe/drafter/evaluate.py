@@ -18,9 +18,9 @@ import os
 
 import torch
 
-from ..atomic import atomic_write_bytes, atomic_write_json
-from ..errors import PipelineError
-from ..run import RunSpec
+from ..core.atomic import atomic_write_bytes, atomic_write_json
+from ..core.errors import PipelineError
+from ..core.run import RunSpec
 from .chunks import list_chunks, require_intact
 from .data import BatchStream, index_rows, plan_batches, split_row_ids
 from .loss import step_targets, target_distribution

@@ -19,7 +19,7 @@ and the four variant flags as top-level booleans (`fc_norm`, `norm_before_fc`, `
 engine that would not load one of the drafter's options is refused (variants.py).
 
 The aux layer ids are the subtle part. Ours are 0-based decoder-layer *outputs*
-(eaglepipe/layers.py); both engines capture the residual stream *entering* a layer, so the
+(eaglepipe/core/layers.py); both engines capture the residual stream *entering* a layer, so the
 physical layer k is captured as engine layer k+1. What each engine does with the ids it reads:
 
 - SGLang (0.5.14 to 0.5.23) reads `eagle_config.eagle_aux_hidden_state_layer_ids` of the draft
@@ -43,12 +43,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
-from ..atomic import atomic_write_bytes, atomic_write_json
-from ..config import text_config
-from ..errors import PipelineError
-from ..run import RunSpec
+from ..core.atomic import atomic_write_bytes, atomic_write_json
+from ..core.config import text_config
+from ..core.drafter_options import MLA_DIMS, NORM_FLAGS
+from ..core.errors import PipelineError
+from ..core.run import RunSpec
 from .model import DrafterConfig, Eagle3Drafter, load_drafter
-from .variants import ARCHITECTURES, MLA_DIMS, NORM_FLAGS, check_export_support
+from .variants import ARCHITECTURES, check_export_support
 from .vocab import load_vocab
 
 ENGINES = ("sglang", "vllm")

@@ -23,9 +23,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..atomic import atomic_write_json
-from ..errors import PipelineError
-from ..run import RunSpec
+from ..core.atomic import atomic_write_json
+from ..core.errors import PipelineError
+from ..core.run import RunSpec
 from .live_run import ExportInfo, acceptance_length
 
 
@@ -58,7 +58,7 @@ def held_out_prompts(table_path, count: int) -> list[tuple[int, list[int]]]:
     """(row id, prompt ids) of the first `count` eval rows that have an assistant turn."""
     import numpy as np
 
-    from ..prepare import load_prepared
+    from ..prepare.table import load_prepared
 
     table = load_prepared(table_path, columns=["row_id", "split", "input_ids", "loss_mask"])
     prompts = []

@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import PipelineError
+from ..core.errors import PipelineError
 
 
 @dataclass(frozen=True)

@@ -41,9 +41,9 @@ from pathlib import Path
 
 import psutil
 
-from .. import config as cfg
-from ..errors import PipelineError
-from ..run import RunSpec
+from ..core import config as cfg
+from ..core.errors import PipelineError
+from ..core.run import RunSpec
 from ..server.handle import http_get_json, log_tail, probe_health, supervisor_process
 from ..server.leases import (
     STARTED_CHILDREN,

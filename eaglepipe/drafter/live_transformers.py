@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ..run import RunSpec
+from ..core.run import RunSpec
 from .engine_load import load_exported_drafter
 from .live_run import ExportInfo, PromptRun
 from .model import Eagle3Drafter

@@ -42,8 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import PipelineError
-from .variants import MLA_DIMS, NORM_FLAGS, default_options, drafter_options
+from ..core.drafter_options import MLA_DIMS, NORM_FLAGS, default_options, drafter_options
+from ..core.errors import PipelineError
 
 # RoPE types the drafter carries from the target, with the scaling keys SGLang, vLLM and
 # transformers all read alike (`attention_factor` is transformers-only, `attn_factor`

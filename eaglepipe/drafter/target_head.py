@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from ..config import text_config
-from ..errors import PipelineError
+from ..core.config import text_config
+from ..core.errors import PipelineError
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"

@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save
 
-from ..atomic import atomic_write_bytes
-from ..errors import PipelineError
-from ..fingerprint import hash_file, hash_json
-from ..jsonio import read_json_object
-from ..run import RunSpec, TrainSettings
+from ..core.atomic import atomic_write_bytes
+from ..core.errors import PipelineError
+from ..core.fingerprint import hash_file, hash_json
+from ..core.jsonio import read_json_object
+from ..core.run import RunSpec, TrainSettings
 from .chunks import Chunk, check_chunks, damage_error, list_chunks
 from .data import BatchStream, index_rows, plan_batches, split_row_ids
 from .loss import ttt_loss

@@ -18,8 +18,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
-from ..atomic import atomic_write_bytes
-from ..errors import PipelineError
+from ..core.atomic import atomic_write_bytes
+from ..core.errors import PipelineError
 
 
 @dataclass

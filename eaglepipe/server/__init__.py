@@ -1,1 +1,3 @@
-"""The hidden-state server side: the reference server, its capture hooks and fault switch."""
+"""The hidden-state server: the reference server and the SGLang recipe, the dump handoff and
+request ids both ends share, the lifecycle that starts, shares and stops it, and the watchdog
+its clients run."""

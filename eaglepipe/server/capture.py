@@ -1,7 +1,7 @@
 """Capture a Hugging Face causal LM's aux layers and final hidden state with forward hooks.
 
 Only the hooked modules' outputs are kept (not `output_hidden_states=True` for every layer):
-decoder layer k's output is aux id k (eaglepipe.layers), and the final norm's output is the
+decoder layer k's output is aux id k (eaglepipe.core.layers), and the final norm's output is the
 post-norm final hidden state. Each hook gathers the real (unpadded) tokens on the device right
 away, so padded activations are never held and what leaves the device is exactly the packed
 [T_total, H] per layer that the dump writer takes.
@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from ..errors import PipelineError
+from ..core.errors import PipelineError
 
 _LAYER_LIST_NAMES = ("layers", "h", "blocks")
 _FINAL_NORM_NAMES = ("norm", "final_layernorm", "ln_f", "norm_f", "final_norm")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 
-from ..errors import PipelineError, ServerLost
+from ..core.errors import PipelineError, ServerLost
 from .leases import ProcessRef, RequestGate
 
 SUPERVISOR_MODULE = "eaglepipe.server.supervise"

@@ -38,12 +38,11 @@ from pathlib import Path
 import filelock
 import psutil
 
-from .. import config as cfg
-from ..atomic import atomic_write_json
-from ..errors import PipelineError
-from ..fingerprint import hash_json
-from ..identity import server_identity
-from ..run import RunSpec
+from ..core import config as cfg
+from ..core.atomic import atomic_write_json
+from ..core.errors import PipelineError
+from ..core.fingerprint import hash_json
+from ..core.run import RunSpec
 from .handle import (
     PROBE_TIMEOUT_S,
     SUPERVISOR_MODULE,
@@ -55,6 +54,7 @@ from .handle import (
     server_alive,
     supervisor_process,
 )
+from .identity import server_identity
 from .leases import (
     STARTED_CHILDREN,
     Lease,
@@ -377,7 +377,7 @@ def _new_instance_id() -> str:
 def _start(run: RunSpec, paths: ServerPaths, run_token: str, fingerprint: str) -> tuple[dict, dict]:
     server = run.server
     host, port = server.host, server.port
-    from ..dump import prepare_dump_dir  # imports torch: only on the path that starts a server
+    from .handoff import prepare_dump_dir  # imports torch: only on the path that starts a server
 
     dump_root = prepare_dump_dir(
         run.server.handoff_root, what="server.dump_root", refuse_open_mode=True

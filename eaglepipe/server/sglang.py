@@ -20,7 +20,8 @@ tests/test_sglang_contract.py; docs/sglang.md records the live runs.
 
 How the hook module is found: `patch/` is prepended to PYTHONPATH in the environment returned by
 `launch_command`, so the server process (and its per-rank scheduler processes, which inherit the
-environment) import it as the top-level module `eaglepipe_hook`. It imports `eaglepipe.dump`,
+environment) import it as the top-level module `eaglepipe_hook`. It imports
+`eaglepipe.server.dump_writer`,
 so SGLang must run where eaglepipe is importable (the `sglang` extra). SGLANG_PATH_ENV adds path
 entries for the server only (an SGLang staged beside a Python whose own packages conflict).
 
@@ -46,9 +47,9 @@ from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
-from ..errors import PipelineError
-from ..layers import CONVENTION
-from ..run import RunSpec
+from ..core.errors import PipelineError
+from ..core.layers import CONVENTION
+from ..core.run import RunSpec
 
 # The checkout's patch/ (the project runs from its repository, installed editable).
 PATCH_DIR = Path(__file__).resolve().parents[2] / "patch"
@@ -427,7 +428,7 @@ def launch_command(
     the SGLang installed for the server (`installed_sglang_version`); it decides the capture
     mechanism, and a version outside patch/sglang.toml's range is refused.
     """
-    from .. import config as cfg
+    from ..core import config as cfg
     from .sglang_plugin import CAPTURE_ENV
 
     if not (PATCH_DIR / f"{HOOK_MODULE}.py").is_file():

@@ -26,13 +26,7 @@ from pathlib import Path
 import filelock
 import psutil
 
-from .leases import (
-    ServerPaths,
-    append_history,
-    live_leases,
-    pinned_instance,
-    read_json,
-)
+from .leases import ServerPaths, append_history, live_leases, pinned_instance, read_json
 from .slurm_job import current_slurm_job
 
 # The lifecycle SIGKILLs the group this long after its SIGTERM; the supervisor escalates sooner

@@ -3,7 +3,7 @@ error type, `ValidationFailure`, naming the shard, the check and where known chu
 
 from __future__ import annotations
 
-from ..errors import PipelineError
+from ..core.errors import PipelineError
 
 CHECKS = ("integrity", "schema", "coverage", "values", "provenance", "spot_check")
 LAYER_NAMES = ("aux_0", "aux_1", "aux_2", "final")

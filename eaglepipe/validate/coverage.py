@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import PipelineError
+from ..core.errors import PipelineError
 from .checks import ValidationFailure
 from .schema import ChunkLayout
 

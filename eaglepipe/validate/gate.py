@@ -12,11 +12,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .. import config as cfg
-from ..atomic import atomic_write_json
-from ..run import RunSpec
-from ..shard_plan import parse_shard_name
-from ..workflow import validation_settings
+from ..core import config as cfg
+from ..core.atomic import atomic_write_json
+from ..core.run import RunSpec
+from ..plan.provenance import validation_settings
+from ..plan.shard_plan import parse_shard_name
 from .checks import CHECKS
 from .coverage import check_chunk_tokens, check_coverage_rows, load_prepared_rows
 from .integrity import (
@@ -130,7 +130,7 @@ def validate_shard(
     report = {
         "shard": shard,
         "manifest_xxh3_128": manifest_hash,
-        # What makes this report stale besides its manifest (eaglepipe.workflow).
+        # What makes this report stale besides its manifest (eaglepipe.plan).
         "validation_settings": validation_settings(run),
         "provenance": provenance,
         "checks": {name: checks[name] for name in CHECKS},

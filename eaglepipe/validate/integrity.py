@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import PipelineError
-from ..fingerprint import hash_file
-from ..shard_store import MANIFEST_NAME
-from ..shard_store import read_manifest_and_hash as read_shard_manifest
+from ..core.errors import PipelineError
+from ..core.fingerprint import hash_file
+from ..extract.shard_files import MANIFEST_NAME
+from ..extract.shard_files import read_manifest_and_hash as read_shard_manifest
 from .checks import CHUNK_GLOB, ValidationFailure
 
 

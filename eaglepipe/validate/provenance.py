@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .. import config as cfg
-from ..errors import PipelineError
-from ..layers import CONVENTION, FINAL_CONVENTION
-from ..run import RunSpec
+from ..core import config as cfg
+from ..core.errors import PipelineError
+from ..core.layers import CONVENTION, FINAL_CONVENTION
+from ..core.run import RunSpec
 from .checks import PROVENANCE_FIELDS, ValidationFailure
 
 

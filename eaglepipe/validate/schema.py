@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 from safetensors import safe_open
 
-from ..shard_plan import parse_shard_name
+from ..plan.shard_plan import parse_shard_name
 from .checks import CHUNK_TENSORS, HIDDEN_DTYPES, LAYER_NAMES, ValidationFailure
 
 

@@ -19,17 +19,13 @@ import psutil
 import torch
 from safetensors import safe_open
 
-from ..dump import dump_path, make_rid, read_dump, wait_for_dump
-from ..errors import PipelineError
-from ..run import RunSpec, TargetModel, ValidateSettings
-from ..shard_store import format_bytes
+from ..core.errors import PipelineError
+from ..core.run import RunSpec, TargetModel, ValidateSettings
+from ..core.space import format_bytes
+from ..server.handoff import dump_path, read_dump, wait_for_dump
+from ..server.request_ids import make_rid
 from .checks import LAYER_NAMES, ValidationFailure
-from .spot_rule import (
-    LayerReference,
-    hf_layer_references,
-    rel_l2,
-    spot_check_verdict,
-)
+from .spot_rule import LayerReference, hf_layer_references, rel_l2, spot_check_verdict
 from .values import layer_label
 
 # Re-extractions of one row when the server batched it with a foreign request (e.g. SGLang's own

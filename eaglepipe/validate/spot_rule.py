@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..layers import hf_hidden_state_index
+from ..core.layers import hf_hidden_state_index
 from .checks import LAYER_NAMES
 
 #

@@ -11,12 +11,17 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .. import config as cfg
-from ..errors import PipelineError
-from ..shard_plan import parse_shard_name
-from ..shard_store import MANIFEST_NAME, invalidate_shard
+from ..core import config as cfg
+from ..core.errors import PipelineError
+from ..extract.shard_files import MANIFEST_NAME, invalidate_shard
+from ..plan.shard_plan import parse_shard_name
 from .checks import ValidationFailure
-from .integrity import check_chunk_checksum, check_chunk_file, check_no_stray_chunks, read_manifest
+from .integrity import (
+    check_chunk_checksum,
+    check_chunk_file,
+    check_no_stray_chunks,
+    read_manifest,
+)
 from .schema import check_chunk_schema, check_manifest_schema, open_chunk
 
 

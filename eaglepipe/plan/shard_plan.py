@@ -24,10 +24,10 @@ from pathlib import Path
 
 import xxhash
 
-from .atomic import atomic_write_json
-from .dataset import iter_jsonl_lines, iter_parquet_records, source_kind
-from .errors import PipelineError
-from .fingerprint import file_identity
+from ..core.atomic import atomic_write_json
+from ..core.errors import PipelineError
+from ..core.fingerprint import file_identity
+from ..data.dataset import iter_jsonl_lines, iter_parquet_records, source_kind
 
 DEFAULT_CACHE_DIR = ".eaglepipe/cache"
 _CACHE_VERSION = 2  # 2: keyed on file_identity (inode, ctime), not size + mtime

@@ -16,14 +16,14 @@ the one the shard provenance uses too.
 
 from __future__ import annotations
 
-from .run import RunSpec
+from ..core.run import RunSpec
 
 
 def engine_identity(run: RunSpec) -> dict:
     """Engine, version, device kind, dtype and layout, as the server on this node resolves them."""
     server = run.server
     if server.engine == "sglang":
-        from .server.sglang import installed_sglang_version
+        from .sglang import installed_sglang_version
 
         return {
             "engine": "sglang",
@@ -33,7 +33,7 @@ def engine_identity(run: RunSpec) -> dict:
             "dtype": server.dtype,
             "tp_size": server.sglang.tp_size,
         }
-    from .server.reference import (
+    from .reference_engine import (
         engine_version,
         resolve_attention,
         resolve_device,

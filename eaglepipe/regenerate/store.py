@@ -23,10 +23,10 @@ import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from .atomic import atomic_write_bytes, atomic_write_json
-from .errors import PipelineError
-from .fingerprint import hash_bytes, hash_file
-from .jsonio import read_json_object
+from ..core.atomic import atomic_write_bytes, atomic_write_json
+from ..core.errors import PipelineError
+from ..core.fingerprint import hash_bytes, hash_file
+from ..core.jsonio import read_json_object
 
 FORMAT_VERSION = 1
 ROWS_NAME = "rows.jsonl"

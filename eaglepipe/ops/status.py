@@ -32,21 +32,19 @@ from typing import TextIO
 import numpy as np
 import psutil
 
-from .config import HIDDEN_STATES_DIR, PREPARED_TABLE, REGENERATED_DIR
-from .errors import PipelineError
-from .run import RunSpec
-from .shard_plan import parse_shard_name
-from .shard_store import (
+from ..core.config import HIDDEN_STATES_DIR, PREPARED_TABLE, REGENERATED_DIR
+from ..core.errors import PipelineError
+from ..core.run import RunSpec
+from ..core.shard_job import LOCK_NAME, read_failure
+from ..core.space import format_bytes
+from ..extract.chunk_file import plan_bytes, plan_chunks
+from ..extract.shard_files import (
     INVALID_MANIFEST_NAME,
     JOURNAL_NAME,
-    LOCK_NAME,
     MANIFEST_NAME,
-    format_bytes,
-    plan_bytes,
-    plan_chunks,
-    read_failure,
     read_journal,
 )
+from ..plan.shard_plan import parse_shard_name
 
 # Throughput is measured over this trailing window, so an ETA reflects the current pace.
 RECENT_WINDOW_S = 3600.0
@@ -480,7 +478,7 @@ def format_status(summary: StatusSummary, *, list_all: bool = False, max_listed:
 
 def planned_shard_names(run: RunSpec, workdir: str | os.PathLike = ".") -> list[str]:
     """The run's shard names, planned exactly as the workflow plans them."""
-    from .shard_plan import plan_for_source
+    from ..plan.shard_plan import plan_for_source
 
     workdir = Path(workdir)
     plan = plan_for_source(

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from . import config as cfg
-from .drafter.variants import MLA_DIMS, drafter_options
+from .drafter_options import MLA_DIMS, drafter_options
 from .errors import PipelineError
 from .fingerprint import (
     hash_json,

@@ -38,8 +38,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..core.errors import PipelineError
 from .dataset import ASSISTANT_TRUNCATED, NO_ASSISTANT_TOKENS, TEMPLATE_ERROR, RowProblem
-from .errors import PipelineError
 
 _PROBE_USER = "\u2063probe-user\u2063"
 _PROBE_ASSISTANT = "\u2063probe-assistant\u2063"

@@ -1,6 +1,6 @@
 """One shard's extraction: prepared rows -> server -> checksummed chunks -> manifest.
 
-`extract_shard(run, "rows_0-64")` (`run`: the run description, eaglepipe/run.py):
+`extract_shard(run, "rows_0-64")` (`run`: the run description, eaglepipe/core/run.py):
 
 1. loads the shard's prepared rows and plans its chunks from their token counts;
 2. checks the output filesystem has room for what is still to write (nothing is created
@@ -29,7 +29,26 @@ import numpy as np
 import torch
 import xxhash
 
-from . import __version__
+from .. import __version__
+from ..core.config import HIDDEN_STATES_DIR, PREPARED_SUMMARY, PREPARED_TABLE
+from ..core.errors import PipelineError, ServerLost
+from ..core.jsonio import read_json_object
+from ..core.layers import CONVENTION, FINAL_CONVENTION
+from ..core.run import RunSpec
+from ..core.shard_job import FAILURE_NAME, ShardLock, record_failure
+from ..core.space import check_free_space, format_bytes
+from ..plan.provenance import shard_provenance
+from ..plan.shard_plan import parse_shard_name
+from ..server.identity import chunk_reuse_key, engine_identity
+from ..server.watch import liveness_check
+from .chunk_file import (
+    ChunkRecord,
+    RowTensors,
+    estimated_chunk_bytes,
+    plan_chunks,
+    plan_digest,
+    write_chunk,
+)
 from .client import (
     ClientSettings,
     ExtractedRow,
@@ -37,36 +56,16 @@ from .client import (
     RowRequest,
     expected_dump_bytes,
     handoff_free_bytes,
-    liveness_check,
 )
-from .config import HIDDEN_STATES_DIR, PREPARED_SUMMARY, PREPARED_TABLE
-from .errors import PipelineError, ServerLost
-from .identity import chunk_reuse_key, engine_identity
-from .jsonio import read_json_object
-from .layers import CONVENTION, FINAL_CONVENTION
-from .run import RunSpec
-from .shard_plan import parse_shard_name
-from .shard_store import (
-    FAILURE_NAME,
+from .shard_files import (
     INVALID_MANIFEST_NAME,
     MANIFEST_NAME,
-    ChunkRecord,
-    RowTensors,
-    ShardLock,
     append_journal,
     build_manifest,
-    check_free_space,
-    estimated_chunk_bytes,
-    format_bytes,
     journalled_bytes,
-    plan_chunks,
-    plan_digest,
-    record_failure,
     verified_chunks,
-    write_chunk,
     write_manifest,
 )
-from .workflow import shard_provenance
 
 PROGRESS_INTERVAL_S = 2.0
 # Attempts per shard job when the server is lost mid-shard (the next lease starts a fresh one).
@@ -92,7 +91,7 @@ class ShardRows:
 
 
 def load_shard_rows(table_path: Path, start: int, end: int) -> ShardRows:
-    from .prepare import load_prepared, rows_in_range
+    from ..prepare.table import load_prepared, rows_in_range
 
     # Only this shard's row group is read: a job's start-up must not grow with the dataset.
     columns = ["row_id", "input_ids", "loss_mask"]
@@ -301,7 +300,7 @@ def _extract_chunks(
     log: Callable[[str], None],
 ) -> tuple[dict[int, ChunkRecord], int, dict]:
     """Request the rows of the unfinished chunks and write those chunks as they complete."""
-    from .server.lifecycle import server_lease
+    from ..server.lifecycle import server_lease
 
     wanted = {r for i in todo for r in chunks[i]}
     requests = [
@@ -320,7 +319,7 @@ def _extract_chunks(
             f"{settings.max_inflight_requests} requests and "
             f"{format_bytes(settings.max_inflight_bytes)} of dumps in flight"
         )
-        # Dumps are mapped, not copied (eaglepipe.dump.read_dump), so rows held for the
+        # Dumps are mapped, not copied (eaglepipe.server.handoff.read_dump), so rows held for the
         # look-ahead keep their handoff space until their chunk is written: by default the
         # look-ahead takes at most a quarter of the handoff's free space, as in-flight dumps do.
         lookahead = run.extract.lookahead_bytes or min(
@@ -455,7 +454,7 @@ def extract_shard(
                 # Device, dtype and layout too: what makes two shards' values comparable.
                 "engine_identity": engine,
                 "project_version": __version__,
-                # What the workflow's rerun decision compares (eaglepipe.workflow).
+                # What the workflow's rerun decision compares (eaglepipe.plan).
                 "workflow": workflow_stamp,
             },
             timing={

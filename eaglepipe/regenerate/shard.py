@@ -33,16 +33,25 @@ from pathlib import Path
 import aiohttp
 import xxhash
 
-from . import __version__
-from .chat_mask import end_of_turn_marker, render
-from .client import liveness_check, new_nonce, watch_server
-from .config import REGENERATED_DIR
-from .dataset import BadRow, Conversation, RowProblem, bad_row_error, iter_rows
-from .errors import PipelineError, ServerLost
-from .fingerprint import hash_json
-from .generation import GenerationClient, GenerationSettings, RowRefused
-from .identity import engine_identity
-from .regen_store import (
+from .. import __version__
+from ..core.config import REGENERATED_DIR
+from ..core.errors import PipelineError, ServerLost
+from ..core.fingerprint import hash_json
+from ..core.run import RunSpec
+from ..core.shard_job import FAILURE_NAME, ShardLock, record_failure
+from ..data.chat_mask import end_of_turn_marker, render
+from ..data.dataset import BadRow, Conversation, RowProblem, bad_row_error, iter_rows
+from ..plan.provenance import (
+    model_fingerprint,
+    regeneration_provenance,
+    shard_source_rows_digest,
+)
+from ..plan.shard_plan import Shard, parse_shard_name
+from ..server.identity import engine_identity
+from ..server.request_ids import new_nonce
+from ..server.watch import liveness_check, watch_server
+from .client import GenerationClient, GenerationSettings, RowRefused
+from .store import (
     MANIFEST_NAME,
     ROWS_NAME,
     append_row,
@@ -50,10 +59,6 @@ from .regen_store import (
     write_manifest,
     write_rows,
 )
-from .run import RunSpec
-from .shard_plan import Shard, parse_shard_name
-from .shard_store import FAILURE_NAME, ShardLock, record_failure
-from .workflow import model_fingerprint, regeneration_provenance, shard_source_rows_digest
 
 PROGRESS_INTERVAL_S = 2.0
 SERVER_ATTEMPTS = 2  # as extraction: one more attempt with a fresh server when it is lost
@@ -278,8 +283,8 @@ def regenerate_shard(
     log: Callable[[str], None] = _log,
 ) -> dict:
     """Regenerate one shard (keeping journalled rows) and return its manifest."""
-    from .prepare import load_target_tokenizer
-    from .server.lifecycle import server_lease
+    from ..data.tokenizer import load_target_tokenizer
+    from ..server.lifecycle import server_lease
 
     started_at = datetime.now(UTC)
     t0 = time.monotonic()
@@ -370,7 +375,7 @@ def regenerate_shard(
                 "engine_version": engine["engine_version"],
                 "engine_identity": engine,
                 "project_version": __version__,
-                # What the workflow's rerun decision compares (eaglepipe.workflow).
+                # What the workflow's rerun decision compares (eaglepipe.plan).
                 "workflow": workflow_stamp,
             },
             timing={

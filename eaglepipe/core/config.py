@@ -2,7 +2,7 @@
 
 The schema in schemas/config.schema.yaml is the single description of every key: its types,
 bounds and defaults. The Snakefile validates `config` with it at workflow start and resolves it
-into the run description (`eaglepipe.run`), whose resolved copy is written to
+into the run description (`eaglepipe.core.run`), whose resolved copy is written to
 `.eaglepipe/config.json`, so a job sees exactly the configuration its run parsed.
 """
 
@@ -18,7 +18,7 @@ import yaml
 
 from .errors import PipelineError
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 SCHEMA_PATH = PROJECT_ROOT / "schemas" / "config.schema.yaml"
 RESOLVED_CONFIG = Path(".eaglepipe/config.json")
 

@@ -19,9 +19,9 @@ import shutil
 import time
 from pathlib import Path
 
-from .atomic import atomic_write_json, fsync_dir
+from ..core.atomic import atomic_write_json, fsync_dir
+from ..core.errors import PipelineError
 from .dataset import Conversation, read_conversations
-from .errors import PipelineError
 
 BOS, EOS, PAD = "<|bos|>", "<|end|>", "<|pad|>"
 ROLE_TOKENS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>"}

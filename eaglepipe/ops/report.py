@@ -23,9 +23,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from .atomic import atomic_write_bytes  # noqa: E402
-from .errors import PipelineError  # noqa: E402
-from .jsonio import read_json_object  # noqa: E402
+from ..core.atomic import atomic_write_bytes  # noqa: E402
+from ..core.errors import PipelineError  # noqa: E402
+from ..core.jsonio import read_json_object  # noqa: E402
 
 LAYER_NAMES = ("aux_0", "aux_1", "aux_2", "final")
 # Up to this many shards get one bar each; more are drawn as points so the figure stays legible.

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import io
 import os
-import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -33,14 +32,27 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from . import config as config_mod
-from .atomic import dumps_json, write_if_changed
-from .chat_mask import require_chat_template, tokenize_conversation
-from .dataset import BadRow, Conversation, RowProblem, bad_row_error, dataset_hash, iter_rows
-from .errors import PipelineError
-from .run import HoldoutSettings, RunSpec
-from .shard_plan import DEFAULT_CACHE_DIR, count_source_rows, parse_shard_name, plan_shards
-from .workflow import prepare_provenance
+from ..core import config as config_mod
+from ..core.atomic import dumps_json, write_if_changed
+from ..core.errors import PipelineError
+from ..core.run import HoldoutSettings, RunSpec
+from ..data.chat_mask import tokenize_conversation
+from ..data.dataset import (
+    BadRow,
+    Conversation,
+    RowProblem,
+    bad_row_error,
+    dataset_hash,
+    iter_rows,
+)
+from ..data.tokenizer import load_target_tokenizer
+from ..plan.provenance import prepare_provenance
+from ..plan.shard_plan import (
+    DEFAULT_CACHE_DIR,
+    count_source_rows,
+    parse_shard_name,
+    plan_shards,
+)
 
 HISTOGRAM_BINS = 16
 _SKIP_EXAMPLES_PRINTED = 10
@@ -59,26 +71,6 @@ def table_schema():
             ("truncated", pa.bool_()),
         ]
     )
-
-
-def load_target_tokenizer(run: RunSpec):
-    """The target's tokenizer (with remote code only when model.trust_remote_code is set)."""
-    from transformers import AutoTokenizer
-
-    model_dir = run.model.directory
-    if not model_dir.is_dir():
-        raise PipelineError(f"model.path: {model_dir} does not exist")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(
-            model_dir, trust_remote_code=run.model.trust_remote_code
-        )
-    except (OSError, ValueError) as exc:
-        raise PipelineError(f"cannot load the tokenizer of {model_dir}: {exc}") from None
-    require_chat_template(tokenizer, str(model_dir))
-    # prepare truncates to dataset.max_length itself; transformers would warn about every row
-    # longer than the model's maximum, truncated on purpose or not.
-    tokenizer.model_max_length = sys.maxsize
-    return tokenizer
 
 
 def is_eval_row(row_id: int, fraction: float, seed: int) -> bool:
@@ -178,8 +170,9 @@ def conversation_rows(run: RunSpec) -> Iterator[Conversation | BadRow]:
     if not run.dataset.regenerate.enabled:
         yield from iter_rows(run.dataset.path, run.dataset.format)
         return
-    from .regen_store import iter_regenerated_rows
-    from .workflow import regenerated_manifest_path, regeneration_freshness, shards
+    from ..plan.freshness import regeneration_freshness
+    from ..plan.provenance import regenerated_manifest_path, shards
+    from ..regenerate.store import iter_regenerated_rows
 
     is_fresh = regeneration_freshness(run)
     for shard in shards(run):
@@ -365,7 +358,7 @@ def _summary(
             "regenerate": (
                 dataset_cfg.regenerate.output_settings() if dataset_cfg.regenerate.enabled else None
             ),
-            # What the workflow's rerun decision compares (eaglepipe.workflow).
+            # What the workflow's rerun decision compares (eaglepipe.plan).
             "workflow": prepare_provenance(run),
         },
     }

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from .client import BACKOFF_BASE_S, BACKOFF_MAX_S, TransientError
-from .errors import PipelineError, ServerLost
-from .generation_rids import make_generation_rid
+from ..core.errors import PipelineError, ServerLost
+from ..server.request_ids import make_generation_rid
+from ..server.watch import BACKOFF_BASE_S, BACKOFF_MAX_S, TransientError
 
 
 class RowRefused(PipelineError):

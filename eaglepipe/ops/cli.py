@@ -18,9 +18,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from .config import RESOLVED_CONFIG
-from .errors import PipelineError
-from .run import RunSpec, load_run
+from ..core.config import RESOLVED_CONFIG
+from ..core.errors import PipelineError
+from ..core.run import RunSpec, load_run
 
 EXIT_NOT_RUNNING = 3
 
@@ -47,7 +47,7 @@ def load_run_arg(args: argparse.Namespace) -> RunSpec:
 
 
 def server_start(args: argparse.Namespace) -> int:
-    from .server.lifecycle import start_server
+    from ..server.lifecycle import start_server
 
     handle = start_server(load_run_arg(args))
     state = handle.state
@@ -67,7 +67,7 @@ def _duration(seconds: float) -> str:
 
 
 def server_status(args: argparse.Namespace) -> int:
-    from .server.lifecycle import server_status as read_status
+    from ..server.lifecycle import server_status as read_status
 
     status = read_status()
     state = status["state"]
@@ -111,7 +111,7 @@ def server_status(args: argparse.Namespace) -> int:
 
 
 def server_stop(args: argparse.Namespace) -> int:
-    from .server.lifecycle import stop_server
+    from ..server.lifecycle import stop_server
 
     started = time.monotonic()
     state = stop_server()
@@ -170,8 +170,8 @@ def _planned_shards(args: argparse.Namespace) -> list[str] | None:
 
 
 def verify_command(args: argparse.Namespace) -> int:
-    from .config import HIDDEN_STATES_DIR, VALIDATED_DIR
-    from .validate import invalidate_damaged, verify_shards
+    from ..core.config import HIDDEN_STATES_DIR, VALIDATED_DIR
+    from ..validate import invalidate_damaged, verify_shards
 
     root = args.hidden_states or HIDDEN_STATES_DIR
     report = verify_shards(root, planned=_planned_shards(args), progress=True)

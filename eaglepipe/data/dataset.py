@@ -19,8 +19,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import PipelineError
-from .fingerprint import hash_file
+from ..core.errors import PipelineError
+from ..core.fingerprint import hash_file
 
 FORMATS = ("auto", "sharegpt", "openai")
 
@@ -44,7 +44,7 @@ MALFORMED_MESSAGE = "malformed message"
 UNKNOWN_ROLE = "unknown role"
 NON_STRING_CONTENT = "non-string content"
 EMPTY_ASSISTANT_REPLY = "empty assistant reply"
-# Found while tokenizing (eaglepipe.chat_mask), listed here so all reasons live in one place.
+# Found while tokenizing (eaglepipe.data.chat_mask), listed here so all reasons live in one place.
 NO_ASSISTANT_TOKENS = "no assistant tokens"
 ASSISTANT_TRUNCATED = "assistant tokens truncated away"
 TEMPLATE_ERROR = "chat template error"

@@ -1,0 +1,51 @@
+"""Disk space: free bytes on the filesystem that will hold a path, a clear refusal before a write
+that cannot fit, and human-readable sizes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from .errors import PipelineError
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def _existing_ancestor(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def free_bytes(directory: str | os.PathLike) -> int:
+    """Free bytes on the filesystem that holds `directory` (or would hold it once created)."""
+    return shutil.disk_usage(_existing_ancestor(Path(directory))).free
+
+
+def check_free_space(needed_bytes: int, directory: str | os.PathLike, what: str) -> None:
+    """Raise PipelineError when `needed_bytes` cannot fit on the filesystem of `directory`."""
+    free = free_bytes(directory)
+    if needed_bytes > free:
+        raise PipelineError(
+            f"{what} needs {format_bytes(needed_bytes)} but only {format_bytes(free)} is free "
+            f"on the filesystem of {_existing_ancestor(Path(directory))}: free space or point "
+            "the output elsewhere"
+        )
+
+
+def space_summary(needed_bytes: int, directory: str | os.PathLike) -> str:
+    """One line for the workflow start: what the remaining plan needs against what is free."""
+    free = free_bytes(directory)
+    verdict = "fits" if needed_bytes <= free else "DOES NOT FIT"
+    return (
+        f"remaining extraction needs {format_bytes(needed_bytes)}; "
+        f"{format_bytes(free)} free on {_existing_ancestor(Path(directory))}: {verdict}"
+    )

@@ -1,0 +1,246 @@
+"""A shard's files besides its chunks: the journal (one line per finished chunk, the basis of
+intra-shard resume), the manifest (written last and atomically: the shard is done only when it
+exists), setting a damaged shard aside, and reading a finished shard row by row."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..core.atomic import atomic_write_bytes, atomic_write_json, fsync_dir
+from ..core.errors import PipelineError
+from ..core.fingerprint import hash_bytes, hash_file
+from ..core.jsonio import read_json_object, read_json_object_bytes
+from .chunk_file import CHUNK_PATTERN, FORMAT_VERSION, ChunkRecord, chunk_file_name, open_chunk
+
+if TYPE_CHECKING:
+    import torch
+
+MANIFEST_NAME = "manifest.json"
+# A damaged shard's manifest, set aside by `invalidate_shard` (the shard is extracted again).
+INVALID_MANIFEST_NAME = "manifest.invalid.json"
+JOURNAL_NAME = "journal.jsonl"
+_MANIFEST_KEYS = (
+    "format_version",
+    "shard",
+    "row_start",
+    "row_end",
+    "hidden_size",
+    "num_aux_layers",
+    "aux_layer_ids",
+    "dtype",
+    "num_rows",
+    "num_tokens",
+    "num_bytes",
+    "chunks",
+    "provenance",
+    "timing",
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Journal and resume
+
+
+def append_journal(
+    shard_dir: str | os.PathLike, record: ChunkRecord, digest: str, extra: dict | None = None
+) -> None:
+    """Record a finished (renamed) chunk; durable before the next chunk starts.
+
+    `extra` holds facts kept with the chunk (e.g. the engine that computed it).
+    """
+    entry = {**(extra or {}), **record.manifest_entry(), "plan_digest": digest}
+    line = json.dumps(entry, sort_keys=True) + "\n"
+    fd = os.open(Path(shard_dir) / JOURNAL_NAME, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, line.encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_journal(shard_dir: str | os.PathLike) -> dict[str, dict]:
+    """The last journal entry per chunk file. A torn last line (a kill mid-append) is ignored."""
+    entries: dict[str, dict] = {}
+    try:
+        text = (Path(shard_dir) / JOURNAL_NAME).read_text()
+    except FileNotFoundError:
+        return entries
+    for line in text.splitlines():
+        try:
+            entry = json.loads(line)
+            entries[entry["file"]] = entry
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue
+    return entries
+
+
+def verified_chunks(
+    shard_dir: str | os.PathLike, chunks: list[list[int]], digest: str
+) -> dict[int, ChunkRecord]:
+    """Chunks of the plan that are finished and intact; everything else in the shard is cleared.
+
+    A planned chunk counts as done only when the journal has an entry for it under the same
+    plan digest and row ids, and the file exists with the journalled size and re-hashes to the
+    journalled checksum. Unverifiable chunk files, chunk files outside the plan and stray temp
+    files are deleted; the journal is rewritten to the verified entries.
+    """
+    shard_dir = Path(shard_dir)
+    if not shard_dir.is_dir():
+        return {}
+    journal = read_journal(shard_dir)
+    done: dict[int, ChunkRecord] = {}
+    for index, row_ids in enumerate(chunks):
+        name = chunk_file_name(index)
+        path = shard_dir / name
+        entry = journal.get(name)
+        if (
+            entry is not None
+            and entry.get("plan_digest") == digest
+            and entry.get("row_ids") == row_ids
+            and path.is_file()
+            and path.stat().st_size == entry.get("bytes")
+            and hash_file(path) == entry.get("xxh3_128")
+        ):
+            done[index] = ChunkRecord(
+                file=name,
+                bytes=int(entry["bytes"]),
+                xxh3_128=entry["xxh3_128"],
+                row_ids=list(row_ids),
+                num_tokens=int(entry["num_tokens"]),
+            )
+    keep = {chunk_file_name(i) for i in done}
+    for path in shard_dir.iterdir():
+        stray_tmp = path.name.endswith(".tmp")
+        unverified_chunk = path.match(CHUNK_PATTERN) and path.name not in keep
+        if stray_tmp or unverified_chunk:
+            path.unlink(missing_ok=True)
+    lines = "".join(
+        json.dumps({**journal[r.file], "plan_digest": digest}, sort_keys=True) + "\n"
+        for r in done.values()
+    )
+    atomic_write_bytes(shard_dir / JOURNAL_NAME, lines.encode())
+    return done
+
+
+def journalled_bytes(shard_dir: str | os.PathLike, chunks: list[list[int]], digest: str) -> int:
+    """Bytes of chunk files the journal vouches for (by size only: a cheap preflight estimate)."""
+    shard_dir = Path(shard_dir)
+    journal = read_journal(shard_dir)
+    total = 0
+    for index, row_ids in enumerate(chunks):
+        entry = journal.get(chunk_file_name(index))
+        path = shard_dir / chunk_file_name(index)
+        if (
+            entry
+            and entry.get("plan_digest") == digest
+            and entry.get("row_ids") == row_ids
+            and path.is_file()
+            and path.stat().st_size == entry.get("bytes")
+        ):
+            total += int(entry["bytes"])
+    return total
+
+
+# ---------------------------------------------------------------------------------------------
+# Manifest
+
+
+def build_manifest(
+    *,
+    shard: str,
+    row_start: int,
+    row_end: int,
+    hidden_size: int,
+    aux_layer_ids: list[int],
+    records: Sequence[ChunkRecord],
+    provenance: dict,
+    timing: dict,
+) -> dict:
+    return {
+        "format_version": FORMAT_VERSION,
+        "shard": shard,
+        "row_start": int(row_start),
+        "row_end": int(row_end),
+        "hidden_size": int(hidden_size),
+        "num_aux_layers": len(aux_layer_ids),
+        "aux_layer_ids": list(aux_layer_ids),
+        "dtype": "bfloat16",
+        "num_rows": sum(len(r.row_ids) for r in records),
+        "num_tokens": sum(r.num_tokens for r in records),
+        "num_bytes": sum(r.bytes for r in records),
+        "chunks": [r.manifest_entry() for r in records],
+        "provenance": provenance,
+        "timing": timing,
+    }
+
+
+def write_manifest(shard_dir: str | os.PathLike, manifest: dict) -> Path:
+    path = Path(shard_dir) / MANIFEST_NAME
+    atomic_write_json(path, manifest)
+    return path
+
+
+def invalidate_shard(shard_dir: str | os.PathLike, reason: str) -> Path:
+    """Set a damaged shard's manifest aside, so that the workflow extracts the shard again.
+
+    A shard without `manifest.json` is not done: the next `snakemake --cores N` re-extracts it,
+    and the journal check keeps every chunk that still verifies, so only the damaged chunks are
+    computed again. The manifest is kept, with the reason, in `manifest.invalid.json` (written
+    first: a crash in between leaves the shard as it was).
+    """
+    shard_dir = Path(shard_dir)
+    manifest = read_json_object(shard_dir / MANIFEST_NAME, what="shard manifest")
+    record = shard_dir / INVALID_MANIFEST_NAME
+    atomic_write_json(
+        record,
+        {"reason": reason, "invalidated_at": datetime.now(UTC).isoformat(), "manifest": manifest},
+    )
+    (shard_dir / MANIFEST_NAME).unlink(missing_ok=True)
+    fsync_dir(shard_dir)
+    return record
+
+
+def read_manifest(path: str | os.PathLike) -> dict:
+    """Load a shard manifest (the file, or its shard directory), checking its shape."""
+    return read_manifest_and_hash(path)[0]
+
+
+def read_manifest_and_hash(path: str | os.PathLike) -> tuple[dict, str]:
+    """`read_manifest` and the xxh3-128 of the very bytes it parsed (a report that records the
+    hash then describes exactly the manifest it checked, even if the file is replaced)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / MANIFEST_NAME
+    manifest, raw = read_json_object_bytes(
+        path, missing="does not exist: the shard has not finished extraction"
+    )
+    missing = [k for k in _MANIFEST_KEYS if k not in manifest]
+    if missing:
+        raise PipelineError(f"{path} lacks key(s) {', '.join(missing)}")
+    if manifest["format_version"] != FORMAT_VERSION:
+        raise PipelineError(
+            f"{path} has format_version {manifest['format_version']}, "
+            f"this eaglepipe reads {FORMAT_VERSION}"
+        )
+    for i, chunk in enumerate(manifest["chunks"]):
+        absent = [
+            k for k in ("file", "bytes", "xxh3_128", "row_ids", "num_tokens") if k not in chunk
+        ]
+        if absent:
+            raise PipelineError(f"{path}: chunks[{i}] lacks key(s) {', '.join(absent)}")
+    return manifest, hash_bytes(raw)
+
+
+def iter_rows(shard_dir: str | os.PathLike) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+    """(row_id, tensors) for every row of a finished shard, in row-id order."""
+    shard_dir = Path(shard_dir)
+    manifest = read_manifest(shard_dir / MANIFEST_NAME)
+    for chunk in manifest["chunks"]:
+        with open_chunk(shard_dir / chunk["file"]) as reader:
+            for i, row_id in enumerate(reader.row_ids):
+                yield row_id, reader.row(i)

@@ -1,0 +1,196 @@
+"""The rerun policy at parse time: which stage outputs are fresh (their recorded provenance is
+the current one), which validation reports no longer describe their shard, and which missing
+per-shard files must become targets (see `provenance.py` for why)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from ..core.config import HIDDEN_STATES_DIR, VALIDATED_DIR
+from ..core.fingerprint import hash_file
+from ..core.run import RunSpec
+from .provenance import (
+    PROVENANCE_DIR,
+    _identity_or_none,
+    _not_in_plan,
+    _regenerated_facts,
+    _regeneration_provenances,
+    _shard_provenances,
+    prepare_provenance,
+    regenerated_manifest_path,
+    shards,
+    validation_settings,
+)
+
+
+def regeneration_freshness(run: RunSpec) -> Callable[[str], bool]:
+    """Whether a regenerated shard's manifest records the current regeneration provenance."""
+    provenances = _regeneration_provenances(run)
+    facts = _regenerated_facts(list(provenances))
+
+    def is_fresh(shard: str) -> bool:
+        if shard not in provenances:
+            raise _not_in_plan(run, shard)
+        recorded = facts.get(shard)
+        return recorded is not None and recorded["workflow"] == provenances[shard]
+
+    return is_fresh
+
+
+# --- runs left inconsistent: a missing or changed file upstream of a finished output ----------
+#
+# Snakemake 9 rebuilds a missing file only if it is a target, or if a job that needs it must run
+# for a reason of its own; a newer input is such a reason, a missing one is not. So after a
+# finished run, deleting a manifest (or a failed training run deleting the model) would leave
+# `snakemake` saying "Nothing to be done". The parse therefore (1) lists every single-job stage's
+# output as a target of `all` (cheap), (2) lists a shard's missing manifest or validation report
+# as a target when what consumes it exists, and (3) finds validation reports that no longer
+# describe their manifest (changed bytes, even with an old mtime) or the validate settings, and
+# gives those validate jobs a freshly written stamp as input, so they rerun.
+
+VALIDATION_STAMP_DIR = PROVENANCE_DIR / "validate"
+VALIDATION_CACHE = Path(".eaglepipe/cache/validations.json")
+
+
+def validation_stamp(shard: str) -> Path:
+    return VALIDATION_STAMP_DIR / f"{shard}.json"
+
+
+def validation_report_path(shard: str) -> str:
+    return os.path.join(VALIDATED_DIR, f"{shard}.json")
+
+
+def _report_facts(manifest: str, report: str) -> dict:
+    """What a validation report says of its shard: does it describe this manifest, under which
+    validate settings. Unreadable reports describe nothing."""
+    try:
+        recorded = json.loads(Path(report).read_text())
+        manifest_hash = recorded["manifest_xxh3_128"]
+        settings = recorded.get("validation_settings")
+    except (OSError, ValueError, KeyError, TypeError):
+        return {"describes_manifest": False, "settings": None}
+    return {"describes_manifest": manifest_hash == hash_file(manifest), "settings": settings}
+
+
+def stale_validations(run: RunSpec, shard_names: list[str]) -> dict[str, str]:
+    """`{shard: why}` for each shard whose validation report exists but is stale.
+
+    Facts are cached by both files' identity (inode, size, mtime, ctime): a warm parse only
+    stats 2 files per shard. Each stale shard's stamp is rewritten when what makes it stale
+    changes, so its validate job sees a new input.
+    """
+    from ..core.atomic import write_json_if_changed
+
+    try:
+        cache = json.loads(VALIDATION_CACHE.read_text())
+    except (FileNotFoundError, ValueError):
+        cache = {}
+    settings = validation_settings(run)
+    stale: dict[str, str] = {}
+    new_cache: dict[str, dict] = {}
+    for shard in shard_names:
+        manifest, report = manifest_path(shard), validation_report_path(shard)
+        key = [_identity_or_none(manifest), _identity_or_none(report)]
+        if key[1] is None:
+            continue  # no report: a target of `all` instead (incomplete_targets)
+        if key[0] is None:
+            # Set aside (`eaglepipe verify`, a damaged chunk) or deleted: its validate job reruns,
+            # which makes Snakemake extract the shard first, whatever the targets.
+            why = "its manifest is missing"
+        else:
+            facts = cache.get(shard)
+            if not facts or facts.get("key") != key:
+                facts = {"key": key, **_report_facts(manifest, report)}
+            new_cache[shard] = facts
+            why = None
+            if not facts["describes_manifest"]:
+                why = "its manifest changed after it was validated"
+            elif facts["settings"] != settings:
+                why = "the validate settings changed"
+        if why is None:
+            continue
+        stale[shard] = why
+        write_json_if_changed(
+            validation_stamp(shard), {"why": why, "files": key, "settings": settings}, durable=False
+        )
+    if new_cache != cache:
+        write_json_if_changed(VALIDATION_CACHE, new_cache, durable=False)
+    return stale
+
+
+def incomplete_targets(shard_names: list[str], *, regenerate: bool = False) -> list[str]:
+    """Missing per-shard files whose consumers exist, as extra targets of `all`."""
+    from ..core.config import DRAFTER_DIR, PREPARED_SUMMARY
+
+    trained = (DRAFTER_DIR / "model.safetensors").exists()
+    targets = []
+    if regenerate and PREPARED_SUMMARY.exists():
+        # prepare read every regenerated shard: one deleted since is made again (its journalled
+        # rows are kept), then prepare and the hidden states of that shard follow.
+        targets += [
+            regenerated_manifest_path(shard)
+            for shard in shard_names
+            if not os.path.exists(regenerated_manifest_path(shard))
+        ]
+    for shard in shard_names:
+        manifest, report = manifest_path(shard), validation_report_path(shard)
+        has_manifest, has_report = os.path.exists(manifest), os.path.exists(report)
+        if not has_manifest and has_report:
+            targets.append(manifest)  # its extraction reruns, then (plain input) its validation
+        elif not has_report and (has_manifest or trained):
+            targets.append(report)
+    return targets
+
+
+def _recorded_provenance(path: Path) -> str | None:
+    try:
+        return json.loads(path.read_text()).get("provenance", {}).get("workflow")
+    except (FileNotFoundError, ValueError, AttributeError):
+        return None
+
+
+def prepare_is_fresh(run: RunSpec) -> bool:
+    from ..core.config import PREPARED_SUMMARY
+
+    return _recorded_provenance(PREPARED_SUMMARY) == prepare_provenance(run)
+
+
+def shard_is_fresh(run: RunSpec, shard: str) -> bool:
+    return shard_freshness(run)(shard)
+
+
+def shard_freshness(run: RunSpec) -> Callable[[str], bool]:
+    """`shard_is_fresh` for one config, as a function of the shard name.
+
+    The extract rule's input function asks once per shard job; this hashes the config and
+    looks up the shard provenances once, and reads each manifest only when its job is built.
+    """
+    provenances = _shard_provenances(run)
+
+    def is_fresh(shard: str) -> bool:
+        current = provenances.get(shard)
+        if current is None:
+            raise _not_in_plan(run, shard)
+        return _recorded_provenance(Path(manifest_path(shard))) == current
+
+    return is_fresh
+
+
+def manifest_path(shard: str) -> str:
+    return os.path.join(HIDDEN_STATES_DIR, shard, "manifest.json")
+
+
+def planned_manifests(run: RunSpec) -> list[str]:
+    """Every shard's manifest, for steps that read all shards (too many for a command line)."""
+    return [manifest_path(shard) for shard in shards(run)]
+
+
+def planned_validations(run: RunSpec) -> list[str]:
+    return [str(VALIDATED_DIR / f"{shard}.json") for shard in shards(run)]
+
+
+def remaining_shards(run: RunSpec) -> list[str]:
+    return [s for s in shards(run) if not Path(manifest_path(s)).exists()]

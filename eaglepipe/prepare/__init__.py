@@ -1,0 +1,1 @@
+"""Prepare: the tokenized table with loss masks, row ids and the held-out split."""

@@ -1,0 +1,202 @@
+"""The dump handoff: one safetensors file per request, written by the server, read by the client.
+
+For each request whose id starts with `<prefix>-` the server writes
+`<dump_dir>/<rid>.safetensors` holding `aux_hidden_states` (bf16 [T, 3H], the aux layers
+concatenated in id order) and `final_hidden_states` (bf16 [T, H]), with string metadata `rid`,
+`num_tokens`, `hidden_size`, `aux_layer_ids`, and `batch_requests` / `batch_tokens`: how many
+requests (any prefix, health checks included) and real tokens the forward pass that computed the
+request held. The file is written under the dot-prefixed temp name `.<rid>.safetensors.tmp` and
+renamed into place, so a reader never sees a partial dump: a dump is complete exactly when its
+final name exists, and `await_dump` / `wait_for_dump` are the one way the pipeline waits for that
+(the SGLang hook writes from a background thread, so its dump can land after the HTTP answer).
+
+The writer is `dump_writer.py` (shared by the reference server and the SGLang hook); the
+request ids are `request_ids.py`'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pwd
+import re
+import stat
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ..core.errors import PipelineError
+
+AUX_KEY = "aux_hidden_states"
+FINAL_KEY = "final_hidden_states"
+DUMP_SUFFIX = ".safetensors"
+TEMP_SUFFIX = ".safetensors.tmp"
+# How long a reader waits for the dump of an answered request. The reference server answers
+# after the rename; SGLang answers when the forward is done and its hook's writer thread renames
+# the file a little later (longer behind a backlog of large batches).
+DUMP_WAIT_S = 60.0
+DUMP_POLL_S = 0.005
+# A request id becomes a file name: no separators, no leading dot (temp names start with one).
+_SAFE_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+
+
+def dump_path(dump_dir: str | os.PathLike, rid: str) -> Path:
+    if not isinstance(rid, str) or not _SAFE_NAME_RE.match(rid):
+        raise PipelineError(f"request id {rid!r} cannot name a dump file")
+    return Path(dump_dir) / f"{rid}{DUMP_SUFFIX}"
+
+
+def temp_dump_path(dump_dir: str | os.PathLike, rid: str) -> Path:
+    dump_path(dump_dir, rid)
+    return Path(dump_dir) / f".{rid}{TEMP_SUFFIX}"
+
+
+# ----------------------------------------------------------------------------- directory
+
+
+def prepare_dump_dir(
+    path: str | os.PathLike, *, what: str = "dump directory", refuse_open_mode: bool = False
+) -> Path:
+    """Create the dump directory with mode 0700 (missing parents too), or check an existing one.
+
+    An existing directory must be a real directory owned by this user, since the handoff dir
+    usually lives in a shared tmpfs where another user could otherwise read or plant dumps: a
+    wrong owner or a symlink is refused. Any other mode than 0700 is fixed (the directory is
+    ours), except that with `refuse_open_mode` (the handoff root, a predictable path that may
+    have sat open for a while) one writable by group or others is refused.
+    """
+    path = Path(path).absolute()
+    missing = []
+    probe = path
+    while not os.path.lexists(probe):
+        missing.append(probe)
+        probe = probe.parent
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory, 0o700)
+        except FileExistsError:
+            pass  # created concurrently by another process; checked below
+        except OSError as exc:
+            raise PipelineError(f"cannot create {what} {directory}: {exc}") from None
+    info = os.lstat(path)
+    if stat.S_ISLNK(info.st_mode):
+        raise PipelineError(f"{what} {path} is a symlink; refusing to write through it")
+    if not stat.S_ISDIR(info.st_mode):
+        raise PipelineError(f"{what} {path} exists but is not a directory")
+    if info.st_uid != os.getuid():
+        raise PipelineError(
+            f"{what} {path} is owned by {_user_name(info.st_uid)}, not by this user "
+            f"({_user_name(os.getuid())}): another user could read or plant dumps there; remove "
+            "it or choose another server.dump_root"
+        )
+    mode = stat.S_IMODE(info.st_mode)
+    if mode & 0o022 and refuse_open_mode:
+        raise PipelineError(
+            f"{what} {path} has mode {mode:o} (writable by group or others): check what is in "
+            f"it, then `chmod 700 {path}`, or choose another server.dump_root"
+        )
+    if mode != 0o700:
+        try:
+            os.chmod(path, 0o700)
+        except OSError as exc:
+            raise PipelineError(f"cannot set mode 0700 on {what} {path}: {exc}") from None
+    return path
+
+
+def _user_name(uid: int) -> str:
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+# ----------------------------------------------------------------------------- completion
+
+
+class DumpNotWritten(PipelineError):
+    """The server answered a request but its dump did not appear in time."""
+
+
+async def await_dump(path: str | os.PathLike, within_s: float = DUMP_WAIT_S) -> Path:
+    """Wait until the dump at `path` is complete (its final name exists); return the path.
+
+    Raises DumpNotWritten after `within_s` seconds. The writer renames a finished temp file into
+    place, so existence of the final name is completeness; nothing else needs to be polled.
+    """
+    path = Path(path)
+    deadline = time.monotonic() + within_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise DumpNotWritten(
+                f"the server answered request {path.name.removesuffix(DUMP_SUFFIX)} but wrote "
+                f"no dump {path} within {within_s:g}s"
+            )
+        await asyncio.sleep(DUMP_POLL_S)
+    return path
+
+
+def wait_for_dump(path: str | os.PathLike, within_s: float = DUMP_WAIT_S) -> Path:
+    """`await_dump` for synchronous callers (the validation spot check)."""
+    return asyncio.run(await_dump(path, within_s))
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def read_dump(path: str | os.PathLike) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Load one complete dump: (aux bf16 [T, 3H], final bf16 [T, H], metadata with ints decoded).
+
+    The tensors map the file rather than copy it (safetensors), so no copy is made on the
+    client's hot path; deleting the file frees its space only once the tensors are gone."""
+    path = Path(path)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            raw_meta = f.metadata() or {}
+            keys = set(f.keys())
+            missing = {AUX_KEY, FINAL_KEY} - keys
+            if missing:
+                raise PipelineError(f"dump {path} lacks tensor(s) {', '.join(sorted(missing))}")
+            aux = f.get_tensor(AUX_KEY)
+            final = f.get_tensor(FINAL_KEY)
+    except FileNotFoundError:
+        raise PipelineError(f"dump {path} does not exist") from None
+    except PipelineError:
+        raise
+    except Exception as exc:  # safetensors raises its own error types for corrupt headers
+        raise PipelineError(f"dump {path} is unreadable: {exc}") from None
+    try:
+        meta = {
+            "rid": raw_meta["rid"],
+            "num_tokens": int(raw_meta["num_tokens"]),
+            "hidden_size": int(raw_meta["hidden_size"]),
+            "aux_layer_ids": [int(i) for i in raw_meta["aux_layer_ids"].split(",")],
+            "batch_requests": int(raw_meta["batch_requests"]),
+            "batch_tokens": int(raw_meta["batch_tokens"]),
+        }
+    except (KeyError, ValueError) as exc:
+        raise PipelineError(f"dump {path} has bad or missing metadata ({exc})") from None
+    tokens, hidden = meta["num_tokens"], meta["hidden_size"]
+    num_aux = len(meta["aux_layer_ids"])
+    for name, tensor, shape in (
+        (AUX_KEY, aux, (tokens, num_aux * hidden)),
+        (FINAL_KEY, final, (tokens, hidden)),
+    ):
+        if tensor.dtype != torch.bfloat16 or tuple(tensor.shape) != shape:
+            raise PipelineError(
+                f"dump {path}: {name} is {tensor.dtype} {list(tensor.shape)}, "
+                f"expected torch.bfloat16 {list(shape)}"
+            )
+    return aux, final, meta
+
+
+def concat_aux(aux_hidden_states: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+    """The packed [T, k*H] layout from a list of per-layer [T, H] tensors (or pass one through).
+
+    Engines hand aux states over either way (SGLang as a list or already concatenated).
+    """
+    if isinstance(aux_hidden_states, torch.Tensor):
+        return aux_hidden_states
+    return torch.cat(list(aux_hidden_states), dim=-1)
