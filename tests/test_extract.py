@@ -416,7 +416,8 @@ def test_a_shard_outside_the_plan_is_refused_before_any_work(tmp_path, tiny_llam
 
 def _assembler(shard_dir: Path, lookahead_bytes: int):
     """Four chunks of two 4-token rows each, hidden size 8: each row is 256 bytes of dumps."""
-    from eaglepipe.extract.shard import ChunkAssembler, Progress, ShardRows
+    from eaglepipe.core.progress import Progress
+    from eaglepipe.extract.shard import ChunkAssembler, ShardRows
 
     row_ids = list(range(8))
     rows = ShardRows(
@@ -425,7 +426,7 @@ def _assembler(shard_dir: Path, lookahead_bytes: int):
         loss_masks=[np.ones(4, dtype=np.uint8) for _ in row_ids],
     )
     chunks = [[0, 1], [2, 3], [4, 5], [6, 7]]
-    progress = Progress("rows_0-8", 8, 0, 32, log=lambda line: None)
+    progress = Progress("rows_0-8", 8, log=lambda line: None)
     shard_dir.mkdir(parents=True, exist_ok=True)
     return ChunkAssembler(
         shard_dir, chunks, [0, 1, 2, 3], rows, "digest", 8, {}, progress, lambda line: None,

@@ -1,6 +1,6 @@
 """What every per-shard job does alike: the shard's writer lock (one process writes a shard; it
-names its PID and host) and the record of why its last attempt failed (`failed.json`, what
-`eaglepipe status` shows)."""
+names its PID and host), the record of why its last attempt failed (`failed.json`, what
+`eaglepipe status` shows), and the job's attempts (`run_shard_job`)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,18 @@ import json
 import os
 import socket
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TypeVar
 
 from .atomic import atomic_write_json
-from .errors import PipelineError
+from .errors import PipelineError, ServerLost
 
-# Why the shard's last extraction attempt failed (read by `eaglepipe status`); removed when an
+# Attempts per shard job when the server is lost mid-shard (the next lease starts a fresh one).
+# Nothing else is retried: every other error would fail the same way again.
+SERVER_ATTEMPTS = 2
+# Why the shard's last attempt failed (read by `eaglepipe status`); removed when an
 # attempt starts, and with the shard directory.
 FAILURE_NAME = "failed.json"
 LOCK_NAME = "writer.lock"
@@ -98,3 +103,42 @@ def read_failure(shard_dir: str | os.PathLike) -> dict | None:
         return json.loads((Path(shard_dir) / FAILURE_NAME).read_text())
     except (FileNotFoundError, ValueError):
         return None
+
+
+T = TypeVar("T")
+
+
+def run_shard_job(
+    shard_dir: str | os.PathLike,
+    job: str,
+    attempt: Callable[[], T],
+    *,
+    log: Callable[[str], None],
+    kept: str = "",
+) -> T:
+    """A shard job: `attempt()`, once more with a fresh server if the server was lost.
+
+    A failure is recorded in the shard directory (`failed.json`, what `eaglepipe status` shows)
+    until the next attempt starts or the directory is removed. `job` names the job in the log
+    ("extraction"); `kept` says what a second attempt keeps ("finished chunks are kept").
+    """
+    shard_dir = Path(shard_dir)
+    (shard_dir / FAILURE_NAME).unlink(missing_ok=True)
+    # Logs are appended to: this line separates the attempts of separate runs.
+    started = datetime.now(UTC).isoformat(timespec="seconds")
+    log(f"=== {shard_dir.name}: {job} job started {started}")
+    number = 1
+    while True:
+        try:
+            return attempt()
+        except ServerLost as exc:
+            if number == SERVER_ATTEMPTS:
+                record_failure(shard_dir, str(exc))
+                raise
+            log(f"error (attempt {number}/{SERVER_ATTEMPTS}): {exc}")
+            number += 1
+            note = f"; {kept}" if kept else ""
+            log(f"{shard_dir.name}: attempt {number}/{SERVER_ATTEMPTS} with a fresh server{note}")
+        except Exception as exc:
+            record_failure(shard_dir, str(exc) or type(exc).__name__)
+            raise

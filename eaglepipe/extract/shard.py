@@ -31,11 +31,12 @@ import xxhash
 
 from .. import __version__
 from ..core.config import HIDDEN_STATES_DIR, PREPARED_SUMMARY, PREPARED_TABLE
-from ..core.errors import PipelineError, ServerLost
+from ..core.errors import PipelineError
 from ..core.jsonio import read_json_object
 from ..core.layers import CONVENTION, FINAL_CONVENTION
+from ..core.progress import Progress
 from ..core.run import RunSpec
-from ..core.shard_job import FAILURE_NAME, ShardLock, record_failure
+from ..core.shard_job import ShardLock, run_shard_job
 from ..core.space import check_free_space, format_bytes
 from ..plan.provenance import shard_provenance
 from ..plan.shard_plan import parse_shard_name
@@ -68,9 +69,6 @@ from .shard_files import (
 )
 
 PROGRESS_INTERVAL_S = 2.0
-# Attempts per shard job when the server is lost mid-shard (the next lease starts a fresh one).
-# Nothing else is retried: every other error would fail the same way again.
-SERVER_ATTEMPTS = 2
 
 
 def _log(line: str) -> None:
@@ -151,43 +149,6 @@ def check_server_engine(info: dict, engine: dict, url: str) -> None:
             )
 
 
-class Progress:
-    """Unbuffered progress lines: rows done/total, tokens/s, MB/s, ETA."""
-
-    def __init__(self, shard: str, total_rows: int, done_rows: int, todo_tokens: int, log):
-        self.shard = shard
-        self.total_rows = total_rows
-        self.done_rows = done_rows
-        self.todo_tokens = todo_tokens
-        self.tokens = 0
-        self.bytes = 0
-        self.start = time.monotonic()
-        self.last = 0.0
-        self.log = log
-
-    def start_clock(self) -> None:
-        self.start = time.monotonic()
-
-    def row(self, num_tokens: int, num_bytes: int) -> None:
-        self.done_rows += 1
-        self.tokens += num_tokens
-        self.bytes += num_bytes
-        now = time.monotonic()
-        if now - self.last >= PROGRESS_INTERVAL_S or self.done_rows == self.total_rows:
-            self.last = now
-            self.log(self.line())
-
-    def line(self) -> str:
-        elapsed = max(time.monotonic() - self.start, 1e-9)
-        tok_s = self.tokens / elapsed
-        left = self.todo_tokens - self.tokens
-        eta = f"{left / tok_s:.0f}s" if tok_s > 0 else "?"
-        return (
-            f"{self.shard}: {self.done_rows}/{self.total_rows} rows, {tok_s:,.0f} tokens/s, "
-            f"{self.bytes / elapsed / 1e6:.1f} MB/s, ETA {eta}"
-        )
-
-
 class ChunkAssembler:
     """Buffers arriving rows and writes each planned chunk, in order, once it is complete."""
 
@@ -250,7 +211,7 @@ class ChunkAssembler:
 
     async def on_row(self, row: ExtractedRow) -> None:
         self.buffer[row.row_id] = row
-        self.progress.row(int(row.aux_hidden_states.shape[0]), row.dump_bytes)
+        self.progress.advance(tokens=int(row.aux_hidden_states.shape[0]), bytes=row.dump_bytes)
         async with self._write_lock:
             while self.next_pos < len(self.todo):
                 index = self.todo[self.next_pos]
@@ -314,7 +275,7 @@ def _extract_chunks(
         check_server_engine(info, engine, handle.url)
         settings = ClientSettings.from_run(run, hidden_size, Path(handle.dump_dir))
         log(
-            f"{progress.shard}: requesting {len(requests)} rows from {handle.url} "
+            f"{progress.label}: requesting {len(requests)} rows from {handle.url} "
             f"({info.get('engine')} {info.get('engine_version')}), up to "
             f"{settings.max_inflight_requests} requests and "
             f"{format_bytes(settings.max_inflight_bytes)} of dumps in flight"
@@ -337,12 +298,12 @@ def _extract_chunks(
             log=log,
             gate=handle,
         )
-        progress.start_clock()  # rates count from the first request, not the server start
+        progress.restart_clock()  # rates count from the first request, not the server start
         try:
             asyncio.run(client.run(requests, assembler.on_row, assembler.may_send))
         except BaseException:
             log(
-                f"{progress.shard}: failed after {client.stats.requests_sent} request(s); "
+                f"{progress.label}: failed after {client.stats.requests_sent} request(s); "
                 f"{len(assembler.records)} new chunk(s) kept for the rerun"
             )
             raise
@@ -410,9 +371,12 @@ def extract_shard(
         progress = Progress(
             shard_name,
             len(rows.row_ids),
-            done_rows,
-            sum(tokens_of[r] for i in todo for r in chunks[i]),
-            log,
+            done=done_rows,
+            rates=(("tokens", "tokens/s", 1), ("bytes", "MB/s", 1e-6)),
+            eta_counter="tokens",
+            eta_total=sum(tokens_of[r] for i in todo for r in chunks[i]),
+            log=log,
+            every_s=PROGRESS_INTERVAL_S,
         )
         records = dict(done)
         # Kept chunks matched the reuse key, engine identity included: every chunk of the
@@ -461,8 +425,8 @@ def extract_shard(
                 "started_at": started_at.isoformat(timespec="seconds"),
                 "finished_at": datetime.now(UTC).isoformat(timespec="seconds"),
                 "seconds": round(seconds, 3),
-                "tokens_per_s": round(progress.tokens / seconds, 1),
-                "mb_per_s": round(progress.bytes / seconds / 1e6, 3),
+                "tokens_per_s": round(progress.amount("tokens") / seconds, 1),
+                "mb_per_s": round(progress.amount("bytes") / seconds / 1e6, 3),
                 "requests_sent": requests_sent,
                 # Where the time went: see ClientStats and ChunkAssembler.
                 **breakdown,
@@ -484,30 +448,11 @@ def run_extract_job(
     hidden_states_dir: Path = HIDDEN_STATES_DIR,
     log: Callable[[str], None] = _log,
 ) -> dict:
-    """A shard job: `extract_shard`, once more with a fresh server if the server was lost.
-
-    A failure is recorded in the shard directory (`failed.json`, what `eaglepipe status`
-    shows) until the next attempt starts or the directory is removed.
-    """
-    shard_dir = Path(hidden_states_dir) / shard_name
-    (shard_dir / FAILURE_NAME).unlink(missing_ok=True)
-    # Logs are appended to: this line separates the attempts of separate runs.
-    started = datetime.now(UTC).isoformat(timespec="seconds")
-    log(f"=== {shard_name}: extraction job started {started}")
-    attempt = 1
-    while True:
-        try:
-            return extract_shard(run, shard_name, hidden_states_dir=hidden_states_dir, log=log)
-        except ServerLost as exc:
-            if attempt == SERVER_ATTEMPTS:
-                record_failure(shard_dir, str(exc))
-                raise
-            log(f"error (attempt {attempt}/{SERVER_ATTEMPTS}): {exc}")
-            attempt += 1
-            log(
-                f"{shard_name}: attempt {attempt}/{SERVER_ATTEMPTS} with a fresh server; "
-                "finished chunks are kept"
-            )
-        except Exception as exc:
-            record_failure(shard_dir, str(exc) or type(exc).__name__)
-            raise
+    """A shard job: `extract_shard`, once more with a fresh server if the server was lost."""
+    return run_shard_job(
+        Path(hidden_states_dir) / shard_name,
+        "extraction",
+        lambda: extract_shard(run, shard_name, hidden_states_dir=hidden_states_dir, log=log),
+        log=log,
+        kept="finished chunks are kept",
+    )

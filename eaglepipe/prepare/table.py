@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import io
 import os
-import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,6 +34,7 @@ import xxhash
 from ..core import config as config_mod
 from ..core.atomic import dumps_json, write_if_changed
 from ..core.errors import PipelineError
+from ..core.progress import Progress
 from ..core.run import HoldoutSettings, RunSpec
 from ..data.chat_mask import tokenize_conversation
 from ..data.dataset import (
@@ -95,31 +95,6 @@ def _eval_shard_ids(holdout: HoldoutSettings, num_rows: int, rows_per_shard: int
     if holdout.mode == "shards" and not chosen:
         raise PipelineError("config key dataset.holdout.shards: mode 'shards' needs at least one")
     return chosen
-
-
-class _Progress:
-    """Plain unbuffered progress lines: done/total, tokens, rows/s, ETA."""
-
-    def __init__(self, total: int, every_s: float = 2.0):
-        self.total = total
-        self.every_s = every_s
-        self.started = time.monotonic()
-        self.last = self.started
-
-    def update(self, done: int, tokens: int, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self.last < self.every_s:
-            return
-        self.last = now
-        elapsed = max(now - self.started, 1e-9)
-        rate = done / elapsed
-        eta = (self.total - done) / rate if rate else 0.0
-        percent = 100.0 * done / self.total if self.total else 100.0
-        print(
-            f"prepare: {done:,}/{self.total:,} rows ({percent:.0f}%), {tokens:,} tokens, "
-            f"{rate:,.0f} rows/s, {tokens / elapsed:,.0f} tokens/s, ETA {eta:.0f}s",
-            flush=True,
-        )
 
 
 def _parquet_bytes(
@@ -225,7 +200,14 @@ def run_prepare(
     mask_arrays: list[np.ndarray] = []
     truncated: list[bool] = []
     skipped: list[BadRow] = []
-    progress = _Progress(total)
+    progress = Progress(
+        "prepare",
+        total,
+        counts=("tokens",),
+        rates=(("rows", "rows/s", 1), ("tokens", "tokens/s", 1)),
+        percent=True,
+        log=lambda line: print(line, flush=True),
+    )
     done = tokens = 0
     for row in conversation_rows(run):
         done += 1
@@ -240,6 +222,7 @@ def run_prepare(
             skipped.append(row)
             if len(skipped) <= _SKIP_EXAMPLES_PRINTED:
                 print(f"prepare: skipping {row.describe(source)}", flush=True)
+            progress.advance()
             continue
         if mode == "shards":
             held_out = row.row_id // rows_per_shard in eval_shards
@@ -251,8 +234,7 @@ def run_prepare(
         mask_arrays.append(np.asarray(tokenized.loss_mask, dtype=np.uint8))
         truncated.append(tokenized.truncated)
         tokens += tokenized.num_tokens
-        progress.update(done, tokens)
-    progress.update(done, tokens, force=True)
+        progress.advance(tokens=tokenized.num_tokens)
     if done != total:
         raise PipelineError(
             f"dataset.path {source} changed while it was read ({total} rows counted, {done} read)"

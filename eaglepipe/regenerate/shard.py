@@ -35,10 +35,11 @@ import xxhash
 
 from .. import __version__
 from ..core.config import REGENERATED_DIR
-from ..core.errors import PipelineError, ServerLost
+from ..core.errors import PipelineError
 from ..core.fingerprint import hash_json
+from ..core.progress import Progress
 from ..core.run import RunSpec
-from ..core.shard_job import FAILURE_NAME, ShardLock, record_failure
+from ..core.shard_job import ShardLock, run_shard_job
 from ..data.chat_mask import end_of_turn_marker, render
 from ..data.dataset import BadRow, Conversation, RowProblem, bad_row_error, iter_rows
 from ..plan.provenance import (
@@ -61,7 +62,6 @@ from .store import (
 )
 
 PROGRESS_INTERVAL_S = 2.0
-SERVER_ATTEMPTS = 2  # as extraction: one more attempt with a fresh server when it is lost
 
 # The fixed reasons a row cannot be regenerated (prepare counts skipped rows per reason).
 EMPTY_REPLY = "empty regenerated reply"
@@ -122,36 +122,6 @@ def shard_source_rows(run: RunSpec, shard: Shard) -> list[Conversation | BadRow]
 
 def bad_record(row_id: int, reason: str, detail: str) -> dict:
     return {"row_id": row_id, "bad": {"reason": reason, "detail": detail}}
-
-
-class Progress:
-    """Unbuffered progress lines: rows done/total, turns, output tokens/s, ETA."""
-
-    def __init__(self, shard: str, total: int, kept: int, log):
-        self.shard, self.total, self.done = shard, total, kept
-        self.kept = kept
-        self.turns = self.tokens = 0
-        self.start = self.last = time.monotonic()
-        self.log = log
-
-    def row(self, turns: int, tokens: int) -> None:
-        self.done += 1
-        self.turns += turns
-        self.tokens += tokens
-        now = time.monotonic()
-        if now - self.last >= PROGRESS_INTERVAL_S or self.done == self.total:
-            self.last = now
-            self.log(self.line())
-
-    def line(self) -> str:
-        elapsed = max(time.monotonic() - self.start, 1e-9)
-        new_rows = self.done - self.kept
-        rate = new_rows / elapsed
-        eta = f"{(self.total - self.done) / rate:.0f}s" if rate > 0 else "?"
-        return (
-            f"{self.shard}: {self.done}/{self.total} rows, {self.turns} turns, "
-            f"{self.tokens / elapsed:,.0f} output tokens/s, ETA {eta}"
-        )
 
 
 class ShardRegenerator:
@@ -308,12 +278,23 @@ def regenerate_shard(
                 f"{shard_name}: {len(records)}/{len(rows)} rows kept from an earlier run, "
                 f"{len(todo)} to regenerate"
             )
-        progress = Progress(shard_name, len(rows), len(records), log)
+        progress = Progress(
+            shard_name,
+            len(rows),
+            done=len(records),
+            counts=("turns",),
+            rates=(("tokens", "output tokens/s", 1),),
+            log=log,
+            every_s=PROGRESS_INTERVAL_S,
+        )
 
         def finished(record: dict) -> None:
             append_row(shard_dir, key, record)
             records[record["row_id"]] = record
-            progress.row(len(record.get("regenerated_turns", [])), record.get("output_tokens", 0))
+            progress.advance(
+                turns=len(record.get("regenerated_turns", [])),
+                tokens=record.get("output_tokens", 0),
+            )
 
         conversations = []
         for row in todo:
@@ -345,7 +326,7 @@ def regenerate_shard(
                     f"({handle.info.get('engine')} {handle.info.get('engine_version')}), up to "
                     f"{run.extract.max_inflight_requests} rows at a time"
                 )
-                progress.start = time.monotonic()
+                progress.restart_clock()
                 regenerator = ShardRegenerator(run, tokenizer, client, log)
                 try:
                     asyncio.run(
@@ -385,9 +366,9 @@ def regenerate_shard(
                 "rows_kept": progress.kept,
                 "rows_regenerated": progress.done - progress.kept,
                 "requests_sent": requests_sent,
-                "output_tokens": progress.tokens,
+                "output_tokens": progress.amount("tokens"),
                 "output_tokens_per_s": round(
-                    progress.tokens / max(time.monotonic() - progress.start, 1e-9), 1
+                    progress.amount("tokens") / max(time.monotonic() - progress.started, 1e-9), 1
                 ),
             },
         )
@@ -431,23 +412,11 @@ def run_regenerate_job(
     regenerated_dir: Path = REGENERATED_DIR,
     log: Callable[[str], None] = _log,
 ) -> dict:
-    """A shard job: `regenerate_shard`, once more with a fresh server if the server was lost.
-    A failure is recorded in the shard directory (`failed.json`) until the next attempt."""
-    shard_dir = Path(regenerated_dir) / shard_name
-    (shard_dir / FAILURE_NAME).unlink(missing_ok=True)
-    started = datetime.now(UTC).isoformat(timespec="seconds")
-    log(f"=== {shard_name}: regeneration job started {started}")
-    attempt = 1
-    while True:
-        try:
-            return regenerate_shard(run, shard_name, regenerated_dir=regenerated_dir, log=log)
-        except ServerLost as exc:
-            if attempt == SERVER_ATTEMPTS:
-                record_failure(shard_dir, str(exc))
-                raise
-            log(f"error (attempt {attempt}/{SERVER_ATTEMPTS}): {exc}")
-            attempt += 1
-            log(f"{shard_name}: attempt {attempt}/{SERVER_ATTEMPTS} with a fresh server")
-        except Exception as exc:
-            record_failure(shard_dir, str(exc) or type(exc).__name__)
-            raise
+    """A shard job: `regenerate_shard`, once more with a fresh server if the server was lost."""
+    return run_shard_job(
+        Path(regenerated_dir) / shard_name,
+        "regeneration",
+        lambda: regenerate_shard(run, shard_name, regenerated_dir=regenerated_dir, log=log),
+        log=log,
+        kept="finished rows are kept",
+    )
