@@ -57,7 +57,13 @@ def write_table(path: Path, rows: int, rows_per_shard: int, mean_len: int) -> in
     masks = [np.ones(n, dtype=np.uint8) for n in lengths]
     path.write_bytes(
         _parquet_bytes(
-            list(range(rows)), ["train"] * rows, tokens, masks, [False] * rows, rows_per_shard
+            list(range(rows)),
+            ["train"] * rows,
+            tokens,
+            masks,
+            [False] * rows,
+            [()] * rows,
+            rows_per_shard,
         )
     )
     return int(lengths.sum())

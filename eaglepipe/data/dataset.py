@@ -64,6 +64,8 @@ class Conversation:
     row_id: int
     messages: list[dict]
     line: int | None = None  # 1-based line number in a JSONL file
+    # Ordinals (among the assistant turns) of regenerated replies cut at max_new_tokens.
+    length_limited_turns: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

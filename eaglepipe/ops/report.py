@@ -478,8 +478,8 @@ def acceptance_figure(
 ) -> Path:
     """Per draft position on the held-out rows (drafter/eval.json): agreement with the target
     with the true prefix (teacher-forced), agreement given every earlier draft was accepted,
-    and the chance the whole chain up to it is accepted; plus the simulated and live
-    (drafter/live.json) acceptance lengths."""
+    and the chance the whole chain up to it is accepted; plus the acceptance length a decoder
+    gets offline (decode order) and live (drafter/live.json)."""
     evaluation = read_json(eval_json)
     where = str(eval_json)
     accuracy = _fractions(require(evaluation, "accuracy", where), where, "accuracy")
@@ -488,7 +488,7 @@ def acceptance_figure(
     )
     if len(conditional) != len(accuracy):
         raise PipelineError(f"{where}: 'accuracy' and 'conditional_accuracy' differ in length")
-    simulated = evaluation.get("acceptance_length")
+    offline = evaluation.get("acceptance_length")
     live_length = read_json(live_json).get("acceptance_length") if live_json else None
     # The chance that drafts 1..k are all accepted: the product of the conditional rates.
     reach = np.cumprod(conditional) if conditional else np.asarray([])
@@ -517,8 +517,8 @@ def acceptance_figure(
     ax.set_ylim(0, 1.1)
     ax.set_ylabel("fraction of held-out positions")
     title = []
-    if isinstance(simulated, int | float) and math.isfinite(simulated):
-        title.append(f"simulated acceptance length {simulated:.2f}")
+    if isinstance(offline, int | float) and math.isfinite(offline):
+        title.append(f"acceptance length {offline:.2f} offline (decode order)")
     if isinstance(live_length, int | float) and math.isfinite(live_length):
         title.append(f"live {live_length:.2f}")
     rows = evaluation.get("rows")

@@ -4,7 +4,8 @@ Writes, each only when its bytes change (so a rerun with the same inputs leaves 
 downstream target up to date):
 
 - `prepared/tokenized.parquet`: one row per kept source row, ordered by `row_id`
-  (`row_id`, `split`, `num_tokens`, `input_ids`, `loss_mask`, `truncated`);
+  (`row_id`, `split`, `num_tokens`, `input_ids`, `loss_mask`, `truncated`,
+  `length_limited_turns`);
 - `prepared/skipped.json`: count, per-reason counts and the skipped rows;
 - `prepared/summary.json`: counts, length histogram, split and shard sizes, provenance.
 
@@ -69,6 +70,9 @@ def table_schema():
             ("input_ids", pa.list_(pa.int32())),
             ("loss_mask", pa.list_(pa.uint8())),
             ("truncated", pa.bool_()),
+            # Ordinals among the row's assistant turns of regenerated replies that hit
+            # max_new_tokens (evaluation reports them apart).
+            ("length_limited_turns", pa.list_(pa.int32())),
         ]
     )
 
@@ -98,7 +102,7 @@ def _eval_shard_ids(holdout: HoldoutSettings, num_rows: int, rows_per_shard: int
 
 
 def _parquet_bytes(
-    row_ids, splits, token_arrays, mask_arrays, truncated, rows_per_shard: int
+    row_ids, splits, token_arrays, mask_arrays, truncated, limited, rows_per_shard: int
 ) -> bytes:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -118,6 +122,7 @@ def _parquet_bytes(
             pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=pa.int32())),
             pa.ListArray.from_arrays(pa.array(offsets), pa.array(masks, type=pa.uint8())),
             pa.array(np.asarray(truncated, dtype=bool)),
+            pa.array([list(turns) for turns in limited], type=pa.list_(pa.int32())),
         ],
         schema=table_schema(),
     )
@@ -163,7 +168,22 @@ def conversation_rows(run: RunSpec) -> Iterator[Conversation | BadRow]:
             if bad:
                 yield BadRow(record["row_id"], bad["reason"], bad.get("detail", ""))
             else:
-                yield Conversation(record["row_id"], record["messages"])
+                yield Conversation(
+                    record["row_id"],
+                    record["messages"],
+                    length_limited_turns=assistant_ordinals(
+                        record["messages"], record.get("length_limited_turns", ())
+                    ),
+                )
+
+
+def assistant_ordinals(messages: list[dict], message_indices) -> tuple[int, ...]:
+    """Message indices of assistant turns as ordinals among the assistant turns."""
+    ordinal = {}
+    for index, message in enumerate(messages):
+        if message.get("role") == "assistant":
+            ordinal[index] = len(ordinal)
+    return tuple(sorted(ordinal[i] for i in message_indices if i in ordinal))
 
 
 def run_prepare(
@@ -199,6 +219,7 @@ def run_prepare(
     token_arrays: list[np.ndarray] = []
     mask_arrays: list[np.ndarray] = []
     truncated: list[bool] = []
+    limited: list[tuple[int, ...]] = []
     skipped: list[BadRow] = []
     progress = Progress(
         "prepare",
@@ -233,6 +254,7 @@ def run_prepare(
         token_arrays.append(np.asarray(tokenized.input_ids, dtype=np.int32))
         mask_arrays.append(np.asarray(tokenized.loss_mask, dtype=np.uint8))
         truncated.append(tokenized.truncated)
+        limited.append(row.length_limited_turns)
         tokens += tokenized.num_tokens
         progress.advance(tokens=tokenized.num_tokens)
     if done != total:
@@ -253,7 +275,9 @@ def run_prepare(
     written = {
         config_mod.PREPARED_TABLE.name: write_if_changed(
             prepared_dir / config_mod.PREPARED_TABLE.name,
-            _parquet_bytes(row_ids, splits, token_arrays, mask_arrays, truncated, rows_per_shard),
+            _parquet_bytes(
+                row_ids, splits, token_arrays, mask_arrays, truncated, limited, rows_per_shard
+            ),
         ),
         config_mod.PREPARED_SKIPPED.name: write_if_changed(
             prepared_dir / config_mod.PREPARED_SKIPPED.name, dumps_json(skipped_doc)
