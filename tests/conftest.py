@@ -62,6 +62,19 @@ def build_tiny_llama(out_dir: Path, *, num_layers: int = 8, hidden_size: int = 3
     return out_dir
 
 
+def add_toy_tokenizer(model_dir: Path, vocab_size: int = 300) -> Path:
+    """The toy target's kind of tokenizer (chat template, end-of-turn token) for a bare test
+    model of `vocab_size` ids, trained on the sample conversations."""
+    from eaglepipe.data.dataset import read_conversations
+    from eaglepipe.data.toy_target import corpus_texts, train_tokenizer
+
+    conversations, _ = read_conversations(
+        REPO_ROOT / "data" / "sample" / "conversations.jsonl", bad_rows="skip"
+    )
+    train_tokenizer(corpus_texts(conversations), vocab_size).save_pretrained(model_dir)
+    return model_dir
+
+
 def build_tiny_deepseek_v3(out_dir: Path, *, num_layers: int = 8, hidden_size: int = 32) -> Path:
     """A DeepSeek-V3-architecture target (MLA attention, MoE layers after the first dense one)."""
     import torch

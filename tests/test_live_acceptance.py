@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import PYTHON, REPO_ROOT, build_tiny_llama
+from conftest import PYTHON, REPO_ROOT, add_toy_tokenizer, build_tiny_llama
 from drafter_helpers import synthetic_rows, write_config, write_table
 from pipeline_run import default_config, run_snakemake, small_config
 from pipeline_run import write_config as write_run_config
@@ -48,7 +48,7 @@ def exported(tmp_path_factory) -> dict:
     import pandas as pd
 
     root = tmp_path_factory.mktemp("live")
-    model_dir = build_tiny_llama(root / "target")
+    model_dir = add_toy_tokenizer(build_tiny_llama(root / "target"))
     rows = synthetic_rows(20, vocab_size=300)
     table = write_table(rows, root / "prepared" / "tokenized.parquet")
     config_path = write_config(root / "config.yaml", model_dir, root / "unused.jsonl", 20)
@@ -105,8 +105,12 @@ def test_live_acceptance_runs_from_whichever_export_exists(exported, tmp_path):
     for result in (from_sglang, from_vllm):
         assert result["harness"] == "transformers" and result["skipped"] is None
         assert result["aux_layers_captured"] == [1, 3, 4]
-        assert result["prompts"] == 2 and result["outputs_match_greedy"] == 2
-    assert from_vllm["per_prompt"] == from_sglang["per_prompt"]
+        assert result["prompts"] == 2 and result["lossless"]["identical"] == 2
+        assert result["lossless"]["dtype"] == "float32"
+    strip = ("seconds", "greedy_seconds")
+    assert [{k: v for k, v in r.items() if k not in strip} for r in from_vllm["per_prompt"]] == [
+        {k: v for k, v in r.items() if k not in strip} for r in from_sglang["per_prompt"]
+    ]
     assert json.loads((tmp_path / "b.json").read_text()) == from_vllm
 
 
@@ -156,6 +160,73 @@ def test_the_export_engine_follows_the_config():
     assert live_export_engine(resolve(config("sglang", ["vllm"], prompts=0))) is None
     with pytest.raises(PipelineError, match=r"export.engines is \['vllm'\].*sglang"):
         live_export_engine(resolve(config("sglang", ["vllm"])))
+
+
+def test_decoding_stops_at_the_end_of_the_turn(exported):
+    """Rounds past the end of the reply are never decoded or counted: with the target's third
+    greedy token as the stop token, both decodes end there."""
+    from eaglepipe.drafter.live_transformers import Target, speculative_decode
+
+    root = exported["root"]
+    export_info = ExportInfo.read(root / "export" / "sglang")
+    target = Target(root / "target", [1, 3, 4], torch.device("cpu"))
+    drafter = load_exported_drafter(export_info).eval()
+    prompt = synthetic_rows(1, vocab_size=300)[0]["input_ids"][:12]
+    unbounded = target.greedy(prompt, 16)
+    stop = unbounded[2]
+    first_stop = unbounded.index(stop)
+    greedy = target.greedy(prompt, 16, stops={stop})
+    produced, rounds = speculative_decode(target, drafter, prompt, 16, 4, stops={stop})
+    assert greedy == unbounded[: first_stop + 1]
+    assert produced == greedy  # the same tokens, the stop token last
+    assert len(rounds) <= first_stop  # no round after the stop token
+
+
+def unverified_decode(target, drafter, prompt, new_tokens, k, stops=()):
+    """A broken decoder: every draft is taken without checking it against the target."""
+    from eaglepipe.drafter.live_transformers import draft_chain
+
+    committed = list(prompt)
+    greedy, aux = target.start(committed)
+    pending = int(greedy[-1])
+    produced, rounds = [pending], []
+    while len(produced) < new_tokens and produced[-1] not in stops:
+        drafted = draft_chain(drafter, committed, pending, aux, k)
+        greedy, new_aux = target.extend([pending] + drafted)
+        produced += [*drafted, int(greedy[k])]
+        committed = committed + [pending] + drafted
+        aux = torch.cat([aux, new_aux])
+        pending = int(greedy[k])
+        rounds.append(k)
+    return produced[:new_tokens], rounds
+
+
+def test_the_fp32_lossless_check_fails_when_drafts_are_used_unverified(
+    exported, tmp_path, monkeypatch
+):
+    import eaglepipe.drafter.live_transformers as harness
+
+    config = fresh_config(exported, live_prompts=2, live_new_tokens=12)
+    run_live(exported, config, "sglang", tmp_path / "ok.json")  # verified: passes
+    monkeypatch.setattr(harness, "speculative_decode", unverified_decode)
+    with pytest.raises(PipelineError, match=r"changed the target's fp32 greedy output on 2 of 2"):
+        run_live(exported, config, "sglang", tmp_path / "broken.json")
+    assert not (tmp_path / "broken.json").exists()
+
+
+def test_bf16_differences_are_counted_with_the_target_margin():
+    from eaglepipe.drafter.live import check_lossless
+    from eaglepipe.drafter.live_run import PromptRun
+
+    same = PromptRun(1, 0, [5, 6], [5, 6], 2, 1, 1)
+    near_tie = PromptRun(2, 1, [5, 7], [5, 6], 2, 1, 0, margin_at_difference=0.01)
+    report = check_lossless([same, near_tie], "bfloat16")
+    assert report["identical"] == 1 and report["prompts"] == 2
+    assert report["first_differences"] == [
+        {"row_id": 2, "turn": 1, "position": 1, "target_logit_margin": 0.01}
+    ]
+    with pytest.raises(PipelineError, match="row 2 turn 1 at token 1"):
+        check_lossless([same, near_tie], "float32")
 
 
 def test_first_difference():
@@ -217,17 +288,23 @@ def test_sglang_harness_matches_the_transformers_harness(exported, fake_sglang, 
     config["server"]["engine"] = "reference"
     in_transformers = run_live(exported, config, "sglang", fake_sglang / "reference.json")
     assert through_sglang["harness"] == "sglang"
-    same = ("prompts", "rounds", "accepted", "acceptance_length", "outputs_match_greedy")
+    same = ("prompts", "completion_tokens", "rounds", "accepted", "acceptance_length")
     assert {k: through_sglang[k] for k in same} == {k: in_transformers[k] for k in same}
-    assert through_sglang["outputs_match_greedy"] == 2
+    assert through_sglang["lossless"]["identical"] == 2
+    assert through_sglang["lossless"]["dtype"] == "float32"
     for mine, theirs in zip(
         through_sglang["per_prompt"], in_transformers["per_prompt"], strict=True
     ):
         assert mine["rounds"] == theirs["rounds"] and mine["accepted"] == theirs["accepted"]
-        assert mine["spec_accept_length"] == pytest.approx(8 / mine["rounds"])
+        assert mine["spec_accept_length"] == pytest.approx(
+            mine["completion_tokens"] / mine["rounds"]
+        )
+    assert through_sglang["acceptance_length"] == pytest.approx(
+        through_sglang["completion_tokens"] / through_sglang["rounds"]
+    )
+    assert through_sglang["speedup"]["plain_s"] > 0 and through_sglang["speedup"]["ratio"] > 0
     sglang = through_sglang["sglang"]
     assert sglang["version"] == "0.5.14-fake"
-    assert sglang["accept_length"] == pytest.approx(16 / through_sglang["rounds"])
     assert "--speculative-draft-model-path" in sglang["command"]
     logs = sorted((fake_sglang / "logs" / "live_acceptance").glob("*.log"))
     assert len(logs) == 2  # the plain target, then the target with the drafter
@@ -333,6 +410,12 @@ def test_answers_without_speculative_counters_are_refused():
     }
     got = parse_generation(drafted, speculative=True, where="w")
     assert (got.spec_verify_ct, got.spec_num_correct_drafts, got.spec_accept_length) == (1, 1, 2.0)
+    top = [[[-0.1, 5, None], [-2.6, 9, None]], [[-0.5, 6, None], [-0.7, 3, None]]]
+    with_top = {**plain, "meta_info": {**meta, "output_top_logprobs": top}}
+    margins = parse_generation(with_top, speculative=False, where="w", with_margins=True).margins
+    assert margins == pytest.approx([2.5, 0.2])
+    with pytest.raises(PipelineError, match="no output_top_logprobs"):
+        parse_generation(plain, speculative=False, where="w", with_margins=True)
     with pytest.raises(PipelineError, match="completion_tokens 2 but 1 output_ids"):
         parse_generation({**plain, "output_ids": [5]}, speculative=False, where="w")
     with pytest.raises(PipelineError, match="not SGLang's JSON"):

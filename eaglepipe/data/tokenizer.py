@@ -1,12 +1,14 @@
-"""The target's tokenizer, loaded once the way every stage needs it (chat template required)."""
+"""The target's tokenizer, loaded once the way every stage needs it (chat template required),
+and where a reply ends (its stop tokens)."""
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from ..core.errors import PipelineError
 from ..core.run import RunSpec
-from .chat_mask import require_chat_template
+from .chat_mask import end_of_turn_marker, require_chat_template
 
 
 def load_target_tokenizer(run: RunSpec):
@@ -27,3 +29,29 @@ def load_target_tokenizer(run: RunSpec):
     # longer than the model's maximum, truncated on purpose or not.
     tokenizer.model_max_length = sys.maxsize
     return tokenizer
+
+
+def stop_token_ids(tokenizer, model_dir: Path) -> tuple[int, ...]:
+    """Where a reply ends: the tokenizer's eos, the model's generation_config eos ids, and the
+    chat template's end-of-turn marker when it is a single token (`<|eot_id|>`, `<|im_end|>`)."""
+    import json
+
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    try:
+        eos = json.loads((model_dir / "generation_config.json").read_text()).get("eos_token_id")
+    except (FileNotFoundError, ValueError):
+        eos = None
+    ids.update([eos] if isinstance(eos, int) else [int(t) for t in eos or []])
+    marker = end_of_turn_marker(tokenizer)
+    if marker:
+        marker_ids = tokenizer(marker, add_special_tokens=False)["input_ids"]
+        if len(marker_ids) == 1:
+            ids.add(int(marker_ids[0]))
+    if not ids:
+        raise PipelineError(
+            f"the tokenizer of {model_dir} has no eos token and its chat template no single-token "
+            "end of turn: replies could not stop"
+        )
+    return tuple(sorted(ids))

@@ -1,8 +1,12 @@
-"""Live speculative decoding with the exported drafter: the check a layer-id or export bug fails.
+"""Live speculative decoding with the exported drafter: the check a layer-id or export bug fails,
+and the acceptance length a user can plan on.
 
-Greedy chain drafting of `train.ttt_length` tokens on `evaluate.live_prompts` held-out prompts
-(the tokens before each one's first loss-masked token), `evaluate.live_new_tokens` tokens each,
-through one of two harnesses that write the same `drafter/live.json`:
+The prompts are held-out assistant turns, the same rows and turns the offline evaluation walks
+(`held_out_turns`: the first turn of each of the first `evaluate.max_rows` held-out rows, then
+their second turns, ...; replies cut at max_new_tokens left out), `evaluate.live_prompts` of
+them. Each is decoded greedily with chain drafting of `train.ttt_length` tokens until the end of
+the turn (the tokenizer's end-of-turn / eos tokens) or `evaluate.live_new_tokens` tokens, through
+one of two harnesses that write the same `drafter/live.json`:
 
 - `server.engine: reference` (laptops, CI): the target in transformers with the exported
   drafter read back through its engine's own name mapping (`live_transformers.py`);
@@ -10,10 +14,14 @@ through one of two harnesses that write the same `drafter/live.json`:
   draft model, and once more without it for the plain greedy reference (`live_sglang.py`), so
   a target too large for one device is never loaded outside SGLang.
 
-The report: the measured acceptance length (1 + accepted drafts per verification round, the
-same definition in both harnesses) beside the offline estimate of `drafter/eval.json`, and
-whether every output equals plain greedy decoding of the target. `evaluate.live_prompts: 0`
-skips the stage: live.json then records why, with no lengths.
+The report: the acceptance length as SGLang counts it (completion tokens per verification round,
+pooled), beside the offline decode-order figure of `drafter/eval.json` on the same turns; the
+wall-clock decode speed-up against the same target without the drafter; and the lossless check:
+every output must equal plain greedy decoding of the target. In fp32 a difference is a bug and
+fails the stage (naming the rows); in bf16 kernels may break near-ties, so differences are
+counted with the target's logit margin at each first difference (a near-tie says kernels, a wide
+margin says a bug). `evaluate.live_prompts: 0` skips the stage: live.json then records why, with
+no lengths.
 
 This module stays free of torch at import: the Snakefile asks it which export the stage reads.
 """
@@ -21,12 +29,13 @@ This module stays free of torch at import: the Snakefile asks it which export th
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.atomic import atomic_write_json
 from ..core.errors import PipelineError
 from ..core.run import RunSpec
-from .live_run import ExportInfo, acceptance_length
+from .live_run import ExportInfo, PromptRun, acceptance_length, first_difference
 
 
 def live_export_engine(run: RunSpec) -> str | None:
@@ -54,30 +63,87 @@ def live_export_engine(run: RunSpec) -> str | None:
     return "sglang" if "sglang" in engines else engines[0]
 
 
-def held_out_prompts(table_path, count: int) -> list[tuple[int, list[int]]]:
-    """(row id, prompt ids) of the first `count` eval rows that have an assistant turn."""
+@dataclass(frozen=True)
+class LiveTurn:
+    """One held-out assistant turn: the prompt before it and the reply the dataset holds."""
+
+    row_id: int
+    turn: int  # ordinal among the row's assistant turns (as eval.json's turns)
+    prompt: list[int]
+    reply: list[int]
+
+
+def held_out_turns(table_path, count: int, max_rows: int) -> list[LiveTurn]:
+    """`count` turns of the first `max_rows` held-out rows: every row's first turn, then every
+    row's second, and so on, so a few long conversations cannot fill the set. Replies cut at
+    max_new_tokens are left out (offline reports them apart)."""
     import numpy as np
+    import pyarrow.parquet as pq
 
     from ..prepare.table import load_prepared
+    from .decode_order import assistant_turns
 
-    table = load_prepared(table_path, columns=["row_id", "split", "input_ids", "loss_mask"])
-    prompts = []
-    for row in table[table["split"] == "eval"].sort_values("row_id").itertuples():
-        mask = np.asarray(row.loss_mask, dtype=bool)
-        if not mask.any():
-            continue
-        first = int(mask.argmax())
-        if first > 0:
-            prompts.append((int(row.row_id), [int(t) for t in row.input_ids[:first]]))
-        if len(prompts) == count:
-            break
-    return prompts
+    columns = ["row_id", "split", "input_ids", "loss_mask"]
+    has_limits = "length_limited_turns" in pq.read_schema(table_path).names
+    table = load_prepared(table_path, columns=columns + ["length_limited_turns"] * has_limits)
+    rows = table[table["split"] == "eval"].sort_values("row_id").head(max_rows)
+    by_ordinal: dict[int, list[LiveTurn]] = {}
+    for row in rows.itertuples():
+        ids = [int(t) for t in row.input_ids]
+        limited = set(int(t) for t in row.length_limited_turns) if has_limits else set()
+        for ordinal, (first, last) in enumerate(assistant_turns(np.asarray(row.loss_mask))):
+            if first > 0 and ordinal not in limited:
+                turn = LiveTurn(int(row.row_id), ordinal, ids[:first], ids[first : last + 1])
+                by_ordinal.setdefault(ordinal, []).append(turn)
+    ordered = [turn for ordinal in sorted(by_ordinal) for turn in by_ordinal[ordinal]]
+    return ordered[:count]
 
 
-def _offline_estimate(eval_path) -> float | None:
-    if eval_path and Path(eval_path).exists():
-        return json.loads(Path(eval_path).read_text()).get("acceptance_length")
-    return None
+def offline_figures(eval_path, turns: list[LiveTurn], steps: int) -> dict:
+    """eval.json's headline, and its decode-order walk pooled over exactly these turns."""
+    figures = {"offline_acceptance_length": None, "offline_same_turns": None}
+    if not eval_path or not Path(eval_path).exists():
+        return figures
+    evaluation = json.loads(Path(eval_path).read_text())
+    figures["offline_acceptance_length"] = evaluation.get("acceptance_length")
+    walked = {(t["row_id"], t["turn"]): t for t in evaluation.get("turns", [])}
+    chosen = [walked.get((turn.row_id, turn.turn)) for turn in turns]
+    if chosen and all(t is not None and str(steps) in t["rounds"] for t in chosen):
+        tokens = sum(t["tokens"] for t in chosen)
+        rounds = sum(t["rounds"][str(steps)] for t in chosen)
+        figures["offline_same_turns"] = tokens / rounds if rounds else None
+    return figures
+
+
+def check_lossless(runs: list[PromptRun], dtype: str) -> dict:
+    """Outputs with the drafter against plain greedy decoding. In fp32 any difference is a bug
+    (verification let a draft through that the target would not have produced): refused."""
+    differing = [r for r in runs if r.produced != r.greedy]
+    report = {
+        "dtype": dtype,
+        "prompts": len(runs),
+        "identical": len(runs) - len(differing),
+        "first_differences": [
+            {
+                "row_id": r.row_id,
+                "turn": r.turn,
+                "position": first_difference(r.produced, r.greedy),
+                "target_logit_margin": r.margin_at_difference,
+            }
+            for r in differing
+        ],
+    }
+    if dtype == "float32" and differing:
+        where = ", ".join(
+            f"row {r.row_id} turn {r.turn} at token {first_difference(r.produced, r.greedy)}"
+            for r in differing
+        )
+        raise PipelineError(
+            f"speculative decoding changed the target's fp32 greedy output on {len(differing)} "
+            f"of {len(runs)} prompts ({where}): drafts were accepted that the target would not "
+            "have produced; the verification step is broken"
+        )
+    return report
 
 
 def live_acceptance(
@@ -90,7 +156,6 @@ def live_acceptance(
 ) -> dict:
     """Run the engine's harness (or record the skip) and write live.json atomically."""
     ec, tc = run.evaluate, run.train
-    offline = _offline_estimate(eval_path)
     harness = "sglang" if run.server.engine == "sglang" else "transformers"
     result = {
         "harness": harness,
@@ -101,18 +166,28 @@ def live_acceptance(
         "aux_layer_ids_written": None,
         "aux_layers_captured": None,
         "prompts": 0,
-        "new_tokens": ec.live_new_tokens,
+        "max_new_tokens": ec.live_new_tokens,
         "ttt_length": tc.ttt_length,
+        "completion_tokens": 0,
         "rounds": 0,
         "accepted": 0,
         "acceptance_length": None,
-        "offline_acceptance_length": offline,
-        "outputs_match_greedy": 0,
+        "acceptance_length_definition": (
+            "completion tokens per verification round, pooled over the prompts (SGLang's "
+            "accept length; the prefill's token counted, not its round)"
+        ),
+        "drafts_accepted_per_round": None,
+        "offline_acceptance_length": None,
+        "offline_same_turns": None,
+        "live_over_offline": None,
+        "speedup": None,
+        "lossless": None,
         "per_prompt": [],
     }
     engine = live_export_engine(run)
     if engine is None:
         result["skipped"] = "evaluate.live_prompts is 0"
+        result.update(offline_figures(eval_path, [], tc.ttt_length))
         atomic_write_json(out_path, result)
         print("live acceptance skipped: evaluate.live_prompts is 0", flush=True)
         return result
@@ -123,50 +198,76 @@ def live_acceptance(
         raise PipelineError(
             f"{export_dir} is the {export.engine} export; SGLang serves the sglang export"
         )
-    prompts = held_out_prompts(table_path, ec.live_prompts)
-    if not prompts:
+    turns = held_out_turns(table_path, ec.live_prompts, ec.max_rows)
+    if not turns:
         raise PipelineError(f"{table_path} has no held-out row with an assistant turn")
 
+    from ..data.tokenizer import load_target_tokenizer, stop_token_ids
     from .export import engine_captured_layers, target_family
 
+    stops = stop_token_ids(load_target_tokenizer(run), run.model.directory)
     family = target_family(run.model.config)
     captured = engine_captured_layers(export.engine, family, export.written_layer_ids)
     if harness == "sglang":
         from .live_sglang import run_sglang as run_harness
     else:
         from .live_transformers import run_transformers as run_harness
-    runs, extra = run_harness(run, export, captured, prompts)
+    runs, extra = run_harness(run, export, captured, turns, stops)
+    lossless = check_lossless(runs, extra.pop("dtype"))
 
+    completion = sum(r.completion_tokens for r in runs)
     rounds = sum(r.rounds for r in runs)
     accepted = sum(r.accepted for r in runs)
-    identical = sum(r.produced == r.greedy for r in runs)
+    length = completion / rounds if rounds else None
+    offline = offline_figures(eval_path, turns, tc.ttt_length)
+    plain_s = sum(r.greedy_seconds for r in runs)
+    speculative_s = sum(r.seconds for r in runs)
     result.update(
         export_dir=str(export_dir),
         export_engine=export.engine,
         target_family=family,
         aux_layer_ids_written=export.written_layer_ids,
         aux_layers_captured=captured,
+        stop_token_ids=list(stops),
         prompts=len(runs),
+        completion_tokens=completion,
         rounds=rounds,
         accepted=accepted,
-        acceptance_length=acceptance_length(accepted, rounds),
-        outputs_match_greedy=identical,
+        acceptance_length=length,
+        drafts_accepted_per_round=acceptance_length(accepted, rounds),
+        **offline,
+        live_over_offline=(
+            length / offline["offline_same_turns"]
+            if length and offline["offline_same_turns"]
+            else None
+        ),
+        speedup={
+            "plain_s": round(plain_s, 3),
+            "speculative_s": round(speculative_s, 3),
+            "ratio": plain_s / speculative_s if speculative_s else None,
+        },
+        lossless=lossless,
         per_prompt=[r.record() for r in runs],
         **extra,
     )
     atomic_write_json(out_path, result)
-    length = result["acceptance_length"]
     print(
         f"live acceptance length ({harness}) "
-        f"{'n/a' if length is None else f'{length:.3f}'} (offline estimate {offline}); "
-        f"{identical}/{len(runs)} outputs equal plain greedy",
+        f"{'n/a' if length is None else f'{length:.3f}'} over {len(runs)} held-out turns "
+        f"(offline on the same turns {offline['offline_same_turns']}, offline headline "
+        f"{offline['offline_acceptance_length']}); decode speed-up "
+        f"{result['speedup']['ratio'] or 0:.2f}x; {lossless['identical']}/{len(runs)} outputs "
+        f"equal plain greedy ({lossless['dtype']})",
         flush=True,
     )
-    if identical < len(runs):
-        differing = [r.row_id for r in runs if r.produced != r.greedy]
+    if lossless["first_differences"]:
         print(
-            f"warning: greedy outputs with the drafter differ from those without it for rows "
-            f"{differing} (first differences in live.json per_prompt)",
+            "warning: greedy outputs with the drafter differ from those without it: "
+            + ", ".join(
+                f"row {d['row_id']} turn {d['turn']} at {d['position']} (target margin "
+                f"{d['target_logit_margin']})"
+                for d in lossless["first_differences"]
+            ),
             flush=True,
         )
     return result

@@ -41,23 +41,33 @@ class ExportInfo:
 
 @dataclass
 class PromptRun:
-    """One prompt decoded with the drafter, and the target's plain greedy output."""
+    """One held-out turn decoded with the drafter, and the target's plain greedy output."""
 
     row_id: int
+    turn: int
     produced: list[int]
     greedy: list[int]
+    completion_tokens: int  # tokens produced with the drafter, the stop token included
     rounds: int  # verification forwards of the target
     accepted: int  # draft tokens accepted over all rounds
+    seconds: float = 0.0  # wall time of the decode with the drafter
+    greedy_seconds: float = 0.0  # wall time of the plain greedy decode
+    margin_at_difference: float | None = None  # target's top-1 minus top-2 at the first difference
     extra: dict = field(default_factory=dict)
 
     def record(self) -> dict:
         return {
             "row_id": self.row_id,
+            "turn": self.turn,
+            "completion_tokens": self.completion_tokens,
             "rounds": self.rounds,
             "accepted": self.accepted,
-            "acceptance_length": acceptance_length(self.accepted, self.rounds),
+            "acceptance_length": (self.completion_tokens / self.rounds if self.rounds else None),
+            "seconds": round(self.seconds, 4),
+            "greedy_seconds": round(self.greedy_seconds, 4),
             "matches_greedy": self.produced == self.greedy,
             "first_difference": first_difference(self.produced, self.greedy),
+            "target_logit_margin": self.margin_at_difference,
             **self.extra,
         }
 
@@ -71,5 +81,5 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 def acceptance_length(accepted: int, rounds: int) -> float | None:
-    """Tokens per verification round: the accepted drafts plus the target's own token."""
+    """The accepted drafts plus the target's own token, per verification round."""
     return 1.0 + accepted / rounds if rounds else None

@@ -8,12 +8,15 @@ draft model, chain drafting `train.ttt_length` tokens:
     --speculative-num-steps k --speculative-eagle-topk 1 --speculative-num-draft-tokens k+1
 
 Requests are greedy (`temperature: 0`, which SGLang turns into top-k 1) and run one at a time,
-`ignore_eos` so every prompt yields `evaluate.live_new_tokens` tokens. SGLang's answer reports
-per request `spec_verify_ct` (verification rounds), `spec_num_correct_drafts` (accepted draft
-tokens) and `spec_accept_length` (= completion_tokens / spec_verify_ct, which also counts the
-prefill's token); live.json's acceptance length is 1 + correct drafts / rounds, the definition
-the transformers harness uses. Every flag and field is checked against the SGLang sources by
-tests/test_live_sglang_contract.py.
+each stopping at the end of the turn (`stop_token_ids`) or after `evaluate.live_new_tokens`
+tokens; their wall time gives the decode speed-up. The plain requests ask for the top two
+logprobs of every output token (`return_logprob`, `top_logprobs_num`), the target's margin where
+an output with the drafter first differs. SGLang's answer reports per request `spec_verify_ct`
+(verification rounds), `spec_num_correct_drafts` (accepted draft tokens) and
+`spec_accept_length` (= completion_tokens / spec_verify_ct, the prefill's token counted);
+live.json's acceptance length is that ratio pooled over the prompts, the definition the
+transformers harness and the offline decode-order walk use. Every flag and field is checked
+against the SGLang sources by tests/test_live_sglang_contract.py.
 
 These servers are the project's usual kind of process: started under the supervisor in their
 own process group with unbuffered logs under logs/live_acceptance/, after a port check naming
@@ -65,7 +68,8 @@ from ..server.lifecycle import (
 from ..server.ports import describe_port_holders, port_is_free, wait_port_free
 from ..server.sglang import check_extra_args, free_server_port
 from ..server.supervise import ENGINE_STOP_GRACE_S
-from .live_run import ExportInfo, PromptRun
+from .live import LiveTurn
+from .live_run import ExportInfo, PromptRun, first_difference
 
 LIVE_STATE_ROOT = cfg.STATE_DIR / "live-server"
 LIVE_LOG_DIR = cfg.LOG_DIR / "live_acceptance"
@@ -291,11 +295,30 @@ class Generation:
     spec_verify_ct: int | None
     spec_num_correct_drafts: int | None
     spec_accept_length: float | None
+    # top-1 minus top-2 logprob of each output position, when asked for
+    margins: list[float | None] | None = None
 
 
-def parse_generation(answer, *, speculative: bool, where: str) -> Generation:
+def _margins(top_logprobs, where: str) -> list[float | None]:
+    """SGLang's `output_top_logprobs` ([[logprob, token id, text], ...] per output position)
+    as top-1 minus top-2 per position."""
+    if not isinstance(top_logprobs, list):
+        raise PipelineError(f"{where}: the answer has no output_top_logprobs list")
+    margins: list[float | None] = []
+    for entry in top_logprobs:
+        try:
+            margins.append(float(entry[0][0]) - float(entry[1][0]))
+        except (TypeError, IndexError, ValueError):
+            margins.append(None)
+    return margins
+
+
+def parse_generation(
+    answer, *, speculative: bool, where: str, with_margins: bool = False
+) -> Generation:
     """Check and read SGLang's non-streaming /generate answer (`text`, `output_ids`,
-    `meta_info`); with `speculative`, the counters SGLang adds when it drafted."""
+    `meta_info`); with `speculative`, the counters SGLang adds when it drafted; with
+    `with_margins`, the top-two logprobs per output token."""
     if not isinstance(answer, dict) or not isinstance(answer.get("meta_info"), dict):
         raise PipelineError(f"{where}: the answer is not SGLang's JSON with meta_info")
     meta = answer["meta_info"]
@@ -314,16 +337,30 @@ def parse_generation(answer, *, speculative: bool, where: str) -> Generation:
             f"{where}: the answer has no speculative counters (spec_verify_ct {verify!r}, "
             f"spec_num_correct_drafts {correct!r}): SGLang did not draft"
         )
-    return Generation(output, completion, verify, correct, meta.get("spec_accept_length"))
+    margins = _margins(meta.get("output_top_logprobs"), where) if with_margins else None
+    return Generation(output, completion, verify, correct, meta.get("spec_accept_length"), margins)
 
 
 def generate_greedy(
-    url: str, input_ids: list[int], new_tokens: int, timeout_s: float, *, speculative: bool
+    url: str,
+    input_ids: list[int],
+    new_tokens: int,
+    timeout_s: float,
+    *,
+    speculative: bool,
+    stops=(),
+    with_margins: bool = False,
 ) -> Generation:
     payload = {
         "input_ids": [int(t) for t in input_ids],
-        "sampling_params": {"temperature": 0.0, "max_new_tokens": new_tokens, "ignore_eos": True},
+        "sampling_params": {
+            "temperature": 0.0,
+            "max_new_tokens": new_tokens,
+            "stop_token_ids": [int(t) for t in stops],
+        },
     }
+    if with_margins:
+        payload.update(return_logprob=True, top_logprobs_num=2)
     request = urllib.request.Request(
         f"{url}/generate",
         data=json.dumps(payload).encode(),
@@ -339,14 +376,16 @@ def generate_greedy(
         raise PipelineError(f"{url}/generate failed: {exc}") from None
     except ValueError:
         raise PipelineError(f"{url}/generate answered with something other than JSON") from None
-    return parse_generation(answer, speculative=speculative, where=f"{url}/generate")
+    return parse_generation(
+        answer, speculative=speculative, where=f"{url}/generate", with_margins=with_margins
+    )
 
 
 # ---------------------------------------------------------------- the harness
 
 
 def run_sglang(
-    run: RunSpec, export: ExportInfo, captured: list[int], prompts: list[tuple[int, list[int]]]
+    run: RunSpec, export: ExportInfo, captured: list[int], turns: list[LiveTurn], stops
 ) -> tuple[list[PromptRun], dict]:
     """Greedy outputs from SGLang without the drafter, then with it; the counters per prompt."""
     new_tokens, k = run.evaluate.live_new_tokens, run.train.ttt_length
@@ -354,46 +393,58 @@ def run_sglang(
     host = run.server.host
     release_pipeline_server(run)
 
-    greedy: dict[int, list[int]] = {}
+    plain: dict[tuple[int, int], tuple[Generation, float]] = {}
     port = free_server_port(host)
     with served(serve_command(run, host=host, port=port), run=run, name="target",
                 host=host, port=port) as url:  # fmt: skip
         version = _server_version(url)
-        for row_id, prompt in prompts:
-            plain = generate_greedy(url, prompt, new_tokens, timeout, speculative=False)
-            greedy[row_id] = plain.output_ids
+        for turn in turns:
+            started = time.perf_counter()
+            answer = generate_greedy(
+                url, turn.prompt, new_tokens, timeout, speculative=False, stops=stops,
+                with_margins=True,
+            )  # fmt: skip
+            plain[(turn.row_id, turn.turn)] = (answer, time.perf_counter() - started)
 
     runs = []
     port = free_server_port(host)
     command = serve_command(run, host=host, port=port, draft_dir=export.directory, num_steps=k)
     with served(command, run=run, name="target+drafter", host=host, port=port) as url:
-        completion = verify = 0
-        for i, (row_id, prompt) in enumerate(prompts, 1):
-            answer = generate_greedy(url, prompt, new_tokens, timeout, speculative=True)
-            completion += answer.completion_tokens
-            verify += answer.spec_verify_ct
-            run = PromptRun(
-                row_id,
-                answer.output_ids,
-                greedy[row_id],
-                answer.spec_verify_ct,
-                answer.spec_num_correct_drafts,
-                {"spec_accept_length": answer.spec_accept_length},
+        for i, turn in enumerate(turns, 1):
+            started = time.perf_counter()
+            answer = generate_greedy(
+                url, turn.prompt, new_tokens, timeout, speculative=True, stops=stops
             )
-            runs.append(run)
+            seconds = time.perf_counter() - started
+            greedy, greedy_seconds = plain[(turn.row_id, turn.turn)]
+            at = first_difference(answer.output_ids, greedy.output_ids)
+            margin = None
+            if at is not None and greedy.margins and at < len(greedy.margins):
+                margin = greedy.margins[at]
+            prompt_run = PromptRun(
+                turn.row_id,
+                turn.turn,
+                answer.output_ids,
+                greedy.output_ids,
+                completion_tokens=answer.completion_tokens,
+                rounds=answer.spec_verify_ct,
+                accepted=answer.spec_num_correct_drafts,
+                seconds=seconds,
+                greedy_seconds=greedy_seconds,
+                margin_at_difference=margin,
+                extra={"spec_accept_length": answer.spec_accept_length},
+            )
+            runs.append(prompt_run)
             print(
-                f"live prompt {i}/{len(prompts)} (row {row_id}): acceptance length "
-                f"{1 + run.accepted / run.rounds:.2f} (SGLang spec_accept_length "
-                f"{answer.spec_accept_length})",
+                f"live prompt {i}/{len(turns)} (row {turn.row_id}, turn {turn.turn}): "
+                f"{answer.completion_tokens} tokens in {answer.spec_verify_ct} rounds "
+                f"(SGLang spec_accept_length {answer.spec_accept_length})",
                 flush=True,
             )
     extra = {
-        "sglang": {
-            "version": version,
-            "command": command,
-            # SGLang's own per-request figure, pooled: completion tokens per verification round.
-            "accept_length": completion / verify if verify else None,
-        }
+        # "auto": SGLang's choice from the model's config (the check then only counts).
+        "dtype": run.server.dtype,
+        "sglang": {"version": version, "command": command},
     }
     return runs, extra
 

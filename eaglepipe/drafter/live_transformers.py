@@ -11,22 +11,29 @@ ids and the target's family. Then, per prompt, greedy chain drafting:
     verify: one target forward over S + [x, d1..dk]; accept the longest prefix of d equal to
             the target's greedy tokens; the target's token after it becomes the next pending.
 
-Each round yields accepted + 1 tokens. The output is compared with plain greedy decoding of the
-target. The whole target is loaded on one device: this harness is for targets that fit.
+The prefill's token is the first output; each round then yields accepted + 1 tokens, and
+decoding stops at the first stop token (end of turn) or the token budget, as SGLang decodes.
+The output is compared with plain greedy decoding of the target, stopped the same way. The
+whole target is loaded on one device: this harness is for targets that fit.
 """
 
 from __future__ import annotations
+
+import inspect
+import time
 
 import torch
 
 from ..core.run import RunSpec
 from .engine_load import load_exported_drafter
-from .live_run import ExportInfo, PromptRun
+from .live import LiveTurn
+from .live_run import ExportInfo, PromptRun, first_difference
 from .model import Eagle3Drafter
 
 
 class Target:
-    """A transformers target exposing greedy logits and the captured aux hidden states."""
+    """A transformers target with a KV cache: greedy tokens and the captured aux hidden states of
+    the tokens it is given, a few at a time, as an engine serves it."""
 
     def __init__(self, path, aux_layers: list[int], device: torch.device, trust_remote_code=False):
         from transformers import AutoModelForCausalLM
@@ -39,24 +46,54 @@ class Target:
         self.model.eval()
         self.aux_layers = aux_layers
         self.device = device
+        self.cache = None
+        # transformers renamed `past_key_values` to `cache` (5.24 warns on the old name).
+        parameters = inspect.signature(self.model.forward).parameters
+        self.cache_argument = "cache" if "cache" in parameters else "past_key_values"
 
     @torch.no_grad()
-    def forward(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(greedy next token at every position [n], aux hidden states [n, 3H])."""
+    def start(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prefill `ids` into a fresh cache: (greedy next token per position, aux [n, 3H])."""
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache()
+        return self.extend(ids)
+
+    @torch.no_grad()
+    def extend(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next tokens through the cache: (greedy next token per position, aux [n, 3H])."""
         out = self.model(
-            torch.tensor([ids], device=self.device), output_hidden_states=True, use_cache=False
+            torch.tensor([ids], device=self.device),
+            use_cache=True,
+            output_hidden_states=True,
+            **{self.cache_argument: self.cache},
         )
         # Our aux id k is the output of decoder layer k = hidden_states[k + 1] (layers.py).
         aux = torch.cat([out.hidden_states[k + 1][0] for k in self.aux_layers], dim=-1)
         return out.logits[0].argmax(-1), aux.float()
 
+    def keep(self, length: int) -> None:
+        """Drop the cached positions from `length` on (rejected drafts)."""
+        surplus = self.cache.get_seq_length() - length
+        if surplus > 0:
+            self.cache.crop(-surplus)  # a negative count removes that many: every release
+
     @torch.no_grad()
-    def greedy(self, ids: list[int], new_tokens: int) -> list[int]:
-        ids = list(ids)
-        for _ in range(new_tokens):
-            next_ids, _ = self.forward(ids)
-            ids.append(int(next_ids[-1]))
-        return ids
+    def greedy(self, ids: list[int], new_tokens: int, stops=()) -> list[int]:
+        """Plain greedy decoding: the new tokens, up to and including a stop token."""
+        next_ids, _ = self.start(ids)
+        out = [int(next_ids[-1])]
+        while out[-1] not in stops and len(out) < new_tokens:
+            next_ids, _ = self.extend([out[-1]])
+            out.append(int(next_ids[-1]))
+        return out
+
+    @torch.no_grad()
+    def margin(self, ids: list[int]) -> float:
+        """Top-1 minus top-2 logit of the target's next token after `ids`."""
+        out = self.model(torch.tensor([ids], device=self.device), use_cache=False)
+        top = out.logits[0, -1].float().topk(2).values
+        return float(top[0] - top[1])
 
 
 @torch.no_grad()
@@ -81,35 +118,44 @@ def draft_chain(
 
 
 def speculative_decode(
-    target: Target, drafter: Eagle3Drafter, prompt: list[int], new_tokens: int, k: int
+    target: Target,
+    drafter: Eagle3Drafter,
+    prompt: list[int],
+    new_tokens: int,
+    k: int,
+    stops=(),
 ) -> tuple[list[int], list[int]]:
-    """(generated ids, accepted count per round)."""
+    """(generated ids up to and including a stop token, accepted drafts per round)."""
     committed = list(prompt)
-    greedy, aux = target.forward(committed)
+    greedy, aux = target.start(committed)
     pending = int(greedy[-1])
-    produced: list[int] = []
+    produced = [pending]  # the prefill's token
     rounds: list[int] = []
-    while len(produced) < new_tokens:
+    while produced[-1] not in stops and len(produced) < new_tokens:
         drafted = draft_chain(drafter, committed, pending, aux, k)
-        checked = committed + [pending] + drafted
-        greedy, aux_all = target.forward(checked)
-        n = len(committed)
+        # One verification forward over the pending token and the drafts: greedy[i] is the
+        # target's token after ([pending] + drafted)[i].
+        greedy, new_aux = target.extend([pending] + drafted)
         accepted = 0
-        while accepted < k and int(greedy[n + accepted]) == drafted[accepted]:
+        while accepted < k and int(greedy[accepted]) == drafted[accepted]:
             accepted += 1
         rounds.append(accepted)
-        new = [pending] + drafted[:accepted]
-        produced.extend(new)
-        committed = committed + new
-        pending = int(greedy[n + accepted])
-        aux = aux_all[: len(committed)]
+        bonus = int(greedy[accepted])
+        for token in [*drafted[:accepted], bonus]:
+            produced.append(token)
+            if token in stops:
+                break  # what follows a stop token is not decoded
+        committed = committed + [pending] + drafted[:accepted]
+        target.keep(len(committed))
+        aux = torch.cat([aux, new_aux[: accepted + 1]])
+        pending = bonus
     return produced[:new_tokens], rounds
 
 
 def run_transformers(
-    run: RunSpec, export: ExportInfo, captured: list[int], prompts: list[tuple[int, list[int]]]
+    run: RunSpec, export: ExportInfo, captured: list[int], turns: list[LiveTurn], stops
 ) -> tuple[list[PromptRun], dict]:
-    """Every prompt decoded with the drafter and plainly, in transformers on one device."""
+    """Every turn decoded with the drafter and plainly, in transformers on one device."""
     new_tokens, k = run.evaluate.live_new_tokens, run.train.ttt_length
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     target = Target(run.model.directory, captured, device, run.model.trust_remote_code)
@@ -118,13 +164,36 @@ def run_transformers(
         drafter.embed_tokens.weight.copy_(target.model.get_input_embeddings().weight.float())
     drafter = drafter.to(device).eval()
     runs = []
-    for i, (row_id, prompt) in enumerate(prompts, 1):
-        produced, rounds = speculative_decode(target, drafter, prompt, new_tokens, k)
-        greedy = target.greedy(prompt, new_tokens)[len(prompt) :]
-        runs.append(PromptRun(row_id, produced, greedy, len(rounds), sum(rounds)))
+    for i, turn in enumerate(turns, 1):
+        started = time.perf_counter()
+        produced, rounds = speculative_decode(target, drafter, turn.prompt, new_tokens, k, stops)
+        seconds = time.perf_counter() - started
+        started = time.perf_counter()
+        greedy = target.greedy(turn.prompt, new_tokens, stops)
+        greedy_seconds = time.perf_counter() - started
+        at = first_difference(produced, greedy)
+        margin = None
+        if at is not None and at < len(greedy):
+            margin = target.margin(turn.prompt + greedy[:at])
+        runs.append(
+            PromptRun(
+                turn.row_id,
+                turn.turn,
+                produced,
+                greedy,
+                completion_tokens=len(produced),
+                rounds=len(rounds),
+                accepted=sum(rounds),
+                seconds=seconds,
+                greedy_seconds=greedy_seconds,
+                margin_at_difference=margin,
+            )
+        )
+        length = len(produced) / len(rounds) if rounds else float(len(produced))
         print(
-            f"live prompt {i}/{len(prompts)} (row {row_id}): acceptance length "
-            f"{1 + sum(rounds) / len(rounds):.2f}",
+            f"live prompt {i}/{len(turns)} (row {turn.row_id}, turn {turn.turn}): "
+            f"{len(produced)} tokens in {len(rounds)} rounds, acceptance length {length:.2f}",
             flush=True,
         )
-    return runs, {"device": str(device)}
+    dtype = str(target.model.dtype).removeprefix("torch.")
+    return runs, {"device": str(device), "dtype": dtype}

@@ -40,7 +40,7 @@ from ..core.fingerprint import hash_json
 from ..core.progress import Progress
 from ..core.run import RunSpec
 from ..core.shard_job import ShardLock, run_shard_job
-from ..data.chat_mask import end_of_turn_marker, render
+from ..data.chat_mask import render
 from ..data.dataset import BadRow, Conversation, RowProblem, bad_row_error, iter_rows
 from ..plan.provenance import (
     model_fingerprint,
@@ -77,32 +77,6 @@ def turn_seed(seed: int, row_id: int, turn: int) -> int:
     """The sampling seed of one turn: fixed by the configured seed, the row and the turn, so a
     resumed or repeated job draws the same way whatever ran before or beside it."""
     return xxhash.xxh3_64_intdigest(f"{seed}:{row_id}:{turn}".encode()) & (2**63 - 1)
-
-
-def stop_token_ids(tokenizer, model_dir: Path) -> tuple[int, ...]:
-    """Where a reply ends: the tokenizer's eos, the model's generation_config eos ids, and the
-    chat template's end-of-turn marker when it is a single token (`<|eot_id|>`, `<|im_end|>`)."""
-    import json
-
-    ids: set[int] = set()
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    try:
-        eos = json.loads((model_dir / "generation_config.json").read_text()).get("eos_token_id")
-    except (FileNotFoundError, ValueError):
-        eos = None
-    ids.update([eos] if isinstance(eos, int) else [int(t) for t in eos or []])
-    marker = end_of_turn_marker(tokenizer)
-    if marker:
-        marker_ids = tokenizer(marker, add_special_tokens=False)["input_ids"]
-        if len(marker_ids) == 1:
-            ids.add(int(marker_ids[0]))
-    if not ids:
-        raise PipelineError(
-            f"the tokenizer of {model_dir} has no eos token and its chat template no single-token "
-            "end of turn: replies could not stop"
-        )
-    return tuple(sorted(ids))
 
 
 def shard_source_rows(run: RunSpec, shard: Shard) -> list[Conversation | BadRow]:
@@ -253,7 +227,7 @@ def regenerate_shard(
     log: Callable[[str], None] = _log,
 ) -> dict:
     """Regenerate one shard (keeping journalled rows) and return its manifest."""
-    from ..data.tokenizer import load_target_tokenizer
+    from ..data.tokenizer import load_target_tokenizer, stop_token_ids
     from ..server.lifecycle import server_lease
 
     started_at = datetime.now(UTC)

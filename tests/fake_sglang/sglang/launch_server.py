@@ -89,30 +89,49 @@ def main():
     async def generate(request):
         body = await request.json()
         params = body.get("sampling_params") or {}
-        if params.get("temperature") != 0.0 or not params.get("ignore_eos"):
+        if params.get("temperature") != 0.0:
             return web.json_response({"error": {"message": f"not greedy: {params}"}}, status=400)
         prompt, n = body["input_ids"], int(params["max_new_tokens"])
-        meta = {
-            "id": "fake",
-            "finish_reason": {"type": "length", "length": n},
-            "prompt_tokens": len(prompt),
-            "completion_tokens": n,
-            "cached_tokens": 0,
-        }
+        stops = set(params.get("stop_token_ids") or ())
+        if params.get("ignore_eos"):
+            stops = set()
         if drafter is None:
-            output = target.greedy(prompt, n)[len(prompt) :]
+            output = target.greedy(prompt, n, stops)
         else:
             output, rounds = speculative_decode(
-                target, drafter, prompt, n, args.speculative_num_steps
+                target, drafter, prompt, n, args.speculative_num_steps, stops
             )
+        stopped = bool(output) and output[-1] in stops
+        meta = {
+            "id": "fake",
+            "finish_reason": (
+                {"type": "stop", "matched": output[-1]}
+                if stopped
+                else {"type": "length", "length": n}
+            ),
+            "prompt_tokens": len(prompt),
+            "completion_tokens": len(output),
+            "cached_tokens": 0,
+        }
+        if drafter is not None:
             correct = sum(rounds)
             meta.update(
-                spec_accept_rate=correct / (len(rounds) * args.speculative_num_steps),
-                spec_accept_length=n / len(rounds),
+                spec_accept_rate=correct / max(1, len(rounds) * args.speculative_num_steps),
+                spec_accept_length=len(output) / len(rounds) if rounds else float(len(output)),
                 spec_num_correct_drafts=correct,
                 spec_num_proposed_drafts=len(rounds) * args.speculative_num_steps,
                 spec_verify_ct=len(rounds),
             )
+        if body.get("return_logprob"):
+            # [[logprob, token id, text], ...] per output position, top_logprobs_num of them
+            top = []
+            for i in range(len(output)):
+                logits = target.model(torch.tensor([prompt + output[:i]])).logits[0, -1]
+                values, ids = torch.log_softmax(logits.float(), -1).topk(
+                    int(body.get("top_logprobs_num") or 1)
+                )
+                top.append([[float(v), int(j), None] for v, j in zip(values, ids, strict=True)])
+            meta["output_top_logprobs"] = top
         return web.json_response({"text": "", "output_ids": output, "meta_info": meta})
 
     app = web.Application()
