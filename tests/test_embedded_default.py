@@ -93,12 +93,20 @@ def test_the_drafter_learns_and_is_accepted_live(default_run):
     assert last < 0.8 * first
     offline = json.loads((default_run / "drafter/eval.json").read_text())
     live = json.loads((default_run / "drafter/live.json").read_text())
-    # A layer-id or export bug would collapse the live figure to about 1. (Offline and live are
-    # not compared: the held-out rows are the target's whole regenerated replies, loops
-    # included, while live drafting continues short prompts.)
+    # A layer-id or export bug would collapse the live figure to about 1.
     assert offline["acceptance_length"] > 1.2
     assert live["acceptance_length"] > 1.2
-    assert live["outputs_match_greedy"] == live["prompts"]
+    # The offline figure predicts serving: on the same held-out turns, decoded to their end of
+    # turn, live is within 10 % of the decode-order walk (issue 26).
+    assert live["prompts"] == 32
+    assert 0.9 <= live["live_over_offline"] <= 1.1
+    # fp32 on the CPU: speculative decoding is lossless on every prompt (else the stage fails).
+    assert live["lossless"] == {
+        "dtype": "float32",
+        "prompts": 32,
+        "identical": 32,
+        "first_differences": [],
+    }
 
 
 @pytest.mark.slow

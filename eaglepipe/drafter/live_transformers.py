@@ -158,6 +158,10 @@ def run_transformers(
     """Every turn decoded with the drafter and plainly, in transformers on one device."""
     new_tokens, k = run.evaluate.live_new_tokens, run.train.ttt_length
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        # A decode step is too little work to share between CPU threads: on a busy 2-core
+        # machine two threads spinning on contended cores made this harness ~10x slower.
+        torch.set_num_threads(1)
     target = Target(run.model.directory, captured, device, run.model.trust_remote_code)
     drafter = load_exported_drafter(export)
     with torch.no_grad():
