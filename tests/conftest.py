@@ -16,6 +16,13 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 
+# One compute thread per process, for this process and everything the tests start (servers,
+# Snakemake jobs): the tests run several processes at once on a 2-core machine, and torch
+# threads spinning on contended cores made CPU work 5-15x slower there. Set before anything
+# imports torch; a value the caller set is kept.
+for _variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+    os.environ.setdefault(_variable, "1")
+
 
 _GREEDY_MODELS: dict = {}
 
