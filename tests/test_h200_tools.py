@@ -145,6 +145,42 @@ def test_repacking_drops_the_matched_members_and_stays_installable(tmp_path):
     assert not (site / "demo_pkg" / "data").exists()
 
 
+@pytest.mark.network
+def test_the_project_wheel_builds_with_a_fresh_machines_python(tmp_path):
+    """Regression (issue 25): the staging built its own wheel without build isolation, and a
+    fresh Python 3.11 (setuptools 65, no `wheel` package) has no `bdist_wheel`. A new virtual
+    environment has that Python's bundled setuptools; the staging's build function, run by it,
+    must still give a wheel that registers the SGLang plugin and holds every module."""
+    fresh = tmp_path / "fresh"
+    subprocess.run([sys.executable, "-m", "venv", str(fresh)], check=True, timeout=300)
+    python = fresh / "bin" / "python"
+    out = tmp_path / "out"
+    out.mkdir()
+    build = (
+        "import importlib.util, sys; from pathlib import Path\n"
+        "spec = importlib.util.spec_from_file_location('stage_sglang', sys.argv[1])\n"
+        "module = importlib.util.module_from_spec(spec); sys.modules['stage_sglang'] = module\n"
+        "spec.loader.exec_module(module)\n"
+        "print(module.build_project_wheel(Path(sys.argv[2])))\n"
+    )
+    done = subprocess.run(
+        [str(python), "-c", build, str(REPO_ROOT / "tools" / "stage_sglang.py"), str(out)],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": ""},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    wheel = Path(done.stdout.strip().splitlines()[-1])
+    assert wheel.parent == out and wheel.name.startswith("eaglepipe-")
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+        entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+        assert "eaglepipe = eaglepipe.server.sglang_plugin:register" in (
+            archive.read(entry_points).decode()
+        )
+    modules = {p.relative_to(REPO_ROOT).as_posix() for p in (REPO_ROOT / "eaglepipe").rglob("*.py")}
+    assert modules and modules <= names
+    assert not (REPO_ROOT / "build").exists()  # built from a copy, nothing left in the checkout
+
+
 # ------------------------------------------------------------------------------ the device runner
 
 

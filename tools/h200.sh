@@ -18,7 +18,7 @@
 #                                       machine resumes them)
 #   (extra arguments after OUT go to the part's script)
 #
-# Needs .whl-sglang/ (python tools/stage_sglang.py, here; carried with the call). Uses
+# Needs .whl-sglang/ (.venv/bin/python tools/stage_sglang.py, here; carried with the call). Uses
 # .jit-sglang/jitcache.tgz when carried: SGLang's JIT-compiled kernels from an earlier call
 # (saves ~40 s per cold start). Writes OUT/h200_<part>.log, the part's results and, when it fits
 # the 16 MiB a returned file may have, OUT/jitcache.tgz: copy it to .jit-sglang/ for the next call.
@@ -59,7 +59,7 @@ say() { echo "[h200 $(date -u +%H:%M:%S) +${SECONDS}s] $*"; }
 
 install_wheels() {
     if [ ! -f "$WHEELS/manifest.json" ]; then
-        say "no staged wheels in $WHEELS: run 'python tools/stage_sglang.py' and carry .whl-sglang"
+        say "no staged wheels in $WHEELS: run '.venv/bin/python tools/stage_sglang.py' and carry .whl-sglang"
         return 1
     fi
     local stamp
