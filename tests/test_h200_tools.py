@@ -37,6 +37,22 @@ def load_stage_tool():
 stage = load_stage_tool()
 
 
+def load_specforge_stage_tool():
+    sys.path.insert(0, str(REPO_ROOT / "tools"))
+    try:
+        spec = importlib.util.spec_from_file_location(
+            "stage_specforge", REPO_ROOT / "tools" / "stage_specforge.py"
+        )
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(REPO_ROOT / "tools"))
+    return module
+
+
+stage_specforge = load_specforge_stage_tool()
+
+
 # ------------------------------------------------------------------------------ the wheel list
 
 
@@ -179,6 +195,93 @@ def test_the_project_wheel_builds_with_a_fresh_machines_python(tmp_path):
     modules = {p.relative_to(REPO_ROOT).as_posix() for p in (REPO_ROOT / "eaglepipe").rglob("*.py")}
     assert modules and modules <= names
     assert not (REPO_ROOT / "build").exists()  # built from a copy, nothing left in the checkout
+
+
+# ------------------------------------------------------------------------------ SpecForge's staging
+
+
+def test_specforge_runs_on_wheels_the_sglang_staging_holds_at_the_same_versions():
+    """SpecForge's set (the one that ran on the H200) beside the SGLang list: the seven wheels
+    it shares are staged for SGLang with the same pins, on every process's path (common)."""
+    specs = {s.name: s for s in stage.read_wheel_list()}
+    assert stage_specforge.SPECFORGE.requirement == "specforge==0.2.0"
+    assert len(stage_specforge.SHARED_WITH_SGLANG) == 7
+    for name, version in stage_specforge.SHARED_WITH_SGLANG.items():
+        assert name in specs, f"{name} is not in tools/h200_wheels.txt"
+        assert (specs[name].version, specs[name].site) == (version, "common"), name
+    assert "specforge" not in specs  # the pipeline's calls never carry it
+
+
+def write_sglang_manifest(dest: Path, **versions: str) -> Path:
+    """A staged .whl-sglang stand-in: a manifest and a wheel file for each shared name."""
+    (dest / "common").mkdir(parents=True)
+    entries = []
+    for name, version in {**stage_specforge.SHARED_WITH_SGLANG, **versions}.items():
+        file = f"common/{name.replace('-', '_')}-{version}-py3-none-any.whl"
+        (dest / file).write_bytes(name.encode())
+        entries.append({"name": name, "version": version, "site": "common", "file": file})
+    (dest / "manifest.json").write_text(json.dumps(entries))
+    return dest
+
+
+def test_specforge_staging_takes_the_shared_wheels_from_the_sglang_staging(tmp_path, monkeypatch):
+    monkeypatch.setattr(stage_specforge, "REPO_ROOT", tmp_path)
+    dest = write_sglang_manifest(tmp_path / ".whl-sglang")
+    entries = stage_specforge.shared_wheels(dest)
+    assert [e["name"] for e in entries] == list(stage_specforge.SHARED_WITH_SGLANG)
+    datasets = entries[0]
+    assert datasets["file"] == ".whl-sglang/common/datasets-5.2.0-py3-none-any.whl"
+    assert datasets["sha256"] == hashlib.sha256(b"datasets").hexdigest()
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"datasets": "5.1.0"}, r"SpecForge needs datasets==5.2.0 from .whl-sglang/common: 5.1.0"),
+        ("no manifest", r"manifest.json does not exist: stage SGLang first"),
+        ("file gone", r"dill-0.4.1-py3-none-any.whl is listed in .* but missing"),
+    ],
+)
+def test_specforge_staging_names_what_the_sglang_staging_lacks(
+    tmp_path, monkeypatch, change, match
+):
+    monkeypatch.setattr(stage_specforge, "REPO_ROOT", tmp_path)
+    dest = tmp_path / ".whl-sglang"
+    if change == "no manifest":
+        dest.mkdir()
+    else:
+        write_sglang_manifest(dest, **(change if isinstance(change, dict) else {}))
+        if change == "file gone":
+            (dest / "common" / "dill-0.4.1-py3-none-any.whl").unlink()
+    with pytest.raises(SystemExit, match=match):
+        stage_specforge.shared_wheels(dest)
+
+
+def test_specforge_must_pin_the_staged_sglang(tmp_path):
+    def specforge_wheel(pin: str) -> Path:
+        path = tmp_path / pin / "specforge-0.2.0-py3-none-any.whl"
+        path.parent.mkdir()
+        metadata = "Metadata-Version: 2.1\nName: specforge\nVersion: 0.2.0\n"
+        metadata += f"Requires-Dist: torch==2.11.0\nRequires-Dist: {pin}\n"
+        with zipfile.ZipFile(path, "w") as archive:
+            archive.writestr("specforge-0.2.0.dist-info/METADATA", metadata)
+        return path
+
+    wheel_list = REPO_ROOT / "tools" / "h200_wheels.txt"
+    assert stage_specforge.check_sglang_pin(specforge_wheel("sglang==0.5.14"), wheel_list) == (
+        "0.5.14"
+    )
+    with pytest.raises(SystemExit, match=r"requires \['sglang==0.5.13'\].*stages sglang==0.5.14"):
+        stage_specforge.check_sglang_pin(specforge_wheel("sglang==0.5.13"), wheel_list)
+
+
+def test_a_prepare_hidden_states_copy_of_another_commit_is_refused(tmp_path):
+    copy = tmp_path / "prepare_hidden_states.py"
+    copy.write_text("# not SpecForge's script at a6b6b023\n")
+    with pytest.raises(SystemExit, match=r"sha256 [0-9a-f]{64}, not that of SpecForge's scripts"):
+        stage_specforge.fetch_script(tmp_path / "staged.py", copy)
+    with pytest.raises(SystemExit, match="--script-from .*: no prepare_hidden_states.py there"):
+        stage_specforge.fetch_script(tmp_path / "staged.py", tmp_path / "elsewhere")
 
 
 # ------------------------------------------------------------------------------ the device runner
