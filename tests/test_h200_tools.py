@@ -320,6 +320,102 @@ def test_the_runner_stops_without_staged_wheels(tmp_path):
 # ------------------------------------------------------------------------------ the drivers
 
 
+def test_the_specforge_part_prints_its_commands_in_a_dry_run(tmp_path):
+    """`bash tools/h200.sh specforge OUT --dry-run` on CPU: no wheels, no GPU; the driver prints
+    (and records in specforge.json) every command the call would run, in order."""
+    out = tmp_path / "out"
+    done = run_h200(
+        ["specforge", str(out), "--dry-run", "--seeds", "0,1", "--epochs", "3",
+         "--settings", "3/1/4,7/1/8"],
+        REPO_ROOT, tmp_path / "root",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "dry run: no wheels installed" in done.stdout
+    results = json.loads((out / "specforge.json").read_text())
+    assert results["setup"]["dry_run"] and results["setup"]["seeds"] == [0, 1]
+    assert results["setup"]["specforge_recipe"]["num_epochs"] == 3
+    commands = results["commands"]
+    steps = [c["step"] for c in commands]
+    work = tmp_path / "root" / "specforge"
+    run = work / "pipeline-run"
+
+    def argv(step: str) -> list[str]:
+        return next(c["argv"] for c in commands if c["step"] == step)
+
+    # 1. the pipeline part's run, trained with the seed and epochs, up to its SGLang export
+    pipeline = argv("pipeline@seed0-epochs3")
+    assert pipeline[1].endswith("benchmarks/sglang_pipeline_h200.sh")
+    assert pipeline[pipeline.index("--overrides") + 1] == str(work / "overrides-seed0.yaml")
+    assert pipeline[-2:] == ["drafter/eval.json", "drafter/export/sglang/config.json"]
+    first = next(c for c in commands if c["step"] == "pipeline@seed0-epochs3")
+    assert first["env"]["EAGLEPIPE_H200_ROOT"] == str(work)
+    # 3. SpecForge's own generator first, then the transformers route, on the same inputs
+    files = work / "specforge-files"
+    sglang = argv("specforge-features:sglang")
+    assert sglang[1:3] == ["-m", "torch.distributed.run"]
+    assert sglang[sglang.index("--script") + 1] == str(
+        files / "scripts" / "prepare_hidden_states.py"
+    )
+    script_args = sglang[sglang.index("--") + 1 :]
+    for flag, value in [
+        ("--strategy", "eagle3"), ("--chat-template", "eaglepipe-target"),
+        ("--data-path", str(files / "train.jsonl")), ("--target-model-path", str(files / "target")),
+        ("--draft-model-config", str(files / "draft_config.json")), ("--batch-size", "1"),
+        ("--sglang-attention-backend", "triton"), ("--output-path", str(files / "features")),
+    ]:  # fmt: skip
+        assert script_args[script_args.index(flag) + 1] == value, flag
+    hf = argv("specforge-features:hf")
+    assert hf[1].endswith("benchmarks/specforge_hf_features.py")
+    assert hf[hf.index("--data") + 1] == str(files / "train.jsonl")
+    # 4. specforge train and export, per seed
+    for seed in (0, 1):
+        train = argv(f"specforge-train@seed{seed}-epochs3:train")
+        assert train[1:4] == ["-m", "specforge.cli", "train"]
+        export = argv(f"specforge-train@seed{seed}-epochs3:export")
+        assert export[3:6] == ["export", "--to", "sglang"]
+        assert export[export.index("--output-dir") + 1] == str(
+            work / "seeds" / f"seed{seed}-epochs3" / "specforge" / "export"
+        )
+    assert '"seed": 1' in done.stdout and '"num_epochs": 3' in done.stdout
+    # 5. both drafters through the same live harness, same flags, one greedy reference
+    lives = [c for c in commands if c["step"].startswith("live@")]
+    assert [c["step"] for c in lives[:4]] == [
+        "live@seed0-epochs3@eaglepipe@3-1-4", "live@seed0-epochs3@specforge@3-1-4",
+        "live@seed0-epochs3@eaglepipe@7-1-8", "live@seed0-epochs3@specforge@7-1-8",
+    ]  # fmt: skip
+    assert len(lives) == 8 and {c["cwd"] for c in lives} == {str(run)}
+    for live in lives:
+        args = live["argv"]
+        assert args[2].endswith("scripts/live_acceptance.py")
+        assert args[args.index("--greedy-reference") + 1] == str(work / "greedy-reference.json")
+        assert args[args.index("--config") + 1] == ".eaglepipe/config.json"
+        drafter, setting = live["step"].split("@")[2:]
+        assert args[args.index("--speculative") + 1] == setting.replace("-", "/")
+        assert args[args.index("--export-dir") + 1].endswith(f"/{drafter}/export")
+        assert args[args.index("--eval") + 1].endswith(
+            "eaglepipe/eval.json" if drafter == "eaglepipe" else "specforge/none.json"
+        )
+    # The order of the whole call.
+    assert steps.index("pipeline@seed0-epochs3") < steps.index("specforge-features:sglang")
+    assert steps.index("specforge-features:hf") < steps.index("specforge-train@seed0-epochs3:train")
+    assert steps.index("live@seed0-epochs3@specforge@7-1-8") < steps.index("pipeline@seed1-epochs3")
+    assert not (tmp_path / "root" / "specforge").exists()  # a dry run makes nothing
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--settings", "7/1/9"], "with top-k 1 a round verifies steps + 1 = 8 tokens"),
+        (["--features", "vllm"], "--features: sglang and/or hf"),
+        (["--seeds", "0,0"], "--seeds: distinct integers"),
+    ],
+)
+def test_the_specforge_driver_refuses_bad_settings_in_one_line(args, message):
+    done = run_script("benchmarks/bench_specforge.py", "--dry-run", *args, timeout=120)
+    assert done.returncode != 0
+    assert message in done.stderr and "Traceback" not in done.stderr
+
+
 def run_script(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-u", *args], cwd=REPO_ROOT, capture_output=True, text=True,
