@@ -132,6 +132,10 @@ def step_pipeline(ctx: Context, step: Step) -> dict:
         keep.mkdir(parents=True, exist_ok=True)
         overrides.write_text(pipeline_overrides(ctx.args, seed))
     resume = paths.run.exists()
+    if resume and not ctx.args.dry_run:
+        # A snakemake killed at the last call's limit can leave its lock; nothing else runs
+        # snakemake in this directory (tools/h200.sh stopped the last call's processes).
+        shutil.rmtree(paths.run / ".snakemake" / "locks", ignore_errors=True)
     limit = int(ctx.left() - MARGIN_S - 10)
     env = {
         **os.environ,

@@ -402,6 +402,48 @@ def test_the_specforge_part_prints_its_commands_in_a_dry_run(tmp_path):
     assert not (tmp_path / "root" / "specforge").exists()  # a dry run makes nothing
 
 
+def test_the_specforge_driver_continues_where_an_earlier_call_stopped(tmp_path):
+    """A later call skips the steps WORK/state.json records as done, summarises the seeds it
+    has, and leaves a step it has no time for to the next call (exit 3)."""
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    try:
+        from bench_specforge import parse_args, plan_steps
+    finally:
+        sys.path.pop(0)
+    work = tmp_path / "work"
+    work.mkdir()
+    lengths = {("eaglepipe", 0): 2.5, ("eaglepipe", 1): 2.1, ("specforge", 0): 1.9,
+               ("specforge", 1): 1.7}  # fmt: skip
+    steps = {}
+    for step in plan_steps(parse_args(["--seeds", "0,1", "--settings", "7/1/8"])):
+        result = {}
+        if step.kind == "live":
+            result = {"acceptance_length": lengths[(step.drafter, step.seed)]}
+        steps[step.name] = {"status": "done", "result": result, "seconds": 1.0}
+    (work / "state.json").write_text(json.dumps({"steps": steps, "max_length": 1024}))
+
+    out = tmp_path / "sf.json"
+    common = ["--work-root", str(work), "--settings", "7/1/8", "--out", str(out)]
+    done = run_script("benchmarks/bench_specforge.py", "--seeds", "0,1", *common, timeout=120)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.count("done in an earlier call") == len(steps)
+    summary = json.loads(out.read_text())["summary"]["7/1/8"]
+    assert summary["eaglepipe"]["by_seed"] == {"0": 2.5, "1": 2.1}
+    assert summary["eaglepipe"]["mean"] == 2.3 and summary["specforge"]["mean"] == 1.8
+    assert summary["eaglepipe"]["stdev"] == pytest.approx(0.283, abs=1e-3)
+    assert "| 7/1/8 | specforge | 1.800 |" in out.with_suffix(".md").read_text()
+
+    done = run_script(
+        "benchmarks/bench_specforge.py", "--seeds", "0,1,2", "--deadline-s", "30", *common,
+        timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 3, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "[pipeline@seed2-epochs8] not started" in done.stdout
+    results = json.loads(out.read_text())
+    assert results["remaining"][0] == "pipeline@seed2-epochs8" and len(results["remaining"]) == 4
+    assert json.loads((work / "state.json").read_text())["steps"] == steps  # nothing new ran
+
+
 @pytest.mark.parametrize(
     "args,message",
     [
