@@ -10,27 +10,29 @@ Steps, in order; each is recorded in WORK/state.json when it ends, and a later c
 warm machine (the same WORK) skips what is done, so a comparison longer than one call's 10
 minutes continues where the last call stopped:
 
-1. pipeline (per seed): benchmarks/sglang_pipeline_h200.sh, the pipeline part's run (the
-   128-wide toy, engine sglang), through drafter/eval.json and the SGLang export, with
-   `train.epochs` and `train.seed` set; for a later seed the same run directory retrains,
-   evaluates and exports only (the train settings stamp changed). Its export, eval.json and
-   training log are kept under WORK/seeds/seed<S>-epochs<E>/eaglepipe/.
-2. specforge-inputs (once): the run's train split as SpecForge JSONL (held-out rows and rows
-   prepare skipped are left out; benchmarks/specforge_data.py), the target's chat template as
-   SpecForge's template JSON, checked row by row against the prepared table (SpecForge's
-   masking rule, written here, gives the same input_ids and loss mask), a view of the target
-   with the index SpecForge's loader wants, and the draft config (the run's aux layers and
-   train.draft_vocab_size, so both drafters have the same size).
+1. pipeline (per seed, one after the other): benchmarks/sglang_pipeline_h200.sh, the
+   pipeline part's run (the 128-wide toy, engine sglang), through drafter/eval.json and the
+   SGLang export, with `train.epochs` and `train.seed` set; for a later seed the same run
+   directory retrains, evaluates and exports only (the train settings stamp changed). Its
+   export, eval.json and training log are kept under WORK/seeds/seed<S>-epochs<E>/eaglepipe/.
+2. specforge-inputs (once, after the first seed's pipeline): the run's train split as
+   SpecForge JSONL (held-out rows and rows prepare skipped are left out;
+   benchmarks/specforge_data.py), the target's chat template as SpecForge's template JSON,
+   checked row by row against the prepared table (SpecForge's masking rule, written here,
+   gives the same input_ids and loss mask), a view of the target with the index SpecForge's
+   loader wants, and the draft config (the run's aux layers and train.draft_vocab_size, so
+   both drafters have the same size).
 3. specforge-features (once): SpecForge's own generator, scripts/prepare_hidden_states.py with
    SGLang in-process (--features sglang), or a transformers forward through SpecForge's own
    preprocessing (hf, benchmarks/specforge_hf_features.py); the first route of --features that
    succeeds is used. Every feature file's tokens and loss mask are then looked up in the
    prepared table.
-4. specforge-train (per seed): `specforge train` with its Llama-3.1-8B offline recipe
-   (examples/configs/llama3.1-8b-eagle3-offline.yaml: batch 1, lr 1e-4, grad clip 0.5, TTT 7,
-   sdpa) but --epochs and the seed, then `specforge export --to sglang`; the export's
-   config.json gets the `eaglepipe` block the live harness reads (engine, aux layers).
-5. live (per seed, drafter and setting): scripts/live_acceptance.py from the run directory,
+4. specforge-train (per seed, every seed's at once on the one GPU unless
+   --train-one-at-a-time: a toy's training leaves it mostly idle): `specforge train` with its
+   Llama-3.1-8B offline recipe (examples/configs/llama3.1-8b-eagle3-offline.yaml: batch 1, lr
+   1e-4, grad clip 0.5, TTT 7, sdpa) but --epochs and the seed, then `specforge export --to
+   sglang`; the export's config.json gets the `eaglepipe` block the live harness reads.
+5. live (per seed, setting and drafter): scripts/live_acceptance.py from the run directory,
    with the run's config, table and prompts, `--speculative S/K/D`, and one greedy reference
    for the target (`--greedy-reference`): the plain target is served once for all of them.
 
@@ -68,7 +70,7 @@ from specforge_steps import (  # noqa: E402
     checked,
     step_features,
     step_inputs,
-    step_train,
+    step_trainings,
 )
 
 from eaglepipe.core.errors import PipelineError  # noqa: E402
@@ -92,29 +94,42 @@ EXIT_LEFT_FOR_LATER = 3
 
 
 def plan_steps(args) -> list[Step]:
-    steps, epochs, reference = [], args.epochs, "live-with-reference"
+    """Every seed's pipeline first (one run directory, retrained per seed), SpecForge's inputs
+    and features after the first; then SpecForge's trainings (run at once unless
+    --train-one-at-a-time); then the live runs, seed by seed."""
+    steps, epochs = [], args.epochs
+    tags = {seed: f"seed{seed}-epochs{epochs}" for seed in args.seeds}
     for i, seed in enumerate(args.seeds):
-        tag = f"seed{seed}-epochs{epochs}"
-        first = STEP_SECONDS["pipeline-first" if i == 0 else "pipeline-retrain"]
-        steps.append(Step(f"pipeline@{tag}", "pipeline", tag, seed, needs_s=first))
+        needs = STEP_SECONDS["pipeline-first" if i == 0 else "pipeline-retrain"]
+        steps.append(Step(f"pipeline@{tags[seed]}", "pipeline", tags[seed], seed, needs_s=needs))
         if i == 0:
-            steps.append(
-                Step("specforge-inputs", "inputs", needs_s=STEP_SECONDS["specforge-inputs"])
-            )
-            steps.append(
-                Step("specforge-features", "features", needs_s=STEP_SECONDS["specforge-features"])
-            )
-        train_s = STEP_SECONDS["specforge-train-base"]
-        train_s += STEP_SECONDS["specforge-train-per-epoch"] * epochs
-        steps.append(Step(f"specforge-train@{tag}", "train", tag, seed, needs_s=train_s))
+            for name, kind in (("specforge-inputs", "inputs"), ("specforge-features", "features")):
+                steps.append(Step(name, kind, needs_s=STEP_SECONDS[name]))
+    train_s = STEP_SECONDS["specforge-train-base"]
+    train_s += STEP_SECONDS["specforge-train-per-epoch"] * epochs
+    for seed in args.seeds:
+        name = f"specforge-train@{tags[seed]}"
+        steps.append(Step(name, "train", tags[seed], seed, needs_s=train_s))
+    reference = "live-with-reference"  # the first live run also serves the plain target
+    for seed in args.seeds:
         for setting in args.settings:
             for drafter in ("eaglepipe", "specforge"):
-                # The first live run serves the plain target too, for the greedy reference.
                 needs, reference = STEP_SECONDS[reference], "live"
-                label = setting.label.replace("/", "-")
-                name = f"live@{tag}@{drafter}@{label}"
-                steps.append(Step(name, "live", tag, seed, drafter, setting, needs))
+                name = f"live@{tags[seed]}@{drafter}@{setting.label.replace('/', '-')}"
+                steps.append(Step(name, "live", tags[seed], seed, drafter, setting, needs))
     return steps
+
+
+def next_group(ctx: Context, steps: list[Step], index: int) -> list[Step]:
+    """The steps to run together from `index`: SpecForge's trainings not done yet side by side
+    (unless --train-one-at-a-time), any other step alone."""
+    if steps[index].kind != "train" or ctx.args.train_one_at_a_time:
+        return [steps[index]]
+    group = []
+    while index < len(steps) and steps[index].kind == "train":
+        group.append(steps[index])
+        index += 1
+    return group
 
 
 # ---------------------------------------------------------------- step 1: the pipeline
@@ -297,9 +312,30 @@ RUNNERS = {
     "pipeline": step_pipeline,
     "inputs": step_inputs,
     "features": step_features,
-    "train": step_train,
     "live": step_live,
 }
+
+
+def is_done(ctx: Context, step: Step) -> bool:
+    return ctx.state["steps"].get(step.name, {}).get("status") == "done"
+
+
+def run_group(ctx: Context, group: list[Step]) -> dict[str, dict]:
+    """Each step's state entry: done with its result, failed or timed out with the error."""
+    if group[0].kind == "train":
+        return step_trainings(ctx, group)
+    (step,) = group
+    try:
+        result = RUNNERS[step.kind](ctx, step)
+    except StepFailed as exc:
+        return {
+            step.name: {"status": "timed out" if exc.code == 124 else "failed", "error": str(exc)}
+        }
+    if step.kind == "inputs" and result:  # what later steps, and later calls, need from it
+        ctx.state["max_length"] = result["max_length"]
+        ctx.state["lm_head_key"] = result["target_view"]["lm_head_key"]
+        ctx.state["aux_layer_ids"] = result["aux_layer_ids"]
+    return {step.name: {"status": "done", "result": result}}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -317,6 +353,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--deadline-s", type=float, default=540.0)
     parser.add_argument("--wheels", type=Path, default=SPECFORGE_WHEELS)
+    parser.add_argument(
+        "--train-one-at-a-time",
+        action="store_true",
+        help="SpecForge's trainings one after the other (default: all seeds' at once)",
+    )
     parser.add_argument("--fresh", action="store_true", help="remove the work root first")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     args = parser.parse_args(argv)
@@ -347,42 +388,39 @@ def main(argv=None) -> int:
     if not args.dry_run:
         paths.work.mkdir(parents=True, exist_ok=True)
     steps = plan_steps(args)
-    code = 0
-    for index, step in enumerate(steps):
-        if ctx.state["steps"].get(step.name, {}).get("status") == "done" and not args.dry_run:
-            log(f"[{step.name}] done in an earlier call")
+    code, index = 0, 0
+    while index < len(steps) and not code:
+        group = next_group(ctx, steps, index)
+        index += len(group)
+        if not args.dry_run:
+            for step in [s for s in group if is_done(ctx, s)]:
+                log(f"[{step.name}] done in an earlier call")
+            group = [s for s in group if not is_done(ctx, s)]
+        if not group:
             continue
-        if ctx.left() < step.needs_s and not args.dry_run:
-            log(f"[{step.name}] not started: {ctx.left():.0f}s left, it needs ~{step.needs_s:.0f}s")
+        names = ", ".join(s.name for s in group)
+        # Trainings side by side slow each other a little: a fifth more per extra one.
+        needs = max(s.needs_s for s in group) * (1 + 0.2 * (len(group) - 1))
+        if ctx.left() < needs and not args.dry_run:
+            log(f"[{names}] not started: {ctx.left():.0f}s left, it needs ~{needs:.0f}s")
             code = EXIT_LEFT_FOR_LATER
             break
-        log(f"[{step.name}] start ({ctx.left():.0f}s left)")
+        log(f"[{names}] start ({ctx.left():.0f}s left)")
         started = time.monotonic()
-        entry = {"status": "failed"}
-        try:
-            result = RUNNERS[step.kind](ctx, step)
-            entry = {"status": "done", "result": result}
-            # What later steps (and later calls) need from this one.
-            if step.kind == "inputs" and result:
-                ctx.state["max_length"] = result["max_length"]
-                ctx.state["lm_head_key"] = result["target_view"]["lm_head_key"]
-                ctx.state["aux_layer_ids"] = result["aux_layer_ids"]
-        except StepFailed as exc:
-            entry = {"status": "timed out" if exc.code == 124 else "failed", "error": str(exc)}
-            code = EXIT_LEFT_FOR_LATER if exc.code == 124 else 1
-        entry["seconds"] = round(time.monotonic() - started, 1)
-        entry["ended_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        entries = run_group(ctx, group)
+        for step in group:
+            entry = entries[step.name]
+            entry.setdefault("seconds", round(time.monotonic() - started, 1))
+            entry["ended_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            log(f"[{step.name}] {entry['status']} in {entry['seconds']}s")
+            if entry["status"] != "done":
+                code = max(code, EXIT_LEFT_FOR_LATER if entry["status"] == "timed out" else 1)
+            if not args.dry_run:
+                ctx.state["steps"][step.name] = entry
         if not args.dry_run:
-            ctx.state["steps"][step.name] = entry
             paths.state.write_text(json.dumps(ctx.state, indent=1))
-        log(f"[{step.name}] {entry['status']} in {entry['seconds']}s")
-        if code:
-            break
-        if not args.dry_run:
-            write(ctx, [s.name for s in steps[index + 1 :]])
-    remaining = [
-        s.name for s in steps if ctx.state["steps"].get(s.name, {}).get("status") != "done"
-    ]
+            write(ctx, [s.name for s in steps if not is_done(ctx, s)])
+    remaining = [s.name for s in steps if not is_done(ctx, s)]
     write(ctx, [] if args.dry_run else remaining)
     if not args.dry_run:
         log(f"bench_specforge: exit {code}; left for a later call: {remaining or 'nothing'}")

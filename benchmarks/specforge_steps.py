@@ -144,39 +144,73 @@ def specforge_env(paths: Paths, *, capture: bool) -> dict:
     return env
 
 
-def run_command(ctx: Context, name: str, argv: list[str], *, log_path: Path, cwd=None, env=None):
-    """Run argv to its log under what is left of the deadline; its exit code (124 when it ran
-    out of time: its process group is stopped, TERM then KILL)."""
+@dataclass
+class Command:
+    name: str
+    argv: list[str]
+    log_path: Path
+    cwd: Path | None = None
+    env: dict | None = None
+
+
+def show(ctx: Context, command: Command) -> None:
+    """The dry run's line for a command (and its record in the results)."""
+    changed = {
+        k: v
+        for k, v in (command.env or {}).items()
+        if k.startswith(("EAGLEPIPE_", "PYTHONPATH")) and os.environ.get(k) != v
+    }
+    prefix = "".join(f"{k}={shlex.quote(v)} " for k, v in sorted(changed.items()))
+    cwd = command.cwd or REPO_ROOT
+    ctx.dry.append({"step": command.name, "argv": command.argv, "cwd": str(cwd), "env": changed})
+    log(f"[{command.name}] (cd {cwd} && {prefix}{shlex.join(command.argv)})")
+
+
+def run_commands(ctx: Context, commands: list[Command]) -> list[int]:
+    """Run the commands at once, each to its log, under what is left of the deadline; their exit
+    codes (124 for one still running at the deadline: its process group gets TERM, then KILL)."""
     if ctx.args.dry_run:
-        shown = shlex.join(argv)
-        changed = {
-            k: v
-            for k, v in (env or {}).items()
-            if k.startswith(("EAGLEPIPE_", "PYTHONPATH")) and os.environ.get(k) != v
-        }
-        prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(changed.items()))
-        line = f"[{name}] (cd {cwd or REPO_ROOT} && {prefix + ' ' if prefix else ''}{shown})"
-        ctx.dry.append({"step": name, "argv": argv, "cwd": str(cwd or REPO_ROOT), "env": changed})
-        log(line)
-        return 0
-    timeout = ctx.left() - MARGIN_S
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    log(f"[{name}] {shlex.join(argv)}  (log {log_path}, limit {timeout:.0f}s)")
-    with open(log_path, "ab") as out:
-        proc = subprocess.Popen(
-            argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        for command in commands:
+            show(ctx, command)
+        return [0] * len(commands)
+    running = []
+    for command in commands:
+        command.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log(f"[{command.name}] {shlex.join(command.argv)}  (log {command.log_path})")
+        with open(command.log_path, "ab") as out:
+            running.append(
+                subprocess.Popen(
+                    command.argv,
+                    cwd=command.cwd,
+                    env=command.env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )  # fmt: skip
+            )
+    codes = []
+    for command, proc in zip(commands, running, strict=True):
         try:
-            return proc.wait(timeout=max(timeout, 1))
+            codes.append(proc.wait(timeout=max(ctx.left() - MARGIN_S, 1)))
         except subprocess.TimeoutExpired:
-            log(f"[{name}] out of time after {timeout:.0f}s: stopping its process group")
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            return 124
+            log(f"[{command.name}] out of time: stopping its process group")
+            stop_group(proc)
+            codes.append(124)
+    return codes
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def run_command(ctx: Context, name: str, argv: list[str], *, log_path: Path, cwd=None, env=None):
+    """One command, as run_commands runs it; its exit code."""
+    return run_commands(ctx, [Command(name, argv, log_path, cwd, env)])[0]
 
 
 def tail(path: Path, lines: int = 25) -> str:
@@ -417,40 +451,66 @@ def specforge_training(train_log: Path) -> dict:
     return {"logged_steps": len(steps), "last_step": number, **{k: last.get(k) for k in wanted}}
 
 
-def step_train(ctx: Context, step: Step) -> dict:
-    paths, seed = ctx.paths, step.seed
-    install_specforge(ctx)
-    keep = paths.kept(step, "specforge")
-    work = paths.specforge / f"seed{seed}"
+def training_command(ctx: Context, step: Step) -> Command:
+    """A seed's `specforge train`, its run config written (printed in a dry run)."""
+    paths = ctx.paths
+    keep, work = paths.kept(step, "specforge"), paths.specforge / step.tag
     lm_head = ctx.state.get("lm_head_key", "LM_HEAD_KEY (from the target view)")
     config = work / "train.json"
-    if not ctx.args.dry_run:
-        shutil.rmtree(work, ignore_errors=True)
-        shutil.rmtree(keep, ignore_errors=True)
-        work.mkdir(parents=True)
-        keep.mkdir(parents=True)
-        config.write_text(train_config(ctx, seed, lm_head, work / "run"))
+    text = train_config(ctx, step.seed, lm_head, work / "run")
+    if ctx.args.dry_run:
+        log(f"[{step.name}] {config}:\n{text}")
     else:
-        log(f"[{step.name}] {config}:\n{train_config(ctx, seed, lm_head, work / 'run')}")
-    env = specforge_env(paths, capture=False)
-    started = time.monotonic()
-    train_log = keep / "train.log"
+        for folder in (work, keep):
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir(parents=True)
+        config.write_text(text)
     argv = [sys.executable, "-m", "specforge.cli", "train", "-c", str(config)]
-    checked(ctx, f"{step.name}:train", argv, log_path=train_log, env=env)
-    train_seconds = round(time.monotonic() - started, 1)
+    env = specforge_env(paths, capture=False)
+    return Command(f"{step.name}:train", argv, keep / "train.log", env=env)
+
+
+def step_trainings(ctx: Context, steps: list[Step]) -> dict[str, dict]:
+    """`specforge train` for several seeds at once (independent processes on the one GPU: a
+    toy's training leaves it mostly idle), then each one's export; an entry per step."""
+    install_specforge(ctx)
+    commands = [training_command(ctx, step) for step in steps]
+    started = time.monotonic()
+    codes = run_commands(ctx, commands)
+    seconds = round(time.monotonic() - started, 1)
+    entries = {}
+    for step, command, code in zip(steps, commands, codes, strict=True):
+        if code != 0:
+            log(f"[{command.name}] exit {code}; last lines:\n{tail(command.log_path)}")
+            status = "timed out" if code == 124 else "failed"
+            entries[step.name] = {"status": status, "error": f"exit {code} ({command.log_path})"}
+            continue
+        try:
+            result = export_training(ctx, step)
+        except StepFailed as exc:
+            entries[step.name] = {"status": "failed", "error": str(exc)}
+            continue
+        if result is not None:
+            result.update(seconds=seconds, trained_at_once=len(steps))
+            result["training"] = specforge_training(command.log_path)
+        entries[step.name] = {"status": "done", "result": result or {}}
+    return entries
+
+
+def export_training(ctx: Context, step: Step) -> dict | None:
+    """`specforge export --to sglang` of a seed's last checkpoint, marked for the live harness."""
+    paths = ctx.paths
+    keep, work = paths.kept(step, "specforge"), paths.specforge / step.tag
     export = keep / "export"
     argv = [sys.executable, "-m", "specforge.cli", "export", "--to", "sglang",
             "--checkpoint", str(work / "run" / "specforge-eagle3-latest"),
             "--draft-config", str(paths.draft_config), "--output-dir", str(export)]  # fmt: skip
+    env = specforge_env(paths, capture=False)
     checked(ctx, f"{step.name}:export", argv, log_path=keep / "export.log", env=env)
     if ctx.args.dry_run:
-        return {}
+        return None
     mark_export(export, ctx.state["aux_layer_ids"])
-    return {
-        "seconds": train_seconds,
-        "training": specforge_training(train_log),
-        "export_bytes": sum(p.stat().st_size for p in export.rglob("*") if p.is_file()),
-    }
+    return {"export_bytes": sum(p.stat().st_size for p in export.rglob("*") if p.is_file())}
 
 
 def mark_export(export: Path, aux_layer_ids: list[int]) -> None:

@@ -395,10 +395,15 @@ def test_the_specforge_part_prints_its_commands_in_a_dry_run(tmp_path):
         assert args[args.index("--eval") + 1].endswith(
             "eaglepipe/eval.json" if drafter == "eaglepipe" else "specforge/none.json"
         )
-    # The order of the whole call.
-    assert steps.index("pipeline@seed0-epochs3") < steps.index("specforge-features:sglang")
-    assert steps.index("specforge-features:hf") < steps.index("specforge-train@seed0-epochs3:train")
-    assert steps.index("live@seed0-epochs3@specforge@7-1-8") < steps.index("pipeline@seed1-epochs3")
+    # The order of the whole call: every pipeline (SpecForge's inputs after the first), then
+    # SpecForge's trainings side by side, their exports, then the live runs.
+    order = [
+        "pipeline@seed0-epochs3", "specforge-features:sglang", "specforge-features:hf",
+        "pipeline@seed1-epochs3", "specforge-train@seed0-epochs3:train",
+        "specforge-train@seed1-epochs3:train", "specforge-train@seed0-epochs3:export",
+        "specforge-train@seed1-epochs3:export", "live@seed0-epochs3@eaglepipe@3-1-4",
+    ]  # fmt: skip
+    assert [steps.index(name) for name in order] == sorted(steps.index(name) for name in order)
     assert not (tmp_path / "root" / "specforge").exists()  # a dry run makes nothing
 
 
@@ -442,6 +447,42 @@ def test_the_specforge_driver_continues_where_an_earlier_call_stopped(tmp_path):
     results = json.loads(out.read_text())
     assert results["remaining"][0] == "pipeline@seed2-epochs8" and len(results["remaining"]) == 4
     assert json.loads((work / "state.json").read_text())["steps"] == steps  # nothing new ran
+
+
+def test_the_specforge_driver_runs_commands_side_by_side_and_stops_them_at_its_deadline(
+    tmp_path,
+):
+    """What SpecForge's trainings run on: commands at once, each to its own log, exit codes in
+    order; one still running at the deadline is stopped with its whole process group."""
+    import argparse
+    import time
+
+    import psutil
+
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    try:
+        from specforge_steps import Command, Context, Paths, run_commands
+    finally:
+        sys.path.pop(0)
+    ctx = Context(argparse.Namespace(dry_run=False), Paths(tmp_path), time.monotonic() + 25)
+    child_pid = tmp_path / "child.pid"
+    commands = [
+        Command("quick", ["bash", "-c", "sleep 0.5; echo done"], tmp_path / "a.log"),
+        Command("fails", ["bash", "-c", "echo no >&2; exit 3"], tmp_path / "b.log"),
+        Command(
+            "hangs",
+            ["bash", "-c", f"sleep 600 & echo $! > {child_pid}; wait"],
+            tmp_path / "c.log",
+        ),
+    ]
+    assert run_commands(ctx, commands) == [0, 3, 124]
+    assert (tmp_path / "a.log").read_text() == "done\n"
+    assert (tmp_path / "b.log").read_text() == "no\n"
+    try:  # the group got TERM: the child ends (or is already gone)
+        gone, alive = psutil.wait_procs([psutil.Process(int(child_pid.read_text()))], timeout=10)
+    except psutil.NoSuchProcess:
+        alive = []
+    assert alive == []
 
 
 @pytest.mark.parametrize(
