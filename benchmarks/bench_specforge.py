@@ -84,8 +84,8 @@ STEP_SECONDS = {
     "specforge-features": 120,
     "specforge-train-base": 60,
     "specforge-train-per-epoch": 25,
-    "live": 90,
-    "live-with-reference": 150,
+    "live": 120,  # 32 held-out turns, each to its end of turn (issue 26's live defaults)
+    "live-with-reference": 200,
 }
 EXIT_LEFT_FOR_LATER = 3
 
@@ -225,16 +225,16 @@ def step_live(ctx: Context, step: Step) -> dict:
     if ctx.args.dry_run:
         return {}
     live = json.loads(out.read_text())
-    return {
-        k: live.get(k)
-        for k in (
-            "acceptance_length", "offline_acceptance_length", "outputs_match_greedy", "prompts",
-            "new_tokens", "rounds", "accepted", "speculative", "greedy_reference",
-        )
-    } | {
-        "sglang_accept_length": (live.get("sglang") or {}).get("accept_length"),
+    kept = (
+        "acceptance_length", "drafts_accepted_per_round", "offline_acceptance_length",
+        "offline_same_turns", "live_over_offline", "prompts", "max_new_tokens",
+        "completion_tokens", "rounds", "accepted", "speculative", "speedup", "greedy_reference",
+    )  # fmt: skip
+    lossless = live.get("lossless") or {}
+    return {k: live.get(k) for k in kept} | {
+        "lossless": {k: lossless.get(k) for k in ("dtype", "prompts", "identical")},
         "per_prompt": [p["acceptance_length"] for p in live.get("per_prompt", [])],
-    }  # fmt: skip
+    }
 
 
 # ---------------------------------------------------------------- the results
