@@ -136,7 +136,13 @@ def next_group(ctx: Context, steps: list[Step], index: int) -> list[Step]:
 
 
 def pipeline_overrides(args, seed: int) -> str:
-    return f"train:\n  epochs: {args.epochs}\n  seed: {seed}\n"
+    """The run's config over the pipeline part's: the seed and epochs, and the live runs' turns
+    and token budget when given (the live stage is not run by the pipeline step)."""
+    text = f"train:\n  epochs: {args.epochs}\n  seed: {seed}\n"
+    live = {"live_prompts": args.live_prompts, "live_new_tokens": args.live_new_tokens}
+    if any(v is not None for v in live.values()):
+        text += "evaluate:\n" + "".join(f"  {k}: {v}\n" for k, v in live.items() if v is not None)
+    return text
 
 
 def step_pipeline(ctx: Context, step: Step) -> dict:
@@ -290,6 +296,8 @@ def write(ctx: Context, remaining: list[str]) -> None:
             "command": shlex.join([Path(sys.executable).name, "-u", *sys.argv]),
             "seeds": ctx.args.seeds,
             "epochs": ctx.args.epochs,
+            "live_prompts": ctx.args.live_prompts,
+            "live_new_tokens": ctx.args.live_new_tokens,
             "settings": [s.label for s in ctx.args.settings],
             "features": ctx.args.features,
             "specforge_recipe": {**RECIPE, "num_epochs": ctx.args.epochs, "save_interval": 0},
@@ -350,6 +358,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--features", default="sglang,hf", help="SpecForge feature routes to try, in order"
+    )
+    parser.add_argument(
+        "--live-prompts", type=int, default=None, help="held-out turns per live run (config's)"
+    )
+    parser.add_argument(
+        "--live-new-tokens", type=int, default=None, help="token budget per turn (config's)"
     )
     parser.add_argument("--deadline-s", type=float, default=540.0)
     parser.add_argument("--wheels", type=Path, default=SPECFORGE_WHEELS)

@@ -407,6 +407,29 @@ def test_the_specforge_part_prints_its_commands_in_a_dry_run(tmp_path):
     assert not (tmp_path / "root" / "specforge").exists()  # a dry run makes nothing
 
 
+def test_the_specforge_drivers_pipeline_overrides_pass_the_config_schema():
+    """The run's overrides (seed, epochs, the live runs' turns) over the pipeline part's, as
+    config.yaml extended by both: what sglang_pipeline_h200.sh --overrides hands snakemake."""
+    import yaml
+
+    from eaglepipe.core.config import validate_config
+
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    try:
+        from bench_specforge import parse_args, pipeline_overrides
+    finally:
+        sys.path.pop(0)
+    plain = yaml.safe_load(pipeline_overrides(parse_args(["--epochs", "3"]), 2))
+    assert plain == {"train": {"epochs": 3, "seed": 2}}
+    args = parse_args(["--live-prompts", "8", "--live-new-tokens", "96"])
+    overrides = yaml.safe_load(pipeline_overrides(args, 0))
+    assert overrides["evaluate"] == {"live_prompts": 8, "live_new_tokens": 96}
+    config = yaml.safe_load((REPO_ROOT / "config.yaml").read_text())
+    for section, values in overrides.items():
+        config[section].update(values)
+    validate_config(config)
+
+
 def test_the_specforge_driver_continues_where_an_earlier_call_stopped(tmp_path):
     """A later call skips the steps WORK/state.json records as done, summarises the seeds it
     has, and leaves a step it has no time for to the next call (exit 3)."""
