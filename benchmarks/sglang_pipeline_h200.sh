@@ -3,7 +3,8 @@
 # prepare through extraction, validation (its spot check through SGLang), training, evaluation,
 # export and live acceptance, in a fresh copy of the workflow, then the results into OUT.
 #
-#   bash benchmarks/sglang_pipeline_h200.sh OUT [--default-toy] [--quick] [snakemake args...]
+#   bash benchmarks/sglang_pipeline_h200.sh OUT [--default-toy] [--quick] [--overrides YAML]
+#                                               [snakemake args and targets...]
 #
 # Run it through tools/h200.sh (which installs the staged SGLang and sets PYTHONPATH, the SGLang
 # server's path and `python`): `bash tools/h200.sh pipeline OUT`.
@@ -14,7 +15,9 @@
 # trains for 150 steps, so its CPU pre-training takes about what the default one does.
 # --default-toy keeps the default toy instead. --quick shortens the run where its quality does not
 # matter to the check (60 toy pre-training steps, 2 training epochs, 4 live prompts of 32 tokens),
-# for a second attempt when the whole run does not fit one call. The other overrides: engine sglang with the flags
+# for a second attempt when the whole run does not fit one call. --overrides YAML is one more
+# config file after these (benchmarks/bench_specforge.py sets train.epochs and train.seed with
+# it). The other overrides: engine sglang with the flags
 # that ran live (../../shared/sglang-h200), bf16, half the GPU for SGLang's static memory (the
 # drafter trains on the same GPU), `--scheduler greedy` (the ilp scheduler needs pulp, which is
 # not staged).
@@ -33,10 +36,16 @@ OUT=$(mkdir -p "$1" && cd "$1" && pwd)
 shift
 TOY=wide
 QUICK=0
+EXTRA_CONFIG=()
 while [ $# -gt 0 ]; do
     case "$1" in
     --default-toy) TOY=default ;;
     --quick) QUICK=1 ;;
+    --overrides)
+        [ -f "${2:-}" ] || { echo "--overrides: no file '${2:-}'" >&2; exit 2; }
+        EXTRA_CONFIG+=("$(cd "$(dirname "$2")" && pwd)/$(basename "$2")")
+        shift
+        ;;
     *) break ;;
     esac
     shift
@@ -93,11 +102,16 @@ EOF
 } >"$RUN/h200-sglang.yaml"
 say "workflow copied to $RUN; overrides ($TOY toy, quick $QUICK):"
 cat "$RUN/h200-sglang.yaml"
+for extra in "${EXTRA_CONFIG[@]}"; do
+    say "and $extra:"
+    cat "$extra"
+done
 
 cd "$RUN" || exit 1
 say "snakemake (limit ${LIMIT_S}s)"
+# The snakemake arguments and targets first: --configfile takes every word after it.
 timeout --signal=TERM --kill-after=30 "$LIMIT_S" python3 -m snakemake --cores "$(nproc)" \
-    --scheduler greedy --configfile h200-sglang.yaml "$@"
+    --scheduler greedy "$@" --configfile h200-sglang.yaml "${EXTRA_CONFIG[@]}"
 rc=$?
 say "snakemake exit $rc"
 

@@ -37,6 +37,22 @@ def load_stage_tool():
 stage = load_stage_tool()
 
 
+def load_specforge_stage_tool():
+    sys.path.insert(0, str(REPO_ROOT / "tools"))
+    try:
+        spec = importlib.util.spec_from_file_location(
+            "stage_specforge", REPO_ROOT / "tools" / "stage_specforge.py"
+        )
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(REPO_ROOT / "tools"))
+    return module
+
+
+stage_specforge = load_specforge_stage_tool()
+
+
 # ------------------------------------------------------------------------------ the wheel list
 
 
@@ -145,6 +161,129 @@ def test_repacking_drops_the_matched_members_and_stays_installable(tmp_path):
     assert not (site / "demo_pkg" / "data").exists()
 
 
+@pytest.mark.network
+def test_the_project_wheel_builds_with_a_fresh_machines_python(tmp_path):
+    """Regression (issue 25): the staging built its own wheel without build isolation, and a
+    fresh Python 3.11 (setuptools 65, no `wheel` package) has no `bdist_wheel`. A new virtual
+    environment has that Python's bundled setuptools; the staging's build function, run by it,
+    must still give a wheel that registers the SGLang plugin and holds every module."""
+    fresh = tmp_path / "fresh"
+    subprocess.run([sys.executable, "-m", "venv", str(fresh)], check=True, timeout=300)
+    python = fresh / "bin" / "python"
+    out = tmp_path / "out"
+    out.mkdir()
+    build = (
+        "import importlib.util, sys; from pathlib import Path\n"
+        "spec = importlib.util.spec_from_file_location('stage_sglang', sys.argv[1])\n"
+        "module = importlib.util.module_from_spec(spec); sys.modules['stage_sglang'] = module\n"
+        "spec.loader.exec_module(module)\n"
+        "print(module.build_project_wheel(Path(sys.argv[2])))\n"
+    )
+    done = subprocess.run(
+        [str(python), "-c", build, str(REPO_ROOT / "tools" / "stage_sglang.py"), str(out)],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": ""},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    wheel = Path(done.stdout.strip().splitlines()[-1])
+    assert wheel.parent == out and wheel.name.startswith("eaglepipe-")
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+        entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+        assert "eaglepipe = eaglepipe.server.sglang_plugin:register" in (
+            archive.read(entry_points).decode()
+        )
+    modules = {p.relative_to(REPO_ROOT).as_posix() for p in (REPO_ROOT / "eaglepipe").rglob("*.py")}
+    assert modules and modules <= names
+    assert not (REPO_ROOT / "build").exists()  # built from a copy, nothing left in the checkout
+
+
+# ------------------------------------------------------------------------------ SpecForge's staging
+
+
+def test_specforge_runs_on_wheels_the_sglang_staging_holds_at_the_same_versions():
+    """SpecForge's set (the one that ran on the H200) beside the SGLang list: the seven wheels
+    it shares are staged for SGLang with the same pins, on every process's path (common)."""
+    specs = {s.name: s for s in stage.read_wheel_list()}
+    assert stage_specforge.SPECFORGE.requirement == "specforge==0.2.0"
+    assert len(stage_specforge.SHARED_WITH_SGLANG) == 7
+    for name, version in stage_specforge.SHARED_WITH_SGLANG.items():
+        assert name in specs, f"{name} is not in tools/h200_wheels.txt"
+        assert (specs[name].version, specs[name].site) == (version, "common"), name
+    assert "specforge" not in specs  # the pipeline's calls never carry it
+
+
+def write_sglang_manifest(dest: Path, **versions: str) -> Path:
+    """A staged .whl-sglang stand-in: a manifest and a wheel file for each shared name."""
+    (dest / "common").mkdir(parents=True)
+    entries = []
+    for name, version in {**stage_specforge.SHARED_WITH_SGLANG, **versions}.items():
+        file = f"common/{name.replace('-', '_')}-{version}-py3-none-any.whl"
+        (dest / file).write_bytes(name.encode())
+        entries.append({"name": name, "version": version, "site": "common", "file": file})
+    (dest / "manifest.json").write_text(json.dumps(entries))
+    return dest
+
+
+def test_specforge_staging_takes_the_shared_wheels_from_the_sglang_staging(tmp_path, monkeypatch):
+    monkeypatch.setattr(stage_specforge, "REPO_ROOT", tmp_path)
+    dest = write_sglang_manifest(tmp_path / ".whl-sglang")
+    entries = stage_specforge.shared_wheels(dest)
+    assert [e["name"] for e in entries] == list(stage_specforge.SHARED_WITH_SGLANG)
+    datasets = entries[0]
+    assert datasets["file"] == ".whl-sglang/common/datasets-5.2.0-py3-none-any.whl"
+    assert datasets["sha256"] == hashlib.sha256(b"datasets").hexdigest()
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"datasets": "5.1.0"}, r"SpecForge needs datasets==5.2.0 from .whl-sglang/common: 5.1.0"),
+        ("no manifest", r"manifest.json does not exist: stage SGLang first"),
+        ("file gone", r"dill-0.4.1-py3-none-any.whl is listed in .* but missing"),
+    ],
+)
+def test_specforge_staging_names_what_the_sglang_staging_lacks(
+    tmp_path, monkeypatch, change, match
+):
+    monkeypatch.setattr(stage_specforge, "REPO_ROOT", tmp_path)
+    dest = tmp_path / ".whl-sglang"
+    if change == "no manifest":
+        dest.mkdir()
+    else:
+        write_sglang_manifest(dest, **(change if isinstance(change, dict) else {}))
+        if change == "file gone":
+            (dest / "common" / "dill-0.4.1-py3-none-any.whl").unlink()
+    with pytest.raises(SystemExit, match=match):
+        stage_specforge.shared_wheels(dest)
+
+
+def test_specforge_must_pin_the_staged_sglang(tmp_path):
+    def specforge_wheel(pin: str) -> Path:
+        path = tmp_path / pin / "specforge-0.2.0-py3-none-any.whl"
+        path.parent.mkdir()
+        metadata = "Metadata-Version: 2.1\nName: specforge\nVersion: 0.2.0\n"
+        metadata += f"Requires-Dist: torch==2.11.0\nRequires-Dist: {pin}\n"
+        with zipfile.ZipFile(path, "w") as archive:
+            archive.writestr("specforge-0.2.0.dist-info/METADATA", metadata)
+        return path
+
+    wheel_list = REPO_ROOT / "tools" / "h200_wheels.txt"
+    assert stage_specforge.check_sglang_pin(specforge_wheel("sglang==0.5.14"), wheel_list) == (
+        "0.5.14"
+    )
+    with pytest.raises(SystemExit, match=r"requires \['sglang==0.5.13'\].*stages sglang==0.5.14"):
+        stage_specforge.check_sglang_pin(specforge_wheel("sglang==0.5.13"), wheel_list)
+
+
+def test_a_prepare_hidden_states_copy_of_another_commit_is_refused(tmp_path):
+    copy = tmp_path / "prepare_hidden_states.py"
+    copy.write_text("# not SpecForge's script at a6b6b023\n")
+    with pytest.raises(SystemExit, match=r"sha256 [0-9a-f]{64}, not that of SpecForge's scripts"):
+        stage_specforge.fetch_script(tmp_path / "staged.py", copy)
+    with pytest.raises(SystemExit, match="--script-from .*: no prepare_hidden_states.py there"):
+        stage_specforge.fetch_script(tmp_path / "staged.py", tmp_path / "elsewhere")
+
+
 # ------------------------------------------------------------------------------ the device runner
 
 
@@ -179,6 +318,208 @@ def test_the_runner_stops_without_staged_wheels(tmp_path):
 
 
 # ------------------------------------------------------------------------------ the drivers
+
+
+def test_the_specforge_part_prints_its_commands_in_a_dry_run(tmp_path):
+    """`bash tools/h200.sh specforge OUT --dry-run` on CPU: no wheels, no GPU; the driver prints
+    (and records in specforge.json) every command the call would run, in order."""
+    out = tmp_path / "out"
+    done = run_h200(
+        ["specforge", str(out), "--dry-run", "--seeds", "0,1", "--epochs", "3",
+         "--settings", "3/1/4,7/1/8"],
+        REPO_ROOT, tmp_path / "root",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "dry run: no wheels installed" in done.stdout
+    results = json.loads((out / "specforge.json").read_text())
+    assert results["setup"]["dry_run"] and results["setup"]["seeds"] == [0, 1]
+    assert results["setup"]["specforge_recipe"]["num_epochs"] == 3
+    commands = results["commands"]
+    steps = [c["step"] for c in commands]
+    work = tmp_path / "root" / "specforge"
+    run = work / "pipeline-run"
+
+    def argv(step: str) -> list[str]:
+        return next(c["argv"] for c in commands if c["step"] == step)
+
+    # 1. the pipeline part's run, trained with the seed and epochs, up to its SGLang export
+    pipeline = argv("pipeline@seed0-epochs3")
+    assert pipeline[1].endswith("benchmarks/sglang_pipeline_h200.sh")
+    assert pipeline[pipeline.index("--overrides") + 1] == str(work / "overrides-seed0.yaml")
+    assert pipeline[-2:] == ["drafter/eval.json", "drafter/export/sglang/config.json"]
+    first = next(c for c in commands if c["step"] == "pipeline@seed0-epochs3")
+    assert first["env"]["EAGLEPIPE_H200_ROOT"] == str(work)
+    # 3. SpecForge's own generator first, then the transformers route, on the same inputs
+    files = work / "specforge-files"
+    sglang = argv("specforge-features:sglang")
+    assert sglang[1:3] == ["-m", "torch.distributed.run"]
+    assert sglang[sglang.index("--script") + 1] == str(
+        files / "scripts" / "prepare_hidden_states.py"
+    )
+    script_args = sglang[sglang.index("--") + 1 :]
+    for flag, value in [
+        ("--strategy", "eagle3"), ("--chat-template", "eaglepipe-target"),
+        ("--data-path", str(files / "train.jsonl")), ("--target-model-path", str(files / "target")),
+        ("--draft-model-config", str(files / "draft_config.json")), ("--batch-size", "1"),
+        ("--sglang-attention-backend", "triton"), ("--output-path", str(files / "features")),
+    ]:  # fmt: skip
+        assert script_args[script_args.index(flag) + 1] == value, flag
+    hf = argv("specforge-features:hf")
+    assert hf[1].endswith("benchmarks/specforge_hf_features.py")
+    assert hf[hf.index("--data") + 1] == str(files / "train.jsonl")
+    # 4. specforge train and export, per seed
+    for seed in (0, 1):
+        train = argv(f"specforge-train@seed{seed}-epochs3:train")
+        assert train[1:4] == ["-m", "specforge.cli", "train"]
+        export = argv(f"specforge-train@seed{seed}-epochs3:export")
+        assert export[3:6] == ["export", "--to", "sglang"]
+        assert export[export.index("--output-dir") + 1] == str(
+            work / "seeds" / f"seed{seed}-epochs3" / "specforge" / "export"
+        )
+    assert '"seed": 1' in done.stdout and '"num_epochs": 3' in done.stdout
+    # 5. both drafters through the same live harness, same flags, one greedy reference
+    lives = [c for c in commands if c["step"].startswith("live@")]
+    assert [c["step"] for c in lives[:4]] == [
+        "live@seed0-epochs3@eaglepipe@3-1-4", "live@seed0-epochs3@specforge@3-1-4",
+        "live@seed0-epochs3@eaglepipe@7-1-8", "live@seed0-epochs3@specforge@7-1-8",
+    ]  # fmt: skip
+    assert len(lives) == 8 and {c["cwd"] for c in lives} == {str(run)}
+    for live in lives:
+        args = live["argv"]
+        assert args[2].endswith("scripts/live_acceptance.py")
+        assert args[args.index("--greedy-reference") + 1] == str(work / "greedy-reference.json")
+        assert args[args.index("--config") + 1] == ".eaglepipe/config.json"
+        drafter, setting = live["step"].split("@")[2:]
+        assert args[args.index("--speculative") + 1] == setting.replace("-", "/")
+        assert args[args.index("--export-dir") + 1].endswith(f"/{drafter}/export")
+        assert args[args.index("--eval") + 1].endswith(
+            "eaglepipe/eval.json" if drafter == "eaglepipe" else "specforge/none.json"
+        )
+    # The order of the whole call: every pipeline (SpecForge's inputs after the first), then
+    # SpecForge's trainings side by side, their exports, then the live runs.
+    order = [
+        "pipeline@seed0-epochs3", "specforge-features:sglang", "specforge-features:hf",
+        "pipeline@seed1-epochs3", "specforge-train@seed0-epochs3:train",
+        "specforge-train@seed1-epochs3:train", "specforge-train@seed0-epochs3:export",
+        "specforge-train@seed1-epochs3:export", "live@seed0-epochs3@eaglepipe@3-1-4",
+    ]  # fmt: skip
+    assert [steps.index(name) for name in order] == sorted(steps.index(name) for name in order)
+    assert not (tmp_path / "root" / "specforge").exists()  # a dry run makes nothing
+
+
+def test_the_specforge_drivers_pipeline_overrides_pass_the_config_schema():
+    """The run's overrides (seed, epochs, the live runs' turns) over the pipeline part's, as
+    config.yaml extended by both: what sglang_pipeline_h200.sh --overrides hands snakemake."""
+    import yaml
+
+    from eaglepipe.core.config import validate_config
+
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    try:
+        from bench_specforge import parse_args, pipeline_overrides
+    finally:
+        sys.path.pop(0)
+    plain = yaml.safe_load(pipeline_overrides(parse_args(["--epochs", "3"]), 2))
+    assert plain == {"train": {"epochs": 3, "seed": 2}}
+    args = parse_args(["--live-prompts", "8", "--live-new-tokens", "96"])
+    overrides = yaml.safe_load(pipeline_overrides(args, 0))
+    assert overrides["evaluate"] == {"live_prompts": 8, "live_new_tokens": 96}
+    config = yaml.safe_load((REPO_ROOT / "config.yaml").read_text())
+    for section, values in overrides.items():
+        config[section].update(values)
+    validate_config(config)
+
+
+def test_the_specforge_driver_continues_where_an_earlier_call_stopped(tmp_path):
+    """A later call skips the steps WORK/state.json records as done, summarises the seeds it
+    has, and leaves a step it has no time for to the next call (exit 3)."""
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    try:
+        from bench_specforge import parse_args, plan_steps
+    finally:
+        sys.path.pop(0)
+    work = tmp_path / "work"
+    work.mkdir()
+    lengths = {("eaglepipe", 0): 2.5, ("eaglepipe", 1): 2.1, ("specforge", 0): 1.9,
+               ("specforge", 1): 1.7}  # fmt: skip
+    steps = {}
+    for step in plan_steps(parse_args(["--seeds", "0,1", "--settings", "7/1/8"])):
+        result = {}
+        if step.kind == "live":
+            result = {"acceptance_length": lengths[(step.drafter, step.seed)]}
+        steps[step.name] = {"status": "done", "result": result, "seconds": 1.0}
+    (work / "state.json").write_text(json.dumps({"steps": steps, "max_length": 1024}))
+
+    out = tmp_path / "sf.json"
+    common = ["--work-root", str(work), "--settings", "7/1/8", "--out", str(out)]
+    done = run_script("benchmarks/bench_specforge.py", "--seeds", "0,1", *common, timeout=120)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.count("done in an earlier call") == len(steps)
+    summary = json.loads(out.read_text())["summary"]["7/1/8"]
+    assert summary["eaglepipe"]["by_seed"] == {"0": 2.5, "1": 2.1}
+    assert summary["eaglepipe"]["mean"] == 2.3 and summary["specforge"]["mean"] == 1.8
+    assert summary["eaglepipe"]["stdev"] == pytest.approx(0.283, abs=1e-3)
+    assert "| 7/1/8 | specforge | 1.800 |" in out.with_suffix(".md").read_text()
+
+    done = run_script(
+        "benchmarks/bench_specforge.py", "--seeds", "0,1,2", "--deadline-s", "30", *common,
+        timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 3, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "[pipeline@seed2-epochs8] not started" in done.stdout
+    results = json.loads(out.read_text())
+    assert results["remaining"][0] == "pipeline@seed2-epochs8" and len(results["remaining"]) == 4
+    assert json.loads((work / "state.json").read_text())["steps"] == steps  # nothing new ran
+
+
+def test_the_specforge_driver_runs_commands_side_by_side_and_stops_them_at_its_deadline(
+    tmp_path,
+):
+    """What SpecForge's trainings run on: commands at once, each to its own log, exit codes in
+    order; one still running at the deadline is stopped with its whole process group."""
+    import argparse
+    import time
+
+    import psutil
+
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    try:
+        from specforge_steps import Command, Context, Paths, run_commands
+    finally:
+        sys.path.pop(0)
+    ctx = Context(argparse.Namespace(dry_run=False), Paths(tmp_path), time.monotonic() + 25)
+    child_pid = tmp_path / "child.pid"
+    commands = [
+        Command("quick", ["bash", "-c", "sleep 0.5; echo done"], tmp_path / "a.log"),
+        Command("fails", ["bash", "-c", "echo no >&2; exit 3"], tmp_path / "b.log"),
+        Command(
+            "hangs",
+            ["bash", "-c", f"sleep 600 & echo $! > {child_pid}; wait"],
+            tmp_path / "c.log",
+        ),
+    ]
+    assert run_commands(ctx, commands) == [0, 3, 124]
+    assert (tmp_path / "a.log").read_text() == "done\n"
+    assert (tmp_path / "b.log").read_text() == "no\n"
+    try:  # the group got TERM: the child ends (or is already gone)
+        gone, alive = psutil.wait_procs([psutil.Process(int(child_pid.read_text()))], timeout=10)
+    except psutil.NoSuchProcess:
+        alive = []
+    assert alive == []
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--settings", "7/1/9"], "with top-k 1 a round verifies steps + 1 = 8 tokens"),
+        (["--features", "vllm"], "--features: sglang and/or hf"),
+        (["--seeds", "0,0"], "--seeds: distinct integers"),
+    ],
+)
+def test_the_specforge_driver_refuses_bad_settings_in_one_line(args, message):
+    done = run_script("benchmarks/bench_specforge.py", "--dry-run", *args, timeout=120)
+    assert done.returncode != 0
+    assert message in done.stderr and "Traceback" not in done.stderr
 
 
 def run_script(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:

@@ -27,8 +27,14 @@ from eaglepipe.core.config import load_config
 from eaglepipe.core.errors import PipelineError
 from eaglepipe.core.run import resolve
 from eaglepipe.drafter.export import export
-from eaglepipe.drafter.live import live_acceptance, live_export_engine
-from eaglepipe.drafter.live_run import ExportInfo, first_difference
+from eaglepipe.drafter.live import held_out_turns, live_acceptance, live_export_engine
+from eaglepipe.drafter.live_run import (
+    ExportInfo,
+    SpeculativeSetting,
+    first_difference,
+    greedy_reference_key,
+    read_greedy_reference,
+)
 from eaglepipe.drafter.live_sglang import parse_generation, serve_command, served
 from eaglepipe.drafter.live_transformers import load_exported_drafter
 from eaglepipe.drafter.target_head import load_target_head
@@ -259,9 +265,7 @@ def test_serve_command_drafts_with_the_export_and_never_loads_the_hook(exported)
     config = sglang_config(exported)
     draft = exported["root"] / "export" / "sglang"
     plain = serve_command(resolve(config), host="127.0.0.1", port=1234)
-    drafting = serve_command(
-        resolve(config), host="127.0.0.1", port=1234, draft_dir=draft, num_steps=7
-    )
+    drafting = serve_command(resolve(config), host="127.0.0.1", port=1234, draft_dir=draft)
     assert plain[1:3] == ["-m", "sglang.launch_server"]
     assert "--speculative-algorithm" not in plain and plain[-4:] == EXTRA_ARGS
     flags = dict(zip(drafting[3::2], drafting[4::2], strict=False))
@@ -274,6 +278,19 @@ def test_serve_command_drafts_with_the_export_and_never_loads_the_hook(exported)
         "--speculative-eagle-topk", "1",
         "--speculative-num-draft-tokens", "8",
     ]  # fmt: skip
+    # Another setting (issue 27's 3/1/4) changes only the three counts.
+    short = serve_command(
+        resolve(config),
+        host="127.0.0.1",
+        port=1234,
+        draft_dir=draft,
+        speculative=SpeculativeSetting.parse("3/1/4"),
+    )
+    assert short[start + 4 : start + 10] == [
+        "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
+        "--speculative-num-draft-tokens", "4",
+    ]  # fmt: skip
+    assert short[:start] == drafting[:start] and short[start + 10 :] == drafting[start + 10 :]
     for argv in (plain, drafting):
         assert "--forward-hooks" not in argv and not any("patch" in a for a in argv)
         assert "--enable-return-aux-hidden-states" not in argv
@@ -309,6 +326,88 @@ def test_sglang_harness_matches_the_transformers_harness(exported, fake_sglang, 
     logs = sorted((fake_sglang / "logs" / "live_acceptance").glob("*.log"))
     assert len(logs) == 2  # the plain target, then the target with the drafter
     assert "--speculative-algorithm" in logs[1].read_text() + logs[0].read_text()
+
+
+def test_speculative_settings_that_sglang_would_not_run_as_written_are_refused():
+    assert SpeculativeSetting.parse("7/1/8") == SpeculativeSetting.chain(7)
+    assert SpeculativeSetting.parse("3/1/4").label == "3/1/4"
+    assert SpeculativeSetting.parse("5/4/16").record() == {
+        "steps": 5,
+        "topk": 4,
+        "draft_tokens": 16,
+    }
+    for text, match in [
+        ("7-1-8", "expected STEPS/TOPK/DRAFT_TOKENS"),
+        ("7/1", "expected STEPS/TOPK/DRAFT_TOKENS"),
+        ("0/1/1", "steps and top-k must be >= 1"),
+        ("7/1/9", "with top-k 1 a round verifies steps \\+ 1 = 8 tokens"),
+        ("3/2/8", "draft tokens must lie in \\[2, steps x top-k \\+ 1\\]"),
+    ]:
+        with pytest.raises(PipelineError, match=match) as info:
+            SpeculativeSetting.parse(text)
+        assert repr(text) in str(info.value)
+
+
+def test_the_transformers_harness_refuses_a_tree(exported, tmp_path):
+    config = fresh_config(exported, live_prompts=1, live_new_tokens=4)
+    with pytest.raises(PipelineError, match="transformers harness drafts a chain"):
+        live_acceptance(
+            resolve(config),
+            export_dir=str(exported["root"] / "export" / "sglang"),
+            table_path=exported["table"],
+            out_path=str(tmp_path / "live.json"),
+            speculative=SpeculativeSetting.parse("3/2/5"),
+        )
+
+
+def test_drafters_and_settings_on_one_target_share_one_greedy_reference(exported, fake_sglang):
+    """Two settings of one drafter through the SGLang harness with one greedy-reference file:
+    the plain target is served for the first only (its outputs, margins and wall time are
+    reused); the file does not answer for another target, server setting, budget or turns."""
+    from eaglepipe.data.tokenizer import load_target_tokenizer, stop_token_ids
+
+    config = sglang_config(exported)
+    reference = fake_sglang / "greedy.json"
+    logs = fake_sglang / "logs" / "live_acceptance"
+
+    def live(out: str, setting: str) -> dict:
+        return live_acceptance(
+            resolve(config),
+            export_dir=str(exported["root"] / "export" / "sglang"),
+            table_path=exported["table"],
+            out_path=str(fake_sglang / out),
+            speculative=SpeculativeSetting.parse(setting),
+            greedy_reference=str(reference),
+        )
+
+    first = live("a.json", "7/1/8")
+    assert first["greedy_reference"].startswith("computed: ") and reference.is_file()
+    assert len(list(logs.glob("*.log"))) == 2  # the plain target, then the drafter
+    second = live("b.json", "3/1/4")
+    assert second["greedy_reference"] == f"read from {reference}"
+    assert len(list(logs.glob("*.log"))) == 3  # only the drafter's server this time
+    assert second["speculative"] == {"steps": 3, "topk": 1, "draft_tokens": 4}
+    command = second["sglang"]["command"]
+    assert command[command.index("--speculative-num-steps") + 1] == "3"
+    assert second["lossless"]["identical"] == first["lossless"]["identical"] == 2
+    assert second["speedup"]["plain_s"] == first["speedup"]["plain_s"] > 0
+    # Shorter chains: at most 3 drafts accepted per round.
+    assert all(p["accepted"] <= 3 * p["rounds"] for p in second["per_prompt"])
+    # Another target, server, budget or turn set: the stored outputs do not answer for it.
+    run = resolve(config)
+    stops = stop_token_ids(load_target_tokenizer(run), run.model.directory)
+    turns = held_out_turns(exported["table"], 2, run.evaluate.max_rows)
+    key = greedy_reference_key(run, "sglang", turns, stops)
+    assert read_greedy_reference(reference, key)[1] == "reused"
+    for changed in (
+        {**key, "max_new_tokens": 6},
+        {**key, "sglang": {**key["sglang"], "mem_fraction_static": 0.3}},
+        {**key, "weights_fingerprint": "other"},
+        {**key, "stop_token_ids": []},
+        greedy_reference_key(run, "sglang", turns[:1], stops),
+    ):
+        outputs, why = read_greedy_reference(reference, changed)
+        assert outputs is None and "was made for another target, server or turns" in why
 
 
 def test_a_server_that_dies_at_startup_fails_with_its_log_tail(exported, fake_sglang, monkeypatch):

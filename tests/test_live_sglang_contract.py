@@ -26,6 +26,7 @@ from sglang_source import _download_wheel, cache_dir
 
 from eaglepipe.core.config import load_config
 from eaglepipe.core.run import resolve
+from eaglepipe.drafter.live_run import SpeculativeSetting
 from eaglepipe.drafter.live_sglang import serve_command
 
 pytestmark = pytest.mark.network
@@ -96,7 +97,11 @@ def live_argv(tmp_path_factory) -> list[str]:
     config["model"].update(path=str(model), trust_remote_code=True)
     config["server"]["dtype"] = "bfloat16"
     return serve_command(
-        resolve(config), host="127.0.0.1", port=30000, draft_dir=model, num_steps=7
+        resolve(config),
+        host="127.0.0.1",
+        port=30000,
+        draft_dir=model,
+        speculative=SpeculativeSetting.parse("7/1/8"),
     )
 
 

@@ -16,9 +16,17 @@
 #                                       trained on the dataset's and on the target's replies
 #                                       (two pipelines at once; a second call on the warm
 #                                       machine resumes them)
-#   (extra arguments after OUT go to the part's script)
+#   bash tools/h200.sh specforge OUT [--seeds 0,1,2] [--epochs 8] [--settings 7/1/8,3/1/4]
+#                                       benchmarks/bench_specforge.py: this pipeline and
+#                                       SpecForge 0.2 on the same toy target and train rows,
+#                                       both drafters through the same live harness; a later
+#                                       call on the warm machine continues where it stopped
+#                                       (needs .whl-specforge too: tools/stage_specforge.py)
+#   (extra arguments after OUT go to the part's script; with --dry-run among them nothing is
+#   installed or checked, and a part whose script has a dry run prints its commands: here, on
+#   a CPU machine, `bash tools/h200.sh specforge OUT --dry-run`)
 #
-# Needs .whl-sglang/ (python tools/stage_sglang.py, here; carried with the call). Uses
+# Needs .whl-sglang/ (.venv/bin/python tools/stage_sglang.py, here; carried with the call). Uses
 # .jit-sglang/jitcache.tgz when carried: SGLang's JIT-compiled kernels from an earlier call
 # (saves ~40 s per cold start). Writes OUT/h200_<part>.log, the part's results and, when it fits
 # the 16 MiB a returned file may have, OUT/jitcache.tgz: copy it to .jit-sglang/ for the next call.
@@ -31,20 +39,24 @@
 set -u -o pipefail
 
 if [ $# -lt 2 ]; then
-    echo "usage: bash tools/h200.sh check|fidelity|perf|pipeline|live|regen|regen-acceptance OUT [args...]" >&2
+    echo "usage: bash tools/h200.sh check|fidelity|perf|pipeline|live|regen|regen-acceptance|specforge OUT [args...]" >&2
     exit 2
 fi
 PART=$1
 OUT=$2
 shift 2
 case "$PART" in
-check | fidelity | perf | pipeline | live | regen | regen-acceptance) ;;
+check | fidelity | perf | pipeline | live | regen | regen-acceptance | specforge) ;;
 *)
-    echo "tools/h200.sh: unknown part '$PART' (check, fidelity, perf, pipeline, live, regen, regen-acceptance)" >&2
+    echo "tools/h200.sh: unknown part '$PART' (check, fidelity, perf, pipeline, live, regen, regen-acceptance, specforge)" >&2
     exit 2
     ;;
 esac
 REPO=$(cd "$(dirname "$0")/.." && pwd)
+DRY_RUN=0
+for arg in "$@"; do
+    [ "$arg" = --dry-run ] && DRY_RUN=1
+done
 ROOT=${EAGLEPIPE_H200_ROOT:-/tmp/eaglepipe-h200}
 BUDGET_S=${EAGLEPIPE_H200_BUDGET_S:-570}
 WHEELS=$REPO/.whl-sglang
@@ -59,7 +71,7 @@ say() { echo "[h200 $(date -u +%H:%M:%S) +${SECONDS}s] $*"; }
 
 install_wheels() {
     if [ ! -f "$WHEELS/manifest.json" ]; then
-        say "no staged wheels in $WHEELS: run 'python tools/stage_sglang.py' and carry .whl-sglang"
+        say "no staged wheels in $WHEELS: run '.venv/bin/python tools/stage_sglang.py' and carry .whl-sglang"
         return 1
     fi
     local stamp
@@ -173,6 +185,14 @@ run_part() {
             keep_log_tails "$ROOT/regen-acceptance" "$OUT/regen_acceptance_logs.tgz"
             exit $rc
             ;;
+        specforge)
+            timeout --signal=TERM --kill-after=20 "$left" python3 -u \
+                benchmarks/bench_specforge.py --out "$OUT/specforge.json" \
+                --work-root "$ROOT/specforge" --deadline-s $((left - 25)) "$@"
+            rc=$?
+            keep_specforge_results "$ROOT/specforge" "$OUT"
+            exit $rc
+            ;;
         esac
     )
 }
@@ -186,6 +206,20 @@ keep_log_tails() {
         tail -n 200 "$f" >"$tails/${f#"$root"/}"
     done
     tar -czf "$archive" -C "$tails" . && rm -rf "$tails"
+}
+
+keep_specforge_results() {
+    # Log tails, and each seed's drafters (both exports, eval.json, live-*.json: a toy's are
+    # small) when they fit a returned file.
+    local work=$1 out=$2
+    [ -d "$work" ] || return 0
+    keep_log_tails "$work" "$out/specforge_logs.tgz"
+    [ -d "$work/seeds" ] || return 0
+    tar -czf "$out/specforge_drafters.tgz" --exclude='*.tgz' -C "$work" seeds
+    if [ "$(stat -c %s "$out/specforge_drafters.tgz")" -gt $((15 * 1024 * 1024)) ]; then
+        say "the drafters are too large to return: left in $work/seeds"
+        rm -f "$out/specforge_drafters.tgz"
+    fi
 }
 
 stop_leftovers() {
@@ -239,15 +273,21 @@ save_server_logs() {
 main() {
     cd "$REPO" || return 1
     say "part $PART, budget ${BUDGET_S}s, repository $REPO"
-    install_wheels || return 1
+    if [ "$DRY_RUN" = 1 ]; then
+        say "dry run: no wheels installed, no imports checked"
+    else
+        install_wheels || return 1
+    fi
     setup_env
-    check_imports || return 1
+    if [ "$DRY_RUN" = 0 ]; then
+        check_imports || return 1
+    fi
     local rc=0
     run_part "$@" || rc=$?
     say "$PART: exit $rc"
     stop_leftovers
     save_server_logs
-    save_jit_cache
+    [ "$DRY_RUN" = 1 ] || save_jit_cache
     say "done in ${SECONDS}s; results in $OUT: $(ls "$OUT" | tr '\n' ' ')"
     return $rc
 }

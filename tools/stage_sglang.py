@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Stage the wheels that run the pipeline with SGLang on the lent H200 machine.
 
-    python tools/stage_sglang.py              # into .whl-sglang/ (ignored by git), ~1 minute
+    .venv/bin/python tools/stage_sglang.py    # into .whl-sglang/ (ignored by git), ~1 minute
 
 Downloads every wheel of tools/h200_wheels.txt with pip (no dependencies, CPython 3.12,
 manylinux x86_64: the H200 machine's Python), repacks the three marked `repack` without the
@@ -174,7 +174,10 @@ def build_project_wheel(into: Path) -> Path:
     """The project's own wheel (pure Python): its dist-info registers the SGLang plugin.
 
     Built from a copy of what the wheel holds, so no build/ or egg-info lands in the checkout
-    (an untracked build/ would travel to the device with every call).
+    (an untracked build/ would travel to the device with every call). Built with pip's build
+    isolation, which installs pyproject.toml's build requirements (setuptools>=68) for the
+    build: a fresh machine's python3 (3.11, setuptools 65 without the `wheel` package) has no
+    `bdist_wheel` of its own.
     """
     with tempfile.TemporaryDirectory() as tmp:
         source = Path(tmp) / "src"
@@ -186,7 +189,7 @@ def build_project_wheel(into: Path) -> Path:
             source / "eaglepipe",
             ignore=shutil.ignore_patterns("__pycache__", "*.pyc"),
         )
-        cmd = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+        cmd = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
                "--disable-pip-version-check", "-w", tmp, str(source)]  # fmt: skip
         done = subprocess.run(cmd, capture_output=True, text=True)
         wheels = list(Path(tmp).glob("eaglepipe-*.whl"))

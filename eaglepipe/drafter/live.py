@@ -6,7 +6,8 @@ The prompts are held-out assistant turns, the same rows and turns the offline ev
 their second turns, ...; replies cut at max_new_tokens left out), `evaluate.live_prompts` of
 them. Each is decoded greedily with chain drafting of `train.ttt_length` tokens until the end of
 the turn (the tokenizer's end-of-turn / eos tokens) or `evaluate.live_new_tokens` tokens, through
-one of two harnesses that write the same `drafter/live.json`:
+one of two harnesses that write the same `drafter/live.json` (run by hand, the steps / top-k /
+draft tokens can be another `SpeculativeSetting`):
 
 - `server.engine: reference` (laptops, CI): the target in transformers with the exported
   drafter read back through its engine's own name mapping (`live_transformers.py`);
@@ -21,7 +22,9 @@ every output must equal plain greedy decoding of the target. In fp32 a differenc
 fails the stage (naming the rows); in bf16 kernels may break near-ties, so differences are
 counted with the target's logit margin at each first difference (a near-tie says kernels, a wide
 margin says a bug). `evaluate.live_prompts: 0` skips the stage: live.json then records why, with
-no lengths.
+no lengths. With a greedy-reference file the plain outputs (and their wall time) are read from
+it when it was made for the same target, serving settings, turns and budget (else made and
+written there): several drafters or settings on one target serve the plain target once.
 
 This module stays free of torch at import: the Snakefile asks it which export the stage reads.
 """
@@ -35,7 +38,16 @@ from pathlib import Path
 from ..core.atomic import atomic_write_json
 from ..core.errors import PipelineError
 from ..core.run import RunSpec
-from .live_run import ExportInfo, PromptRun, acceptance_length, first_difference
+from .live_run import (
+    ExportInfo,
+    PromptRun,
+    SpeculativeSetting,
+    acceptance_length,
+    first_difference,
+    greedy_reference_key,
+    read_greedy_reference,
+    write_greedy_reference,
+)
 
 
 def live_export_engine(run: RunSpec) -> str | None:
@@ -153,10 +165,13 @@ def live_acceptance(
     table_path: str,
     out_path: str,
     eval_path: str | None = None,
+    speculative: SpeculativeSetting | None = None,
+    greedy_reference: str | None = None,
 ) -> dict:
     """Run the engine's harness (or record the skip) and write live.json atomically."""
     ec, tc = run.evaluate, run.train
     harness = "sglang" if run.server.engine == "sglang" else "transformers"
+    speculative = speculative or SpeculativeSetting.chain(tc.ttt_length)
     result = {
         "harness": harness,
         "skipped": None,
@@ -168,6 +183,8 @@ def live_acceptance(
         "prompts": 0,
         "max_new_tokens": ec.live_new_tokens,
         "ttt_length": tc.ttt_length,
+        "speculative": speculative.record(),
+        "greedy_reference": None,
         "completion_tokens": 0,
         "rounds": 0,
         "accepted": 0,
@@ -187,7 +204,7 @@ def live_acceptance(
     engine = live_export_engine(run)
     if engine is None:
         result["skipped"] = "evaluate.live_prompts is 0"
-        result.update(offline_figures(eval_path, [], tc.ttt_length))
+        result.update(offline_figures(eval_path, [], speculative.steps))
         atomic_write_json(out_path, result)
         print("live acceptance skipped: evaluate.live_prompts is 0", flush=True)
         return result
@@ -212,14 +229,25 @@ def live_acceptance(
         from .live_sglang import run_sglang as run_harness
     else:
         from .live_transformers import run_transformers as run_harness
-    runs, extra = run_harness(run, export, captured, turns, stops)
+    plain, reference_note = None, "computed"
+    if greedy_reference:
+        key = greedy_reference_key(run, harness, turns, stops)
+        plain, why = read_greedy_reference(greedy_reference, key)
+        reference_note = f"read from {greedy_reference}" if plain else f"computed: {why}"
+        print(f"greedy reference {reference_note}", flush=True)
+    runs, extra = run_harness(
+        run, export, captured, turns, stops, speculative=speculative, plain=plain
+    )
+    used = extra.pop("plain")
+    if greedy_reference and plain is None:
+        write_greedy_reference(greedy_reference, key, used)
     lossless = check_lossless(runs, extra.pop("dtype"))
 
     completion = sum(r.completion_tokens for r in runs)
     rounds = sum(r.rounds for r in runs)
     accepted = sum(r.accepted for r in runs)
     length = completion / rounds if rounds else None
-    offline = offline_figures(eval_path, turns, tc.ttt_length)
+    offline = offline_figures(eval_path, turns, speculative.steps)
     plain_s = sum(r.greedy_seconds for r in runs)
     speculative_s = sum(r.seconds for r in runs)
     result.update(
@@ -247,12 +275,13 @@ def live_acceptance(
             "ratio": plain_s / speculative_s if speculative_s else None,
         },
         lossless=lossless,
+        greedy_reference=reference_note,
         per_prompt=[r.record() for r in runs],
         **extra,
     )
     atomic_write_json(out_path, result)
     print(
-        f"live acceptance length ({harness}) "
+        f"live acceptance length ({harness}, {speculative.label}) "
         f"{'n/a' if length is None else f'{length:.3f}'} over {len(runs)} held-out turns "
         f"(offline on the same turns {offline['offline_same_turns']}, offline headline "
         f"{offline['offline_acceptance_length']}); decode speed-up "

@@ -1,8 +1,9 @@
 """Live acceptance through SGLang itself (server.engine sglang).
 
 SGLang serves the target twice, one server after the other (each needs the target's GPUs):
-once plain, for the greedy reference outputs, and once with the exported drafter as its EAGLE-3
-draft model, chain drafting `train.ttt_length` tokens:
+once plain, for the greedy reference outputs (skipped when the caller has them already), and
+once with the exported drafter as its EAGLE-3 draft model, by default chain drafting
+`train.ttt_length` tokens (or a given `SpeculativeSetting`'s steps / top-k / draft tokens):
 
     --speculative-algorithm EAGLE3 --speculative-draft-model-path drafter/export/sglang
     --speculative-num-steps k --speculative-eagle-topk 1 --speculative-num-draft-tokens k+1
@@ -69,7 +70,7 @@ from ..server.ports import describe_port_holders, port_is_free, wait_port_free
 from ..server.sglang import check_extra_args, free_server_port
 from ..server.supervise import ENGINE_STOP_GRACE_S
 from .live import LiveTurn
-from .live_run import ExportInfo, PromptRun, first_difference
+from .live_run import ExportInfo, PlainOutput, PromptRun, SpeculativeSetting, first_difference
 
 LIVE_STATE_ROOT = cfg.STATE_DIR / "live-server"
 LIVE_LOG_DIR = cfg.LOG_DIR / "live_acceptance"
@@ -87,9 +88,10 @@ def serve_command(
     host: str,
     port: int,
     draft_dir: str | os.PathLike | None = None,
-    num_steps: int | None = None,
+    speculative: SpeculativeSetting | None = None,
 ) -> list[str]:
-    """`python -m sglang.launch_server` for the target, with the EAGLE-3 draft when given.
+    """`python -m sglang.launch_server` for the target, with the EAGLE-3 draft when given
+    (drafting with `speculative`, by default a chain of `train.ttt_length` tokens).
 
     No `--forward-hooks` and no patch/ on the path: these servers generate, they dump nothing.
     """
@@ -117,18 +119,18 @@ def serve_command(
     if dtype:
         argv += ["--dtype", dtype]
     if draft_dir is not None:
-        steps = int(num_steps or run.train.ttt_length)
+        setting = speculative or SpeculativeSetting.chain(run.train.ttt_length)
         argv += [
             "--speculative-algorithm",
             "EAGLE3",
             "--speculative-draft-model-path",
             str(Path(draft_dir).resolve()),
             "--speculative-num-steps",
-            str(steps),
+            str(setting.steps),
             "--speculative-eagle-topk",
-            "1",
+            str(setting.topk),
             "--speculative-num-draft-tokens",
-            str(steps + 1),
+            str(setting.draft_tokens),
         ]
     return argv + extra_args
 
@@ -385,38 +387,52 @@ def generate_greedy(
 
 
 def run_sglang(
-    run: RunSpec, export: ExportInfo, captured: list[int], turns: list[LiveTurn], stops
+    run: RunSpec,
+    export: ExportInfo,
+    captured: list[int],
+    turns: list[LiveTurn],
+    stops,
+    *,
+    speculative: SpeculativeSetting,
+    plain: dict[tuple[int, int], PlainOutput] | None = None,
 ) -> tuple[list[PromptRun], dict]:
-    """Greedy outputs from SGLang without the drafter, then with it; the counters per prompt."""
-    new_tokens, k = run.evaluate.live_new_tokens, run.train.ttt_length
+    """Greedy outputs from SGLang without the drafter (unless `plain` holds them already), then
+    with it; the counters per prompt. `extra["plain"]` holds the plain outputs used."""
+    new_tokens = run.evaluate.live_new_tokens
     timeout = run.extract.request_timeout_s
     host = run.server.host
     release_pipeline_server(run)
 
-    plain: dict[tuple[int, int], tuple[Generation, float]] = {}
-    port = free_server_port(host)
-    with served(serve_command(run, host=host, port=port), run=run, name="target",
-                host=host, port=port) as url:  # fmt: skip
-        version = _server_version(url)
-        for turn in turns:
-            started = time.perf_counter()
-            answer = generate_greedy(
-                url, turn.prompt, new_tokens, timeout, speculative=False, stops=stops,
-                with_margins=True,
-            )  # fmt: skip
-            plain[(turn.row_id, turn.turn)] = (answer, time.perf_counter() - started)
+    if plain is None:
+        plain = {}
+        port = free_server_port(host)
+        with served(serve_command(run, host=host, port=port), run=run, name="target",
+                    host=host, port=port) as url:  # fmt: skip
+            for turn in turns:
+                started = time.perf_counter()
+                answer = generate_greedy(
+                    url, turn.prompt, new_tokens, timeout, speculative=False, stops=stops,
+                    with_margins=True,
+                )  # fmt: skip
+                seconds = time.perf_counter() - started
+                plain[(turn.row_id, turn.turn)] = PlainOutput(
+                    answer.output_ids, seconds, answer.margins
+                )
 
     runs = []
     port = free_server_port(host)
-    command = serve_command(run, host=host, port=port, draft_dir=export.directory, num_steps=k)
+    command = serve_command(
+        run, host=host, port=port, draft_dir=export.directory, speculative=speculative
+    )
     with served(command, run=run, name="target+drafter", host=host, port=port) as url:
+        version = _server_version(url)
         for i, turn in enumerate(turns, 1):
             started = time.perf_counter()
             answer = generate_greedy(
                 url, turn.prompt, new_tokens, timeout, speculative=True, stops=stops
             )
             seconds = time.perf_counter() - started
-            greedy, greedy_seconds = plain[(turn.row_id, turn.turn)]
+            greedy = plain[(turn.row_id, turn.turn)]
             at = first_difference(answer.output_ids, greedy.output_ids)
             margin = None
             if at is not None and greedy.margins and at < len(greedy.margins):
@@ -430,7 +446,7 @@ def run_sglang(
                 rounds=answer.spec_verify_ct,
                 accepted=answer.spec_num_correct_drafts,
                 seconds=seconds,
-                greedy_seconds=greedy_seconds,
+                greedy_seconds=greedy.seconds,
                 margin_at_difference=margin,
                 extra={"spec_accept_length": answer.spec_accept_length},
             )
@@ -445,6 +461,7 @@ def run_sglang(
         # "auto": SGLang's choice from the model's config (the check then only counts).
         "dtype": run.server.dtype,
         "sglang": {"version": version, "command": command},
+        "plain": plain,
     }
     return runs, extra
 

@@ -24,10 +24,11 @@ import time
 
 import torch
 
+from ..core.errors import PipelineError
 from ..core.run import RunSpec
 from .engine_load import load_exported_drafter
 from .live import LiveTurn
-from .live_run import ExportInfo, PromptRun, first_difference
+from .live_run import ExportInfo, PlainOutput, PromptRun, SpeculativeSetting, first_difference
 from .model import Eagle3Drafter
 
 
@@ -153,10 +154,24 @@ def speculative_decode(
 
 
 def run_transformers(
-    run: RunSpec, export: ExportInfo, captured: list[int], turns: list[LiveTurn], stops
+    run: RunSpec,
+    export: ExportInfo,
+    captured: list[int],
+    turns: list[LiveTurn],
+    stops,
+    *,
+    speculative: SpeculativeSetting,
+    plain: dict[tuple[int, int], PlainOutput] | None = None,
 ) -> tuple[list[PromptRun], dict]:
-    """Every turn decoded with the drafter and plainly, in transformers on one device."""
-    new_tokens, k = run.evaluate.live_new_tokens, run.train.ttt_length
+    """Every turn decoded with the drafter and plainly (unless `plain` holds the plain outputs
+    already), in transformers on one device. `extra["plain"]` holds the plain outputs used."""
+    if speculative.topk != 1:
+        raise PipelineError(
+            f"speculative setting {speculative.label}: the transformers harness drafts a chain "
+            "(top-k 1); a tree needs the SGLang harness (server.engine: sglang)"
+        )
+    new_tokens, k = run.evaluate.live_new_tokens, speculative.steps
+    plain = dict(plain) if plain is not None else {}
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu":
         # A decode step is too little work to share between CPU threads: on a busy 2-core
@@ -172,9 +187,12 @@ def run_transformers(
         started = time.perf_counter()
         produced, rounds = speculative_decode(target, drafter, turn.prompt, new_tokens, k, stops)
         seconds = time.perf_counter() - started
-        started = time.perf_counter()
-        greedy = target.greedy(turn.prompt, new_tokens, stops)
-        greedy_seconds = time.perf_counter() - started
+        if (turn.row_id, turn.turn) not in plain:
+            started = time.perf_counter()
+            greedy = target.greedy(turn.prompt, new_tokens, stops)
+            plain[(turn.row_id, turn.turn)] = PlainOutput(greedy, time.perf_counter() - started)
+        greedy = plain[(turn.row_id, turn.turn)].output_ids
+        greedy_seconds = plain[(turn.row_id, turn.turn)].seconds
         at = first_difference(produced, greedy)
         margin = None
         if at is not None and at < len(greedy):
@@ -200,4 +218,4 @@ def run_transformers(
             flush=True,
         )
     dtype = str(target.model.dtype).removeprefix("torch.")
-    return runs, {"device": str(device), "dtype": dtype}
+    return runs, {"device": str(device), "dtype": dtype, "plain": plain}
