@@ -128,7 +128,8 @@ def run_variant(base: dict, name: str, seed: int, out: Path) -> dict:
         "live_acceptance_length": live["acceptance_length"],
         "live_export": live["export_engine"],
         "live_prompts": live["prompts"],
-        "outputs_match_greedy": live["outputs_match_greedy"],
+        "live_offline_same_turns": live["offline_same_turns"],
+        "outputs_match_greedy": live["lossless"]["identical"],
     }
     result_path.write_text(json.dumps(result, indent=1))
     return result

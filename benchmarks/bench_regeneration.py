@@ -229,8 +229,9 @@ def cross_evaluate(runs: dict[str, Path], args, scratch: Path) -> dict:
         live[drafter] = {
             "acceptance_length": result["acceptance_length"],
             "prompts": result["prompts"],
-            "new_tokens": result["new_tokens"],
-            "outputs_match_greedy": result["outputs_match_greedy"],
+            "max_new_tokens": result["max_new_tokens"],
+            "offline_same_turns": result["offline_same_turns"],
+            "outputs_match_greedy": result["lossless"]["identical"],
             "row_ids": [p["row_id"] for p in result["per_prompt"]],
         }
     return {"offline": offline, "live": live}
@@ -295,8 +296,10 @@ def main() -> None:
             "offline": read_json(run_dir / "drafter" / "eval.json")["acceptance_length"],
             "live": live["acceptance_length"],
             "live_prompts": live["prompts"],
-            "live_new_tokens": live["new_tokens"],
-            "live_outputs_match_greedy": live.get("outputs_match_greedy"),
+            "live_new_tokens": live.get("max_new_tokens", live.get("new_tokens")),
+            "live_outputs_match_greedy": (live.get("lossless") or {}).get(
+                "identical", live.get("outputs_match_greedy")
+            ),
             "live_row_ids": [p["row_id"] for p in live.get("per_prompt", [])],
         }
     results = {
