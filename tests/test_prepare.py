@@ -74,9 +74,11 @@ def test_table_matches_contract_and_masks(tmp_path, toy_dir, sample_rows):
         ("input_ids", "list<element: int32>"),
         ("loss_mask", "list<element: uint8>"),
         ("truncated", "bool"),
+        ("length_limited_turns", "list<element: int32>"),
     ]
     assert schema.metadata is None or b"pandas" not in schema.metadata
     table = load_prepared(table_path)
+    assert all(len(turns) == 0 for turns in table["length_limited_turns"])  # nothing regenerated
     assert table["row_id"].tolist() == list(range(40))
     tokenizer = AutoTokenizer.from_pretrained(toy_dir)
     for row in table.itertuples():
@@ -350,3 +352,20 @@ def test_table_has_one_row_group_per_shard_and_reads_a_range(tmp_path, toy_dir, 
     assert [list(x) for x in shard["input_ids"]] == [list(x) for x in expected["input_ids"]]
     only_ids = load_prepared(path, start=32, end=40, columns=["row_id", "num_tokens"])
     assert list(only_ids.columns) == ["row_id", "num_tokens"] and len(only_ids) == 8
+
+
+def test_length_limited_replies_are_recorded_as_assistant_turn_ordinals():
+    """Regeneration records the message index of a reply cut at max_new_tokens; the table holds
+    its ordinal among the row's assistant turns (what evaluation's turns are numbered by)."""
+    from eaglepipe.prepare.table import assistant_ordinals
+
+    messages = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "u1"},
+        {"role": "assistant", "content": "a1"},
+        {"role": "user", "content": "u2"},
+        {"role": "assistant", "content": "a2"},
+    ]
+    assert assistant_ordinals(messages, [4]) == (1,)
+    assert assistant_ordinals(messages, [2, 4]) == (0, 1)
+    assert assistant_ordinals(messages, [3]) == ()  # a user turn is never one
