@@ -22,6 +22,9 @@
 # drafter trains on the same GPU), `--scheduler greedy` (the ilp scheduler needs pulp, which is
 # not staged).
 #
+# --fp32-live: after the run, live acceptance once more with the target served in fp32
+# (`--dtype float32`), into drafter/live_fp32.json: the lossless check (every output must equal
+# plain greedy decoding) in the precision where kernels cannot break ties (issue 26).
 # OUT receives pipeline_summary.json (what ran, the evaluation and live acceptance results, the
 # validation reports' verdicts, each rule's duration) and pipeline_results.tgz (eval.json,
 # live.json, validated/*.json, report/*.csv, manifests, the overrides, the tail of every log).
@@ -114,6 +117,20 @@ timeout --signal=TERM --kill-after=30 "$LIMIT_S" python3 -m snakemake --cores "$
     --scheduler greedy "$@" --configfile h200-sglang.yaml "${EXTRA_CONFIG[@]}"
 rc=$?
 say "snakemake exit $rc"
+if [ "$FP32_LIVE" = 1 ] && [ -f drafter/export/sglang/model.safetensors ]; then
+    python3 - <<'PY'
+import json
+config = json.load(open(".eaglepipe/config.json"))
+config["server"]["dtype"] = "float32"
+json.dump(config, open(".eaglepipe/config-fp32.json", "w"))
+PY
+    say "live acceptance with the target in fp32"
+    timeout --signal=TERM --kill-after=20 "${EAGLEPIPE_FP32_LIVE_LIMIT_S:-240}" python3 -u \
+        scripts/live_acceptance.py --config .eaglepipe/config-fp32.json \
+        --export-dir drafter/export/sglang --table prepared/tokenized.parquet \
+        --eval drafter/eval.json --out drafter/live_fp32.json 2>&1 | tee logs/live_fp32.log
+    say "fp32 live exit ${PIPESTATUS[0]}"
+fi
 
 # Results: one summary and one archive (a call returns at most 8 files).
 python3 - "$RUN" "$OUT/pipeline_summary.json" "$rc" <<'PY'
@@ -149,6 +166,7 @@ summary = {
     "validations": validations,
     "eval": load(run / "drafter" / "eval.json"),
     "live": load(run / "drafter" / "live.json"),
+    "live_fp32": load(run / "drafter" / "live_fp32.json"),
     "engine": next(
         ({k: load(m).get("provenance", {}).get(k) for k in ("engine", "engine_version")}
          for m in sorted((run / "hidden_states").glob("*/manifest.json"))),
@@ -170,7 +188,8 @@ done
 (
     cd "$RUN" || exit 1
     tar -czf "$OUT/pipeline_results.tgz" h200-sglang.yaml log-tails \
-        $(ls -d drafter/eval.json drafter/live.json drafter/export/*/config.json \
+        $(ls -d drafter/eval.json drafter/live.json drafter/live_fp32.json \
+            drafter/export/*/config.json \
             validated prepared/summary.json report/*.csv hidden_states/*/manifest.json \
             .eaglepipe/server 2>/dev/null)
 )
