@@ -34,6 +34,7 @@ from .drafter_options import MLA_DIMS, drafter_options
 from .errors import PipelineError
 from .fingerprint import (
     hash_json,
+    missing_weights,
     model_config_hash,
     tokenizer_files,
     tokenizer_fingerprint,
@@ -307,6 +308,18 @@ class TargetModel:
     def has_tokenizer(self) -> bool:
         return bool(tokenizer_files(self.directory))
 
+    def require_weights(self) -> None:
+        """Refuse a user's model directory `from_pretrained` would find no weights in (the toy's
+        are built by the run), before the server fails on it."""
+        if self.is_toy:
+            return
+        problem = missing_weights(self.directory)
+        if problem:
+            raise PipelineError(
+                f"model.path {self.directory} {problem}: the server could not load the model; "
+                "copy the weights there or point model.path at the full model directory"
+            )
+
 
 @dataclass(frozen=True)
 class RunSpec:
@@ -413,8 +426,9 @@ def write_run(run: RunSpec) -> None:
 def resolve_at_workflow_start(config: dict) -> RunSpec:
     """Snakemake's `config`, validated and resolved at workflow start: what can be checked
     before any job runs is (the aux layer ids against the target's depth, a missing model
-    directory), and the description is written for the jobs."""
+    directory or weights), and the description is written for the jobs."""
     run = resolve(cfg.validate_config(config))
     run.facts()  # reads the target's depth and checks the aux layer ids: one clear error here
+    run.model.require_weights()
     write_run(run)
     return run
