@@ -18,7 +18,11 @@ with one_line_errors():
     hooks.use_project_python()
     # Our check first: its message names the offending key; then Snakemake's, which fills
     # defaults. RUN is the run description every rule's wiring reads (eaglepipe/core/run.py).
-    RUN = resolve_at_workflow_start(config)
+    RUN = resolve_at_workflow_start(
+        config,
+        config_files=workflow.overwrite_configfiles,
+        command_line=workflow.config_settings.config,
+    )
     validate(config, schema="../schemas/config.schema.yaml")
     # A drafter variant an exported engine cannot load is refused before anything runs.
     check_export_support(RUN.train.drafter.as_dict(), RUN.export.engines)

@@ -25,6 +25,7 @@ from pipeline_run import (
     write_config,
 )
 
+from eaglepipe.core.errors import PipelineError
 from eaglepipe.core.fingerprint import hash_file, missing_weights
 
 SHARDS = ["rows_0-10", "rows_10-20", "rows_20-30", "rows_30-40"]
@@ -116,6 +117,53 @@ def test_missing_weights_names_what_from_pretrained_would_miss(tmp_path):
     }
     (model / "model.safetensors.index.json").write_text(json.dumps(index))
     assert "lacks model-00002-of-00002.safetensors" in missing_weights(model)
+
+
+def test_a_target_written_after_configfile_is_named_with_what_to_type(tmp_path):
+    # Snakemake takes the target for a second config file and merges its keys into the config.
+    write_config(tmp_path, small_config(tmp_path))
+    target = tmp_path / "hidden_states" / "rows_0-10" / "manifest.json"
+    target.parent.mkdir(parents=True)
+    target.write_text(json.dumps({"shard": "rows_0-10", "chunks": []}))
+    # run_snakemake's argv ends in `--configfile config.yaml`: the target comes right after it.
+    result = run_snakemake(tmp_path, str(target), "-n", check=False)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    (line,) = [line for line in output.splitlines() if line.startswith("error:")]
+    shown = "hidden_states/rows_0-10/manifest.json"  # relative to the run's directory
+    assert f"--configfile {shown}: its keys chunks, shard are no config sections" in line
+    assert f"`snakemake --configfile FILE -- {shown}`" in line
+    assert "Traceback" not in output
+
+
+def test_a_section_set_with_config_on_the_command_line_gets_its_types(tmp_path):
+    # `--config server.port=N` is refused by Snakemake's own parser; a section as YAML works.
+    write_config(tmp_path, small_config(tmp_path))
+    run_snakemake(tmp_path, "-n", "--config", "server={port: 31001, idle_timeout_s: 60}")
+
+
+def test_command_line_values_are_typed_and_config_files_checked(tmp_path):
+    from eaglepipe.core.config import check_config_files, type_command_line_values
+
+    given = {"server": {"port": "31001", "host": "::1"}, "aux_layer_ids": ["1", "3", "5"]}
+    config = {
+        "server": {"port": "31001", "host": "::1", "device": "cpu", "idle_timeout_s": "9"},
+        "aux_layer_ids": ["1", "3", "5"],
+    }
+    type_command_line_values(config, given)
+    assert config["server"] == {
+        "port": 31001,
+        "host": "::1",
+        "device": "cpu",
+        "idle_timeout_s": "9",
+    }
+    assert config["aux_layer_ids"] == [1, 3, 5]
+    good = write_config(tmp_path, small_config(tmp_path))
+    check_config_files([good])
+    summary = tmp_path / "summary.json"
+    summary.write_text(json.dumps({"shards": [], "rows": 3}))
+    with pytest.raises(PipelineError, match=f"--configfile {summary}: its keys rows are no"):
+        check_config_files([good, summary])
 
 
 def test_wrong_type_names_the_key(tmp_path):

@@ -423,10 +423,19 @@ def write_run(run: RunSpec) -> None:
     write_json_if_changed(RUN_FACTS, run.facts())
 
 
-def resolve_at_workflow_start(config: dict) -> RunSpec:
+def resolve_at_workflow_start(
+    config: dict, *, config_files=(), command_line: dict | None = None
+) -> RunSpec:
     """Snakemake's `config`, validated and resolved at workflow start: what can be checked
     before any job runs is (the aux layer ids against the target's depth, a missing model
-    directory or weights), and the description is written for the jobs."""
+    directory or weights), and the description is written for the jobs.
+
+    `config_files` are the files given with `--configfile` and `command_line` what `--config`
+    set (Snakemake's `workflow.overwrite_configfiles`, `workflow.config_settings.config`): a
+    target read as a config file is named, and `--config` values get their schema types
+    (`config` is changed in place, for Snakemake's own validation after this one)."""
+    cfg.check_config_files(config_files)
+    cfg.type_command_line_values(config, command_line or {})
     run = resolve(cfg.validate_config(config))
     run.facts()  # reads the target's depth and checks the aux layer ids: one clear error here
     run.model.require_weights()
