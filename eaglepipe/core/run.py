@@ -148,7 +148,7 @@ class SGLangSettings(Section):
 class ServerSettings(Section):
     engine: str
     host: str
-    port: int
+    port: int | None  # None: a port drawn for the working directory (server/ports.py)
     device: str
     dtype: str
     max_batch_tokens: int
