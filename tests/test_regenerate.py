@@ -298,6 +298,31 @@ def test_a_deleted_regenerated_shard_is_noticed_and_its_journalled_rows_come_bac
     assert dry_run_jobs(run_copy, *EXTRACTED) == {}
 
 
+def eaglepipe(workdir: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [EAGLEPIPE, *args, "--config", "config.yaml"],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_damaged_regenerated_rows_are_named_by_verify_and_restored_from_the_journal(run_copy):
+    rows = regen_dir(run_copy, "rows_0-10") / "rows.jsonl"
+    intact = rows.read_bytes()
+    rows.write_bytes(intact[:-200])  # truncate -s -200
+    assert dry_run_jobs(run_copy, *EXTRACTED) == {}  # nothing a parse could see
+    result = eaglepipe(run_copy, "verify")
+    assert result.returncode == 1, result.stdout + result.stderr
+    (error,) = [line for line in result.stdout.splitlines() if line.startswith("error: ")]
+    assert "regenerated/rows_0-10/rows.jsonl is" in error and "its manifest lists" in error
+    assert "repair: regenerated/rows_0-10/rows.jsonl: restored from its journal" in result.stdout
+    assert rows.read_bytes() == intact
+    assert eaglepipe(run_copy, "verify").returncode == 0
+    assert dry_run_jobs(run_copy, *EXTRACTED) == {}
+
+
 def test_prepare_refuses_a_stale_regenerated_shard(run_copy):
     edit_config(run_copy, lambda c: c["dataset"]["regenerate"].update(max_new_tokens=30))
     result = subprocess.run(

@@ -27,6 +27,7 @@ from ..core.errors import PipelineError
 from ..core.fingerprint import hash_file, hash_json
 from ..core.jsonio import read_json_object
 from ..core.run import RunSpec, TrainSettings
+from ..core.sealed import seal, seal_metadata
 from .chunks import Chunk, check_chunks, damage_error, list_chunks
 from .data import BatchStream, index_rows, plan_batches, split_row_ids
 from .loss import ttt_loss
@@ -169,7 +170,7 @@ def save_drafter(model: Eagle3Drafter, path: str | os.PathLike, metadata: dict) 
     tensors["d2t"] = model.d2t.cpu()
     tensors["t2d"] = model.t2d.cpu()
     meta = {"drafter_config": model.config.to_json(), **{k: str(v) for k, v in metadata.items()}}
-    atomic_write_bytes(path, save(tensors, metadata=meta))
+    atomic_write_bytes(path, seal(save(tensors, metadata=seal_metadata(meta))))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ..core.config import RESOLVED_CONFIG
+from ..core.config import HIDDEN_STATES_DIR, RESOLVED_CONFIG, VALIDATED_DIR
 from ..core.errors import PipelineError
 from ..core.run import RunSpec, load_run
 
@@ -170,41 +170,54 @@ def _planned_shards(args: argparse.Namespace) -> list[str] | None:
 
 
 def verify_command(args: argparse.Namespace) -> int:
-    from ..core.config import HIDDEN_STATES_DIR, VALIDATED_DIR
     from ..validate import invalidate_damaged, verify_shards
+    from ..validate.stored import StoredReport, check_stored_stages
 
     root = args.hidden_states or HIDDEN_STATES_DIR
-    report = verify_shards(root, planned=_planned_shards(args), progress=True)
+    planned = _planned_shards(args)
+    report = verify_shards(root, planned=planned, progress=True)
+    stored = StoredReport([], [])
+    if planned is not None:
+        stored = check_stored_stages(load_run_arg(args), planned)
     for problem in report.problems:
         print(f"error: {problem}")
+    for damage in stored.damaged:
+        print(f"error: {damage.problem}")
+    for path in stored.unchecked:
+        print(f"note: {path} records no checksum (written by an older version): not checked")
     for shard in report.unplanned:
         print(
             f"warning: {root / shard} is not in the current shard plan (an earlier plan's): "
             f"training never reads it; remove it with `rm -r {root / shard} "
             f"{VALIDATED_DIR / shard}.json`"
         )
-    if report.damaged:
+    if report.damaged or stored.damaged:
         if args.check_only:
             print(
-                "repair: `eaglepipe verify` (without --check-only) sets the damaged shards' "
-                "manifests aside, then `snakemake --cores N` re-extracts only their bad chunks"
+                "repair: `eaglepipe verify` (without --check-only) sets the damaged files aside "
+                "(a regenerated shard's rows are restored from its journal when they can be), "
+                "then `snakemake --cores N` makes only those again (a shard's intact chunks are "
+                "kept)"
             )
         else:
             for shard in invalidate_damaged(report, root):
                 print(f"{shard}: manifest set aside ({root / shard}/manifest.invalid.json)")
-            print(
-                "repair: `snakemake --cores N` re-extracts the damaged chunks of "
-                f"{', '.join(sorted(report.damaged))} (intact chunks are kept) and revalidates "
-                "and retrains on them"
-            )
-    return 1 if report.problems else 0
+            if report.damaged:
+                print(
+                    "repair: `snakemake --cores N` re-extracts the damaged chunks of "
+                    f"{', '.join(sorted(report.damaged))} (intact chunks are kept) and "
+                    "revalidates and retrains on them"
+                )
+            for damage in stored.damaged:
+                print(f"repair: {damage.repair()}")
+    return 1 if report.problems or stored.damaged else 0
 
 
 def add_verify_command(subparsers) -> None:
     parser = subparsers.add_parser(
         "verify",
-        help="re-check integrity and schema of every shard (e.g. after copying the data); "
-        "damaged shards are set aside for re-extraction",
+        help="re-check every stage's stored files against their manifests and checksums (e.g. "
+        "after copying the data); damaged files are restored or set aside for the next run",
     )
     add_config_argument(parser)
     parser.add_argument(
@@ -213,7 +226,7 @@ def add_verify_command(subparsers) -> None:
     parser.add_argument(
         "--check-only",
         action="store_true",
-        help="only report; leave damaged shards' manifests in place",
+        help="only report; leave damaged files in place",
     )
     parser.set_defaults(run=verify_command)
 

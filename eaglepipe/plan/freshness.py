@@ -50,6 +50,13 @@ def regeneration_freshness(run: RunSpec) -> Callable[[str], bool]:
 # as a target when what consumes it exists, and (3) finds validation reports that no longer
 # describe their manifest (changed bytes, even with an old mtime) or the validate settings, and
 # gives those validate jobs a freshly written stamp as input, so they rerun.
+#
+# The other way round, a missing input reruns its consumer even when it is `ancient()`: so a
+# fresh shard's extraction takes the prepared table as input only while the table exists.
+# After a failed prepare (Snakemake removes its outputs) the table is made again and only jobs
+# that are stale for their own reasons follow it; a fresh shard's hidden states and validation
+# report stay (their provenance holds the shard's rows, not the table). A fresh extraction
+# runs only when forced (`--forcerun`); without the table it then stops in one line naming it.
 
 VALIDATION_STAMP_DIR = PROVENANCE_DIR / "validate"
 VALIDATION_CACHE = Path(".eaglepipe/cache/validations.json")
