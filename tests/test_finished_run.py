@@ -219,6 +219,37 @@ def test_a_failed_prepare_leaves_fresh_shards_fresh(run):
     assert "extract" not in jobs and "validate" not in jobs
 
 
+def test_status_verify_and_a_dry_run_judge_a_changed_setting_alike(run):
+    """For the config they are given, by the workflow's rule; and a dry run with another config
+    never changes the config and facts the finished run recorded."""
+    recorded = {
+        name: (run / ".eaglepipe" / name).read_bytes() for name in ("config.json", "run.json")
+    }
+    edit_config(run, lambda config: config["dataset"].__setitem__("max_length", 384))
+    jobs = dry_run_jobs(run)
+    assert jobs["prepare"] == 1 and jobs["extract"] == 4 and jobs["validate"] == 4
+    for name, content in recorded.items():
+        assert (run / ".eaglepipe" / name).read_bytes() == content, name
+    status = eaglepipe(run, "status")
+    assert "shards: 4 planned, 0 done, 4 stale" in status.stdout, status.stdout
+    assert "stale: prepared/ was made from other rows or settings" in status.stdout
+    verify = eaglepipe(run, "verify", "--check-only")
+    assert verify.returncode == 1
+    stale = [line for line in verify.stdout.splitlines() if line.startswith("stale: ")]
+    assert stale == ["stale: prepared/ was made from other rows or settings than this config: "
+                     "`snakemake --cores N` prepares it again"] + [
+        f"stale: hidden_states/{shard} was extracted from other rows or settings than this "
+        "config: `snakemake --cores N` extracts it again (keeping the chunks whose rows are "
+        "unchanged)"
+        for shard in SHARDS
+    ]  # fmt: skip
+    # The recorded config (status's default) still describes the finished run: nothing stale.
+    default = subprocess.run(
+        [EAGLEPIPE, "status"], cwd=run, capture_output=True, text=True, timeout=300
+    )
+    assert "shards: 4 planned, 4 done, 0 running" in default.stdout, default.stdout
+
+
 def test_shards_of_an_earlier_plan_are_named_and_never_trained_on(run):
     edit_config(run, lambda config: config["shards"].__setitem__("rows_per_shard", 20))
     verify = eaglepipe(run, "verify", "--check-only")

@@ -323,6 +323,20 @@ def test_damaged_regenerated_rows_are_named_by_verify_and_restored_from_the_jour
     assert dry_run_jobs(run_copy, *EXTRACTED) == {}
 
 
+def test_status_verify_and_a_dry_run_agree_after_a_regeneration_setting_changes(run_copy):
+    edit_config(run_copy, lambda c: c["dataset"]["regenerate"].update(max_new_tokens=25))
+    assert dry_run_jobs(run_copy, *EXTRACTED) == {"regenerate": 2, "prepare": 1, "extract": 2}
+    status = eaglepipe(run_copy, "status")
+    assert "regenerated: 2 planned, 0 done, 2 stale, 0 running" in status.stdout, status.stdout
+    assert "shards: 2 planned, 0 done, 2 stale, 0 running" in status.stdout
+    verify = eaglepipe(run_copy, "verify", "--check-only")
+    assert verify.returncode == 1
+    for shard in SHARDS:
+        assert f"stale: regenerated/{shard} was made under other settings" in verify.stdout
+        assert f"stale: hidden_states/{shard} was extracted from other rows" in verify.stdout
+    assert "stale: prepared/ was made from other rows or settings" in verify.stdout
+
+
 def test_prepare_refuses_a_stale_regenerated_shard(run_copy):
     edit_config(run_copy, lambda c: c["dataset"]["regenerate"].update(max_new_tokens=30))
     result = subprocess.run(

@@ -2,9 +2,10 @@
 
     config.yaml --config.validate_config (schema, defaults)--> dict --resolve()--> RunSpec
 
-The Snakefile resolves the configuration at workflow start and writes the resolved config
-(`.eaglepipe/config.json`) and, beside it, the facts derived from it (`.eaglepipe/run.json`,
-for people); every job loads the description back with `load_run`. Stages take the parts they
+The Snakefile resolves the configuration when it is parsed and, when the run starts its jobs
+(not in a dry run), writes the resolved config (`.eaglepipe/config.json`) and, beside it, the
+facts derived from it (`.eaglepipe/run.json`, for people); every job loads the description
+back with `load_run`. Stages take the parts they
 need (`run.server`, `run.train`, `run.model`, ...); nothing downstream reads the raw YAML or
 re-derives a fact from it.
 
@@ -426,9 +427,12 @@ def write_run(run: RunSpec) -> None:
 def resolve_at_workflow_start(
     config: dict, *, config_files=(), command_line: dict | None = None
 ) -> RunSpec:
-    """Snakemake's `config`, validated and resolved at workflow start: what can be checked
-    before any job runs is (the aux layer ids against the target's depth, a missing model
-    directory or weights), and the description is written for the jobs.
+    """Snakemake's `config`, validated and resolved when the Snakefile is parsed: what can be
+    checked before any job runs is (the aux layer ids against the target's depth, a missing
+    model directory or weights). Nothing is written: every parse resolves, dry runs included,
+    and only a run that executes jobs records its description (`write_run`, from the
+    Snakefile's onstart), so `snakemake -n` with another config never changes what a running or
+    finished run recorded.
 
     `config_files` are the files given with `--configfile` and `command_line` what `--config`
     set (Snakemake's `workflow.overwrite_configfiles`, `workflow.config_settings.config`): a
@@ -439,5 +443,4 @@ def resolve_at_workflow_start(
     run = resolve(cfg.validate_config(config))
     run.facts()  # reads the target's depth and checks the aux layer ids: one clear error here
     run.model.require_weights()
-    write_run(run)
     return run
