@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import plain_greedy
+from conftest import plain_greedy, small_filesystem
 from pipeline_run import (
     copy_run,
     dry_run_jobs,
@@ -335,6 +335,45 @@ def test_status_verify_and_a_dry_run_agree_after_a_regeneration_setting_changes(
         assert f"stale: regenerated/{shard} was made under other settings" in verify.stdout
         assert f"stale: hidden_states/{shard} was extracted from other rows" in verify.stdout
     assert "stale: prepared/ was made from other rows or settings" in verify.stdout
+
+
+def test_a_full_disk_mid_shard_fails_in_one_line_and_the_next_run_finishes(run_copy):
+    shard = "rows_0-10"
+    directory = regen_dir(run_copy, shard)
+    before = (directory / "rows.jsonl").read_bytes()
+    journal_bytes = (directory / "journal.jsonl").stat().st_size
+    shutil.rmtree(directory)
+    target = f"regenerated/{shard}/manifest.json"
+    # A page for the writer lock and pages for about half the journal: some rows are
+    # journalled, then an append runs out of space.
+    room = 4096 + -(-journal_bytes // 2 // 4096) * 4096
+    with small_filesystem(directory, room) as resize:
+        full = run_snakemake(run_copy, "--cores", "2", target, check=False)
+        output = full.stdout + full.stderr
+        assert full.returncode != 0, output[-3000:]
+        errors = [line for line in output.splitlines() if line.startswith("error: ")]
+        assert any(
+            line.startswith(f"error: no space left on the filesystem of regenerated/{shard} ")
+            for line in errors
+        ), output[-6000:]
+        assert "Traceback" not in output
+        left = sorted(p.name for p in directory.iterdir())
+        assert "manifest.json" not in left and "rows.jsonl" not in left
+        assert not [name for name in left if name.startswith(".")], left  # no temp file
+        journalled = 0
+        for line in (directory / "journal.jsonl").read_text().splitlines():
+            try:
+                json.loads(line)
+                journalled += 1
+            except ValueError:
+                pass  # the append the full disk cut short
+        assert 0 < journalled < 10
+
+        resize(64 << 20)
+        run_snakemake(run_copy, "--cores", "2", target)
+        manifest = manifest_of(run_copy, shard)
+        assert manifest["timing"]["rows_kept"] == journalled
+        assert (directory / "rows.jsonl").read_bytes() == before
 
 
 def test_prepare_refuses_a_stale_regenerated_shard(run_copy):

@@ -28,6 +28,7 @@ from ..core.fingerprint import hash_file, hash_json
 from ..core.jsonio import read_json_object
 from ..core.run import RunSpec, TrainSettings
 from ..core.sealed import seal, seal_metadata
+from ..core.space import disk_full_error, is_disk_full
 from .chunks import Chunk, check_chunks, damage_error, list_chunks
 from .data import BatchStream, index_rows, plan_batches, split_row_ids
 from .loss import ttt_loss
@@ -242,6 +243,19 @@ def truncate_log(path: Path, last_step: int) -> None:
     atomic_write_bytes(path, ("\n".join(kept) + "\n" if kept else "").encode())
 
 
+def append_log_line(log_out, path: Path, line: str) -> None:
+    """One step's line on the unbuffered training log. A full disk ends in one line naming
+    the log; a torn last line is dropped when the next run resumes (`truncate_log`)."""
+    data = (line + "\n").encode()
+    try:
+        while data:
+            data = data[log_out.write(data) :]
+    except OSError as exc:
+        if is_disk_full(exc):
+            raise disk_full_error(path) from None
+        raise
+
+
 # ---------------------------------------------------------------------------------------------
 # The training run
 
@@ -359,7 +373,8 @@ def train(
     tokens_done = 0
     wait_total = 0.0
     last_loss = float("nan")
-    with open(log_file, "a") if dist.is_main else open(os.devnull, "w") as log_out:
+    # Unbuffered: a write a full disk refuses fails here, not again when the file closes.
+    with open(log_file if dist.is_main else os.devnull, "ab", buffering=0) as log_out:
         # One stream over every remaining step, so reading ahead crosses epoch boundaries.
         mine = [
             batch_refs
@@ -424,8 +439,7 @@ def train(
                     "seconds": seconds,
                     "data_wait_s": waited,
                 }
-                log_out.write(json.dumps(record) + "\n")
-                log_out.flush()
+                append_log_line(log_out, log_file, json.dumps(record))
                 if dist.is_main and (step % 10 == 0 or step == end_step or step == 1):
                     elapsed = time.perf_counter() - began
                     rate = tokens_done / max(elapsed, 1e-9)

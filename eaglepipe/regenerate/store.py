@@ -29,6 +29,7 @@ from ..core.atomic import atomic_write_bytes, atomic_write_json
 from ..core.errors import PipelineError
 from ..core.fingerprint import hash_bytes, hash_file
 from ..core.jsonio import read_json_object
+from ..core.space import disk_full_error, is_disk_full
 
 FORMAT_VERSION = 1
 ROWS_NAME = "rows.jsonl"
@@ -48,12 +49,19 @@ def append_row(shard_dir: str | os.PathLike, key: str, record: dict) -> None:
     """Journal a finished row; durable before the call returns."""
     line = json.dumps({"key": key, "row": record}, sort_keys=True, ensure_ascii=False) + "\n"
     path = Path(shard_dir) / JOURNAL_NAME
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
-        os.write(fd, line.encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            data = line.encode()
+            while data:  # a short write leaves a torn line, which the next run drops
+                data = data[os.write(fd, data) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        if is_disk_full(exc):
+            raise disk_full_error(path) from None
+        raise
 
 
 def journalled_rows(shard_dir: str | os.PathLike, key: str, row_ids: Iterable[int]) -> dict:
