@@ -480,6 +480,7 @@ def _start(run: RunSpec, paths: ServerPaths, run_token: str, fingerprint: str) -
         create_time=supervisor.create_time,
         instance_id=instance_id,
         run_token=run_token,
+        port=port,
     )
     print(
         f"started {server.engine} server: supervisor pid {proc.pid}, port {port}, log {log_path}",
