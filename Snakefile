@@ -25,6 +25,8 @@ include: "rules/report.smk"
 
 
 onstart:
+    # Only a run that executes jobs records its config (a dry run never rewrites it).
+    hooks.record_run(RUN)
     hooks.warn_about_rerun_triggers(workflow)
     hooks.print_space_plan(RUN)
 

@@ -18,7 +18,11 @@ with one_line_errors():
     hooks.use_project_python()
     # Our check first: its message names the offending key; then Snakemake's, which fills
     # defaults. RUN is the run description every rule's wiring reads (eaglepipe/core/run.py).
-    RUN = resolve_at_workflow_start(config)
+    RUN = resolve_at_workflow_start(
+        config,
+        config_files=workflow.overwrite_configfiles,
+        command_line=workflow.config_settings.config,
+    )
     validate(config, schema="../schemas/config.schema.yaml")
     # A drafter variant an exported engine cannot load is refused before anything runs.
     check_export_support(RUN.train.drafter.as_dict(), RUN.export.engines)
@@ -33,6 +37,12 @@ with one_line_errors():
     PREPARE_IS_FRESH = freshness.prepare_is_fresh(RUN)
     STALE_VALIDATIONS = freshness.stale_validations(RUN, SHARDS)
     INCOMPLETE_TARGETS = freshness.incomplete_targets(SHARDS, regenerate=REGENERATE)
+# What extraction reads of prepare's outputs, and whether they exist at parse time.
+PREPARED_INPUTS = {
+    "table": "prepared/tokenized.parquet",
+    "summary": "prepared/summary.json",
+}
+PREPARED_PRESENT = all(os.path.exists(path) for path in PREPARED_INPUTS.values())
 RUN_TOKEN = hooks.run_token()
 RESOLVED = str(RESOLVED_CONFIG)
 ENV = "../envs/pipeline.yaml"
@@ -84,12 +94,17 @@ def regenerate_inputs(wildcards):
 def extract_inputs(wildcards):
     shard = shard_name(wildcards)
     fresh = SHARD_IS_FRESH(shard)
-    return {
+    inputs = {
         "stamp": when_stale(str(provenance.shard_stamp(shard)), fresh),
-        "table": when_stale("prepared/tokenized.parquet", fresh),
-        "summary": when_stale("prepared/summary.json", fresh),
         "model": ancient(MODEL_CONFIG),
     }
+    # A fresh shard's own rows decide, not the table: while prepare makes the table again
+    # (a failed prepare removed it), a fresh shard takes no input from it, since Snakemake
+    # reruns every job with a missing input, ancient() or not (eaglepipe/plan/freshness.py).
+    for name, path in PREPARED_INPUTS.items():
+        if not fresh or PREPARED_PRESENT:
+            inputs[name] = when_stale(path, fresh)
+    return inputs
 
 
 def validate_inputs(wildcards):

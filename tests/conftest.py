@@ -153,3 +153,27 @@ def shard_lock_held_elsewhere(shard_dir: Path) -> Iterator[subprocess.Popen]:
     finally:
         os.killpg(holder.pid, signal.SIGKILL)
         holder.wait()
+
+
+@contextmanager
+def small_filesystem(path: Path, size: int) -> Iterator:
+    """A tmpfs of `size` bytes (whole pages) mounted at `path` for the block, to fill up: yields
+    `resize(bytes)`, which frees space (or takes it) as a user would. Skips the test where
+    mounting is not allowed (not root)."""
+    path.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "eaglepipe-test", str(path)],
+        capture_output=True,
+        text=True,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.strip()}")
+
+    def resize(new_size: int) -> None:
+        subprocess.run(["mount", "-o", f"remount,size={new_size}", str(path)], check=True)
+
+    try:
+        yield resize
+    finally:
+        if subprocess.run(["umount", str(path)], capture_output=True).returncode:
+            subprocess.run(["umount", "-l", str(path)], check=False)

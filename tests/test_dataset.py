@@ -56,7 +56,19 @@ BAD_ROWS = [
         {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": ""}]},
         dataset.EMPTY_ASSISTANT_REPLY,
     ),
+    (
+        {"messages": [{"role": r, "content": "x"} for r in ("user", "user", "assistant")]},
+        dataset.TURN_ORDER,
+    ),
+    (
+        {"conversations": [{"from": r, "value": "x"} for r in ("gpt", "human", "gpt")]},
+        dataset.TURN_ORDER,
+    ),
 ]
+
+
+def _roles(*roles: str) -> dict:
+    return {"messages": [{"role": role, "content": f"{role} says"} for role in roles]}
 
 
 def _jsonl(path, rows):
@@ -77,8 +89,11 @@ def test_both_formats_normalize_to_the_same_messages():
      ("assistant", "assistant"), ("system", "system")],
 )  # fmt: skip
 def test_sharegpt_role_aliases(role, expected):
-    record = {"conversations": [{"from": role, "value": "x"}]}
-    assert normalize_record(record)[0]["role"] == expected
+    # Each alias in a place its role may take (a reply follows a prompt).
+    before = [{"from": "human", "value": "q"}] if expected == "assistant" else []
+    after = [{"from": "human", "value": "q"}] if expected == "system" else []
+    record = {"conversations": [*before, {"from": role, "value": "x"}, *after]}
+    assert normalize_record(record)[len(before)]["role"] == expected
 
 
 def test_explicit_format_requires_its_key():
@@ -92,6 +107,37 @@ def test_each_bad_row_has_its_reason(record, reason):
     with pytest.raises(dataset.RowProblem) as info:
         normalize_record(record)
     assert info.value.reason == reason
+
+
+@pytest.mark.parametrize(
+    ("roles", "why"),
+    [
+        (("user", "user", "assistant"), "message 1 has role 'user' where 'assistant' was expected"),
+        (("assistant", "user", "assistant"), "must start with a user turn"),
+        (("system", "assistant"), "must start with a user turn"),
+        (("user", "system", "assistant"), "a system message is allowed only as the first"),
+        (("system", "system", "user", "assistant"), "a system message is allowed only as the"),
+        (("user", "assistant", "assistant"), "it follows a 'assistant' message"),
+    ],
+)
+def test_turns_out_of_order_are_bad_rows_that_say_why(roles, why):
+    with pytest.raises(dataset.RowProblem) as info:
+        normalize_record(_roles(*roles))
+    assert info.value.reason == dataset.TURN_ORDER
+    assert why in info.value.detail
+
+
+@pytest.mark.parametrize(
+    "roles",
+    [
+        ("user", "assistant"),
+        ("system", "user", "assistant"),
+        ("system", "user", "assistant", "user", "assistant"),
+        ("user", "assistant", "user"),  # a last prompt with no reply is context, not an error
+    ],
+)
+def test_alternating_turns_after_an_optional_system_message_are_kept(roles):
+    assert [m["role"] for m in normalize_record(_roles(*roles))] == list(roles)
 
 
 def test_jsonl_rows_and_ids_skip_blank_lines(tmp_path):

@@ -17,7 +17,7 @@ from typing import Optional  # noqa: UP035 - names the SGLang functions refer to
 
 import pytest
 import torch
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, small_filesystem
 from safetensors import safe_open
 from safetensors.torch import save
 from sglang_source import range_ends, sglang_source_root
@@ -27,6 +27,7 @@ from eaglepipe.core.atomic import atomic_write_bytes
 from eaglepipe.core.config import load_config
 from eaglepipe.core.errors import PipelineError
 from eaglepipe.core.run import RunSpec, resolve
+from eaglepipe.core.sealed import seal_problem
 from eaglepipe.drafter import engine_load as el
 from eaglepipe.drafter import export as ex
 from eaglepipe.drafter.model import DrafterConfig, Eagle3Drafter
@@ -102,8 +103,9 @@ def export_run(model_dir: Path, engines: list[str]) -> RunSpec:
     return resolve(config)
 
 
-def tiny_export(tmp_path: Path, target_config: dict, aux_ids: list[int]) -> Path:
-    """A random drafter written through export.export for a target of the given config."""
+def tiny_drafter(tmp_path: Path, target_config: dict, aux_ids: list[int]) -> RunSpec:
+    """A random drafter (`model.safetensors`, `vocab.safetensors` in `tmp_path`) for a target
+    of the given config; the run description of that target."""
     model_dir = tmp_path / "target"
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps(target_config))
@@ -118,12 +120,22 @@ def tiny_export(tmp_path: Path, target_config: dict, aux_ids: list[int]) -> Path
     tensors = {k: v.contiguous() for k, v in model.trainable_state_dict().items()}
     meta = {"drafter_config": drafter_config.to_json(), "aux_layer_ids": json.dumps(aux_ids)}
     atomic_write_bytes(tmp_path / "model.safetensors", save(tensors, metadata=meta))
+    return export_run(model_dir, ["sglang", "vllm"])
+
+
+def export_tiny_drafter(run: RunSpec, tmp_path: Path, out_dir: Path) -> None:
     ex.export(
-        export_run(model_dir, ["sglang", "vllm"]),
+        run,
         model_path=str(tmp_path / "model.safetensors"),
         vocab_path=str(tmp_path / "vocab.safetensors"),
-        out_dir=str(tmp_path / "export"),
+        out_dir=str(out_dir),
     )
+
+
+def tiny_export(tmp_path: Path, target_config: dict, aux_ids: list[int]) -> Path:
+    """A random drafter written through export.export for a target of the given config."""
+    run = tiny_drafter(tmp_path, target_config, aux_ids)
+    export_tiny_drafter(run, tmp_path, tmp_path / "export")
     return tmp_path / "export"
 
 
@@ -446,3 +458,27 @@ def test_sglang_reads_rope_from_the_keys_the_export_writes(sglang_root):
         and isinstance(node.args[1], ast.Constant)
     }
     assert {"rope_parameters", "rope_theta", "rope_scaling"} <= read
+
+
+def test_a_full_disk_stops_the_export_in_one_line_and_the_next_one_finishes(tmp_path):
+    run = tiny_drafter(tmp_path, llama_config(), [1, 3, 4])
+    reference = tmp_path / "reference"
+    export_tiny_drafter(run, tmp_path, reference)
+    out = tmp_path / "export"
+    # One page: the first engine's config.json fits, its weights do not.
+    with small_filesystem(out, 4096) as resize:
+        with pytest.raises(PipelineError) as info:
+            export_tiny_drafter(run, tmp_path, out)
+        assert str(info.value).startswith(
+            f"no space left on the filesystem of {out / 'sglang'} while writing model.safetensors"
+        )
+        # Nothing half-written: no temp file, no weights (the config alone is no export, and
+        # the workflow removes a failed job's outputs).
+        assert sorted(p.name for p in (out / "sglang").iterdir()) == ["config.json"]
+        resize(1 << 20)
+        export_tiny_drafter(run, tmp_path, out)
+        for engine in ("sglang", "vllm"):
+            for name in ("config.json", "model.safetensors"):
+                written = (out / engine / name).read_bytes()
+                assert written == (reference / engine / name).read_bytes()
+            assert seal_problem(out / engine / "model.safetensors") is None

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import PYTHON, REPO_ROOT, build_tiny_llama
+from conftest import PYTHON, REPO_ROOT, build_tiny_llama, small_filesystem
 from drafter_helpers import make_inputs, synthetic_rows, train_tiny_target
 
 from eaglepipe.core.config import config_from_arg
@@ -212,6 +212,42 @@ def test_killed_training_resumes_to_the_same_step_count(pipeline, tmp_path):
     assert [r["step"] for r in log] == list(range(1, full_steps + 1))
     assert f"from step {checkpoint_step}" in resumed.stdout
     assert (tmp_path / "model.safetensors").exists()
+
+
+def test_a_full_disk_at_a_checkpoint_stops_training_in_one_line_and_the_rerun_resumes(
+    pipeline, tmp_path
+):
+    full_steps = len(read_log(pipeline["drafter"] / "train_log.jsonl"))
+    config = json.loads(json.dumps(config_from_arg(pipeline["config"])))
+    config["train"]["checkpoint_every"] = 5
+    config_path = tmp_path / "config.json"
+    config_path.write_text(json.dumps(config))
+    args = train_args({**pipeline, "config": str(config_path)}, tmp_path)
+    # A checkpoint holds the trainable weights and two Adam moments, about 3x the model file:
+    # room for one and a half, so the first is written and the second runs out of space.
+    model_bytes = (pipeline["drafter"] / "model.safetensors").stat().st_size
+    room = -(-int(4.5 * model_bytes) // 4096) * 4096
+    checkpoints = tmp_path / "checkpoints"
+    with small_filesystem(checkpoints, room) as resize:
+        full = run_script("train.py", *args, cwd=pipeline["root"], check=False)
+        output = full.stdout + full.stderr
+        assert full.returncode == 1, output[-3000:]
+        (error,) = [line for line in output.splitlines() if line.startswith("error: ")]
+        assert error.startswith(
+            f"error: no space left on the filesystem of {checkpoints} while writing step-0000001"
+        ), error
+        assert "Traceback" not in output
+        # Only whole checkpoints are left, and no model.
+        assert [p.name for p in checkpoints.iterdir()] == ["step-00000005.pt"]
+        assert not (tmp_path / "model.safetensors").exists()
+
+        resize(64 << 20)
+        resumed = run_script("train.py", *args, cwd=pipeline["root"])
+        assert "(step 5)" in resumed.stdout and "from step 5" in resumed.stdout
+        assert [r["step"] for r in read_log(tmp_path / "train_log.jsonl")] == list(
+            range(1, full_steps + 1)
+        )
+        assert (tmp_path / "model.safetensors").exists()
 
 
 def test_a_changed_drafter_variant_never_resumes_another_variants_checkpoint(

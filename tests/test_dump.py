@@ -139,6 +139,71 @@ def test_prepare_dump_dir_refuses_symlink_and_file(tmp_path):
         prepare_dump_dir(plain)
 
 
+# Another user, as the test (root) can make one: a uid no account has.
+OTHER_UID = 54321
+
+
+@pytest.fixture
+def as_root():
+    if os.getuid() != 0:
+        pytest.skip("needs root to give files to another user")
+
+
+def test_a_parent_symlink_to_another_users_directory_is_refused(tmp_path, as_root):
+    # The case: dump_root /tmp/x/sub/root with sub -> a directory another user owns.
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    os.chown(victim, OTHER_UID, OTHER_UID)
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "sub").symlink_to(victim)
+    with pytest.raises(PipelineError) as info:
+        prepare_dump_dir(tmp_path / "x" / "sub" / "root", what="server.dump_root")
+    message = str(info.value)
+    assert f"is reached through {victim}, a directory owned by uid {OTHER_UID}" in message
+    assert "server.dump_root" in message
+    assert not (victim / "root").exists()
+
+
+def test_a_parent_symlink_another_user_owns_is_refused(tmp_path, as_root):
+    # Our directory behind it, but the link is theirs: they decide where it leads.
+    ours = tmp_path / "ours"
+    ours.mkdir()
+    (tmp_path / "sticky").mkdir(mode=0o1777)
+    os.chmod(tmp_path / "sticky", 0o1777)
+    link = tmp_path / "sticky" / "link"
+    link.symlink_to(ours)
+    os.lchown(link, OTHER_UID, OTHER_UID)
+    with pytest.raises(PipelineError, match=rf"through {link}, a symlink owned by uid {OTHER_UID}"):
+        prepare_dump_dir(link / "root")
+    assert not (ours / "root").exists()
+
+
+def test_a_parent_directory_another_user_owns_or_may_write_is_refused(tmp_path, as_root):
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, OTHER_UID, OTHER_UID)
+    with pytest.raises(PipelineError, match=rf"through {theirs}, a directory owned by uid"):
+        prepare_dump_dir(theirs / "root")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o775)  # group members could rename what it holds
+    with pytest.raises(PipelineError, match=rf"through {shared}, a directory others may write"):
+        prepare_dump_dir(shared / "deeper" / "root")
+    assert not (shared / "deeper").exists()
+
+
+def test_sticky_parents_and_our_own_symlinks_are_followed_to_the_real_path(tmp_path):
+    sticky = tmp_path / "tmp"
+    sticky.mkdir()
+    os.chmod(sticky, 0o1777)  # like /tmp and /dev/shm
+    real = sticky / "real"
+    real.mkdir()
+    (tmp_path / "alias").symlink_to(real)
+    root = prepare_dump_dir(tmp_path / "alias" / "sub" / "root")
+    assert root == real / "sub" / "root" and root.is_dir()
+    assert stat.S_IMODE(root.stat().st_mode) == 0o700
+
+
 # ----------------------------------------------------------------------------- reading
 
 

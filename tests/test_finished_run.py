@@ -167,6 +167,89 @@ def test_verify_sets_damaged_data_aside_and_snakemake_repairs_it(run, damage):
     } == intact
 
 
+def test_verify_checks_every_stage_and_a_rebuilt_table_leaves_the_shards_fresh(run):
+    """The prepared table, the trained drafter and an export, damaged where snakemake cannot
+    see it: verify names each and sets it aside; the next run makes exactly those again (and
+    what follows them), never the hidden states or their validation."""
+
+    def damage(path: Path, change) -> None:
+        # As a disk or a copy damages a file: its bytes change, its mtime does not.
+        stat = path.stat()
+        path.write_bytes(change(path.read_bytes()))
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+    table = run / "prepared" / "tokenized.parquet"
+    intact_table = table.read_bytes()
+    middle = len(intact_table) // 2
+    damage(table, lambda b: b[:middle] + bytes([b[middle] ^ 0xFF]) + b[middle + 1 :])
+    model = run / "drafter" / "model.safetensors"
+    damage(model, lambda b: b[:-64])
+    config = run / "drafter" / "export" / "vllm" / "config.json"
+    damage(config, lambda b: b.replace(b'"num_hidden_layers": 1', b'"num_hidden_layers": 2'))
+    assert dry_run_jobs(run) == {}
+
+    result = eaglepipe(run, "verify")
+    assert result.returncode == 1, result.stdout + result.stderr
+    errors = [line for line in result.stdout.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 3, result.stdout
+    for damaged in (table, model, config):
+        assert any(str(damaged.relative_to(run)) in line for line in errors), damaged
+    assert (
+        "repair: prepared/tokenized.parquet: set aside as prepared/tokenized.invalid.parquet; "
+        "`snakemake --cores N` prepares the table again" in result.stdout
+    )
+    assert (run / "prepared" / "tokenized.invalid.parquet").exists() and not table.exists()
+    assert not model.exists() and not config.exists()
+    jobs = dry_run_jobs(run)
+    assert jobs["prepare"] == 1 and jobs["train"] == 1 and jobs["export"] == 1
+    assert "extract" not in jobs and "validate" not in jobs
+    run_snakemake(run, "--cores", "2", timeout=1200)
+    assert table.read_bytes() == intact_table
+    assert eaglepipe(run, "verify").returncode == 0
+    assert dry_run_jobs(run) == {}
+
+
+def test_a_failed_prepare_leaves_fresh_shards_fresh(run):
+    # What a failed prepare leaves: Snakemake removed its outputs. The shards' own rows did not
+    # change, so the table made again must not rerun their extraction or validation.
+    for name in ("tokenized.parquet", "summary.json", "skipped.json"):
+        (run / "prepared" / name).unlink()
+    jobs = dry_run_jobs(run)
+    assert jobs["prepare"] == 1 and jobs["train"] == 1
+    assert "extract" not in jobs and "validate" not in jobs
+
+
+def test_status_verify_and_a_dry_run_judge_a_changed_setting_alike(run):
+    """For the config they are given, by the workflow's rule; and a dry run with another config
+    never changes the config and facts the finished run recorded."""
+    recorded = {
+        name: (run / ".eaglepipe" / name).read_bytes() for name in ("config.json", "run.json")
+    }
+    edit_config(run, lambda config: config["dataset"].__setitem__("max_length", 384))
+    jobs = dry_run_jobs(run)
+    assert jobs["prepare"] == 1 and jobs["extract"] == 4 and jobs["validate"] == 4
+    for name, content in recorded.items():
+        assert (run / ".eaglepipe" / name).read_bytes() == content, name
+    status = eaglepipe(run, "status")
+    assert "shards: 4 planned, 0 done, 4 stale" in status.stdout, status.stdout
+    assert "stale: prepared/ was made from other rows or settings" in status.stdout
+    verify = eaglepipe(run, "verify", "--check-only")
+    assert verify.returncode == 1
+    stale = [line for line in verify.stdout.splitlines() if line.startswith("stale: ")]
+    assert stale == ["stale: prepared/ was made from other rows or settings than this config: "
+                     "`snakemake --cores N` prepares it again"] + [
+        f"stale: hidden_states/{shard} was extracted from other rows or settings than this "
+        "config: `snakemake --cores N` extracts it again (keeping the chunks whose rows are "
+        "unchanged)"
+        for shard in SHARDS
+    ]  # fmt: skip
+    # The recorded config (status's default) still describes the finished run: nothing stale.
+    default = subprocess.run(
+        [EAGLEPIPE, "status"], cwd=run, capture_output=True, text=True, timeout=300
+    )
+    assert "shards: 4 planned, 4 done, 0 running" in default.stdout, default.stdout
+
+
 def test_shards_of_an_earlier_plan_are_named_and_never_trained_on(run):
     edit_config(run, lambda config: config["shards"].__setitem__("rows_per_shard", 20))
     verify = eaglepipe(run, "verify", "--check-only")

@@ -30,8 +30,8 @@ from eaglepipe.core.errors import PipelineError
 from eaglepipe.core.run import resolve
 from eaglepipe.ops.cli import EXIT_NOT_RUNNING
 from eaglepipe.ops.cli import main as cli_main
-from eaglepipe.server import lifecycle
-from eaglepipe.server.leases import ServerPaths, read_history, read_json
+from eaglepipe.server import lifecycle, ports
+from eaglepipe.server.leases import ServerPaths, hostname, read_history, read_json
 from eaglepipe.server.lifecycle import server_lease, stop_if_started_by
 from eaglepipe.server.ports import port_is_free
 
@@ -337,6 +337,47 @@ def test_the_handoff_root_is_created_private(run):
         root = Path(handle.dump_dir).parent
     assert oct(root.stat().st_mode & 0o777) == "0o700"
     assert stop_if_started_by("run-mode") is True
+
+
+def test_two_working_directories_on_one_node_draw_ports_of_their_own(run, monkeypatch, capsys):
+    # The default (server.port null): no shared default port for two pipelines to meet on.
+    run.use_fake_engine(monkeypatch)
+    config = resolve(run.with_server(port=None))
+    other = ServerPaths(run.workdir / "other" / ".eaglepipe" / "server" / hostname())
+    with server_lease(config, run_token="run-here") as here:
+        try:
+            with server_lease(config, run_token="run-there", paths=other) as there:
+                assert here.state["port"] != there.state["port"]
+                for handle in (here, there):
+                    assert lifecycle.probe_health(handle.url) is None  # healthy
+                    assert handle.state["port"] in ports.DRAWN_PORTS
+                assert read_json(other.state)["port"] == there.state["port"]
+        finally:
+            lifecycle.stop_server(paths=other)
+    assert stop_if_started_by("run-here") is True
+    assert "not a loopback address" not in capsys.readouterr().err
+
+
+def test_a_working_directory_keeps_its_port_and_steps_past_a_taken_one(tmp_path):
+    first = ports.working_directory_port("127.0.0.1", tmp_path / "a")
+    assert first == ports.working_directory_port("127.0.0.1", tmp_path / "a")
+    assert first != ports.working_directory_port("127.0.0.1", tmp_path / "b")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", first))
+        taken.listen()
+        assert ports.working_directory_port("127.0.0.1", tmp_path / "a") != first
+
+
+def test_a_server_host_other_than_loopback_is_warned_about_in_one_line(run, monkeypatch, capsys):
+    for host in ("127.0.0.1", "::1", "localhost"):
+        assert ports.exposure_warning(host, 8000) is None
+    run.use_fake_engine(monkeypatch)
+    with server_lease(resolve(run.with_server(host="0.0.0.0")), run_token="run-open"):
+        pass
+    assert stop_if_started_by("run-open") is True
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if "loopback" in x]
+    assert line.startswith("warning: server.host 0.0.0.0 is not a loopback address")
+    assert "no authentication" in line
 
 
 def test_refuses_a_port_held_by_a_foreign_process_and_leaves_it_running(run):

@@ -12,7 +12,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from conftest import PYTHON, REPO_ROOT
+from conftest import PYTHON, REPO_ROOT, small_filesystem
 
 from eaglepipe.core.config import load_config
 from eaglepipe.core.errors import PipelineError
@@ -331,6 +331,31 @@ def test_script_runs_and_reports_errors_in_one_line(tmp_path, toy_dir, sample_ro
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and "row 0 (line 1): no assistant tokens" in last
+
+
+def test_a_full_disk_stops_prepare_before_its_summary_and_the_next_run_finishes(
+    tmp_path, toy_dir, sample_rows
+):
+    config = _config(toy_dir, _jsonl(tmp_path / "d.jsonl", sample_rows))
+    reference = run_prepare(
+        resolve(config), prepared_dir=tmp_path / "reference", cache_dir=tmp_path / "cache"
+    )
+    files = reference["files"]  # the sizes the summary lists, then the summary's own
+    pages = sum(-(-f["bytes"] // 4096) for f in files.values())
+    prepared = tmp_path / "prepared"
+    # Room for the table and the skipped rows, not for the summary written after them.
+    with small_filesystem(prepared, pages * 4096) as resize:
+        with pytest.raises(PipelineError) as info:
+            _run(config, tmp_path)
+        assert str(info.value).startswith(
+            f"no space left on the filesystem of {prepared} while writing summary.json: "
+        )
+        left = sorted(p.name for p in prepared.iterdir())
+        assert left == ["skipped.json", "tokenized.parquet"]  # no summary: not complete
+        resize(1 << 20)
+        assert _run(config, tmp_path) == reference
+        for name in ("tokenized.parquet", "skipped.json", "summary.json"):
+            assert (prepared / name).read_bytes() == (tmp_path / "reference" / name).read_bytes()
 
 
 def test_table_has_one_row_group_per_shard_and_reads_a_range(tmp_path, toy_dir, sample_rows):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import plain_greedy
+from conftest import plain_greedy, small_filesystem
 from pipeline_run import (
     copy_run,
     dry_run_jobs,
@@ -296,6 +296,84 @@ def test_a_deleted_regenerated_shard_is_noticed_and_its_journalled_rows_come_bac
     log = (run_copy / "logs" / "extract" / f"{shard}.log").read_text()
     assert "chunk(s) verified from an earlier run" in log.split("extraction job started")[-1]
     assert dry_run_jobs(run_copy, *EXTRACTED) == {}
+
+
+def eaglepipe(workdir: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [EAGLEPIPE, *args, "--config", "config.yaml"],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_damaged_regenerated_rows_are_named_by_verify_and_restored_from_the_journal(run_copy):
+    rows = regen_dir(run_copy, "rows_0-10") / "rows.jsonl"
+    intact = rows.read_bytes()
+    rows.write_bytes(intact[:-200])  # truncate -s -200
+    assert dry_run_jobs(run_copy, *EXTRACTED) == {}  # nothing a parse could see
+    result = eaglepipe(run_copy, "verify")
+    assert result.returncode == 1, result.stdout + result.stderr
+    (error,) = [line for line in result.stdout.splitlines() if line.startswith("error: ")]
+    assert "regenerated/rows_0-10/rows.jsonl is" in error and "its manifest lists" in error
+    assert "repair: regenerated/rows_0-10/rows.jsonl: restored from its journal" in result.stdout
+    assert rows.read_bytes() == intact
+    assert eaglepipe(run_copy, "verify").returncode == 0
+    assert dry_run_jobs(run_copy, *EXTRACTED) == {}
+
+
+def test_status_verify_and_a_dry_run_agree_after_a_regeneration_setting_changes(run_copy):
+    edit_config(run_copy, lambda c: c["dataset"]["regenerate"].update(max_new_tokens=25))
+    assert dry_run_jobs(run_copy, *EXTRACTED) == {"regenerate": 2, "prepare": 1, "extract": 2}
+    status = eaglepipe(run_copy, "status")
+    assert "regenerated: 2 planned, 0 done, 2 stale, 0 running" in status.stdout, status.stdout
+    assert "shards: 2 planned, 0 done, 2 stale, 0 running" in status.stdout
+    verify = eaglepipe(run_copy, "verify", "--check-only")
+    assert verify.returncode == 1
+    for shard in SHARDS:
+        assert f"stale: regenerated/{shard} was made under other settings" in verify.stdout
+        assert f"stale: hidden_states/{shard} was extracted from other rows" in verify.stdout
+    assert "stale: prepared/ was made from other rows or settings" in verify.stdout
+
+
+def test_a_full_disk_mid_shard_fails_in_one_line_and_the_next_run_finishes(run_copy):
+    shard = "rows_0-10"
+    directory = regen_dir(run_copy, shard)
+    before = (directory / "rows.jsonl").read_bytes()
+    journal_bytes = (directory / "journal.jsonl").stat().st_size
+    shutil.rmtree(directory)
+    target = f"regenerated/{shard}/manifest.json"
+    # A page for the writer lock and pages for about half the journal: some rows are
+    # journalled, then an append runs out of space.
+    room = 4096 + -(-journal_bytes // 2 // 4096) * 4096
+    with small_filesystem(directory, room) as resize:
+        full = run_snakemake(run_copy, "--cores", "2", target, check=False)
+        output = full.stdout + full.stderr
+        assert full.returncode != 0, output[-3000:]
+        errors = [line for line in output.splitlines() if line.startswith("error: ")]
+        assert any(
+            line.startswith(f"error: no space left on the filesystem of regenerated/{shard} ")
+            for line in errors
+        ), output[-6000:]
+        assert "Traceback" not in output
+        left = sorted(p.name for p in directory.iterdir())
+        assert "manifest.json" not in left and "rows.jsonl" not in left
+        assert not [name for name in left if name.startswith(".")], left  # no temp file
+        journalled = 0
+        for line in (directory / "journal.jsonl").read_text().splitlines():
+            try:
+                json.loads(line)
+                journalled += 1
+            except ValueError:
+                pass  # the append the full disk cut short
+        assert 0 < journalled < 10
+
+        resize(64 << 20)
+        run_snakemake(run_copy, "--cores", "2", target)
+        manifest = manifest_of(run_copy, shard)
+        assert manifest["timing"]["rows_kept"] == journalled
+        assert (directory / "rows.jsonl").read_bytes() == before
 
 
 def test_prepare_refuses_a_stale_regenerated_shard(run_copy):

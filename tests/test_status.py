@@ -143,7 +143,14 @@ def test_every_state_with_totals_throughput_and_eta(tmp_path, sleeper):
     )
     by_name = {s.name: s for s in summary.shards}
     assert [by_name[n].state for n in names] == ["done", "done", "running", "partial", "failed"]
-    assert summary.counts == {"done": 2, "running": 1, "failed": 1, "partial": 1, "remaining": 0}
+    assert summary.counts == {
+        "done": 2,
+        "stale": 0,
+        "running": 1,
+        "failed": 1,
+        "partial": 1,
+        "remaining": 0,
+    }
     assert by_name[names[2]].lock_pid == sleeper.pid
     assert by_name[names[2]].chunks_done == 2
     # Chunks planned the way extraction plans them: two 100-token rows per chunk here.
@@ -251,6 +258,7 @@ def test_five_thousand_shards(tmp_path):
     summary = status.shard_status(tmp_path, names, now=NOW)
     assert summary.counts == {
         "done": 3000,
+        "stale": 0,
         "running": 0,
         "failed": 3,
         "partial": 10,
@@ -343,14 +351,22 @@ def test_reads_what_the_shard_store_writes(tmp_path):
     )
 
 
-def test_regeneration_shards_are_counted_and_failures_named(tmp_path):
+def recorded_manifest(path: Path, workflow: str | None) -> None:
+    """A finished shard's manifest recording the workflow provenance it was made under."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"provenance": {"workflow": workflow}, "xxh3_128": "0" * 32}))
+
+
+def test_regeneration_shards_are_counted_and_failures_named(tmp_path, monkeypatch):
     from eaglepipe.core.shard_job import record_failure
+    from eaglepipe.plan.provenance import regeneration_provenance
 
     config = twenty_row_config(tmp_path)
     config["dataset"]["regenerate"]["enabled"] = True
     regenerated = tmp_path / "regenerated"
-    (regenerated / "rows_0-8").mkdir(parents=True)
-    (regenerated / "rows_0-8" / "manifest.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    current = regeneration_provenance(resolve(config), "rows_0-8")
+    recorded_manifest(regenerated / "rows_0-8" / "manifest.json", current)
     (regenerated / "rows_8-16").mkdir()
     (regenerated / "rows_8-16" / "journal.jsonl").write_text('{"key": "k", "row": {}}\n' * 3)
     out = io.StringIO()
@@ -362,3 +378,46 @@ def test_regeneration_shards_are_counted_and_failures_named(tmp_path):
     out = io.StringIO()
     assert status.print_status(resolve(config), workdir=tmp_path, stream=out) == 1
     assert "FAILED   regenerated/rows_16-20: row 17: empty regenerated reply" in out.getvalue()
+
+
+def test_stale_shards_are_judged_by_the_workflows_rule_for_the_config_given(tmp_path, monkeypatch):
+    """A manifest made under other settings or rows is stale, not done, as `snakemake -n` would
+    redo it; judged for the config status is given, and nothing is written."""
+    from eaglepipe.plan.provenance import regeneration_provenance, shard_provenance
+
+    config = twenty_row_config(tmp_path)
+    config["dataset"]["regenerate"]["enabled"] = True
+    monkeypatch.chdir(tmp_path)
+    run = resolve(config)
+    for shard in ("rows_0-8", "rows_8-16"):
+        manifest = tmp_path / "regenerated" / shard / "manifest.json"
+        recorded_manifest(manifest, regeneration_provenance(run, shard))
+    # rows_0-8's hidden states follow its regenerated rows: current, then made stale by a setting.
+    rows = json.loads((tmp_path / "regenerated" / "rows_0-8" / "manifest.json").read_text())
+    rows["xxh3_128"] = "a" * 32
+    (tmp_path / "regenerated" / "rows_0-8" / "manifest.json").write_text(json.dumps(rows))
+    recorded_manifest(
+        tmp_path / "hidden_states" / "rows_0-8" / "manifest.json", shard_provenance(run, "rows_0-8")
+    )
+    before = sorted(
+        p.relative_to(tmp_path) for p in tmp_path.rglob("*") if ".eaglepipe" not in p.parts
+    )
+
+    out = io.StringIO()
+    assert status.print_status(run, workdir=tmp_path, stream=out) == 0
+    text = out.getvalue()
+    assert "regenerated: 3 planned, 2 done, 0 running" in text
+    assert "shards: 3 planned, 1 done, 0 running" in text and "stale" not in text
+
+    config["dataset"]["regenerate"]["max_new_tokens"] = 7  # another reply length: redone
+    out = io.StringIO()
+    assert status.print_status(resolve(config), workdir=tmp_path, stream=out) == 0
+    text = out.getvalue()
+    assert "regenerated: 3 planned, 0 done, 2 stale, 0 running" in text
+    assert "  stale    regenerated/rows_8-16: made under other settings" in text
+    assert "shards: 3 planned, 0 done, 1 stale, 0 running" in text
+    assert "  stale    rows_0-8: extracted from other rows or settings than this config" in text
+    after = sorted(
+        p.relative_to(tmp_path) for p in tmp_path.rglob("*") if ".eaglepipe" not in p.parts
+    )
+    assert after == before  # no stamp, no record changed (caches aside)

@@ -25,7 +25,8 @@ from pipeline_run import (
     write_config,
 )
 
-from eaglepipe.core.fingerprint import hash_file
+from eaglepipe.core.errors import PipelineError
+from eaglepipe.core.fingerprint import hash_file, missing_weights
 
 SHARDS = ["rows_0-10", "rows_10-20", "rows_20-30", "rows_30-40"]
 VALIDATED = [f"validated/{s}.json" for s in SHARDS]
@@ -77,6 +78,92 @@ def test_a_config_error_is_one_line_without_a_traceback(tmp_path, section, key, 
     (line,) = [line for line in output.splitlines() if line.startswith("error:")]
     assert expected in line
     assert "Traceback" not in output and "PipelineError in file" not in output
+
+
+def fake_model_dir(directory: Path) -> Path:
+    """What a model directory copied without its weights holds: config and tokenizer files."""
+    directory.mkdir(parents=True)
+    config = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 8, "hidden_size": 64}
+    (directory / "config.json").write_text(json.dumps(config))
+    (directory / "tokenizer.json").write_text("{}")
+    (directory / "tokenizer_config.json").write_text("{}")
+    return directory
+
+
+def test_a_model_directory_without_weights_is_refused_by_the_dry_run(tmp_path):
+    config = small_config(tmp_path)
+    config["model"]["path"] = str(fake_model_dir(tmp_path / "model"))
+    write_config(tmp_path, config)
+    result = run_snakemake(tmp_path, "-n", check=False)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    (line,) = [line for line in output.splitlines() if line.startswith("error:")]
+    assert f"model.path {tmp_path / 'model'} holds no weights" in line
+    assert "Traceback" not in output
+
+
+def test_missing_weights_names_what_from_pretrained_would_miss(tmp_path):
+    model = fake_model_dir(tmp_path / "model")
+    assert "holds no weights" in missing_weights(model)
+    (model / "model.pt").write_bytes(b"x")  # not a format from_pretrained loads
+    assert "holds no weights" in missing_weights(model)
+    (model / "model-00001-of-00002.safetensors").write_bytes(b"x")
+    assert missing_weights(model) is None
+    index = {
+        "weight_map": {
+            "a": "model-00001-of-00002.safetensors",
+            "b": "model-00002-of-00002.safetensors",
+        }
+    }
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert "lacks model-00002-of-00002.safetensors" in missing_weights(model)
+
+
+def test_a_target_written_after_configfile_is_named_with_what_to_type(tmp_path):
+    # Snakemake takes the target for a second config file and merges its keys into the config.
+    write_config(tmp_path, small_config(tmp_path))
+    target = tmp_path / "hidden_states" / "rows_0-10" / "manifest.json"
+    target.parent.mkdir(parents=True)
+    target.write_text(json.dumps({"shard": "rows_0-10", "chunks": []}))
+    # run_snakemake's argv ends in `--configfile config.yaml`: the target comes right after it.
+    result = run_snakemake(tmp_path, str(target), "-n", check=False)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    (line,) = [line for line in output.splitlines() if line.startswith("error:")]
+    shown = "hidden_states/rows_0-10/manifest.json"  # relative to the run's directory
+    assert f"--configfile {shown}: its keys chunks, shard are no config sections" in line
+    assert f"`snakemake --configfile FILE -- {shown}`" in line
+    assert "Traceback" not in output
+
+
+def test_a_section_set_with_config_on_the_command_line_gets_its_types(tmp_path):
+    # `--config server.port=N` is refused by Snakemake's own parser; a section as YAML works.
+    write_config(tmp_path, small_config(tmp_path))
+    run_snakemake(tmp_path, "-n", "--config", "server={port: 31001, idle_timeout_s: 60}")
+
+
+def test_command_line_values_are_typed_and_config_files_checked(tmp_path):
+    from eaglepipe.core.config import check_config_files, type_command_line_values
+
+    given = {"server": {"port": "31001", "host": "::1"}, "aux_layer_ids": ["1", "3", "5"]}
+    config = {
+        "server": {"port": "31001", "host": "::1", "device": "cpu", "idle_timeout_s": "9"},
+        "aux_layer_ids": ["1", "3", "5"],
+    }
+    type_command_line_values(config, given)
+    assert config["server"] == {
+        "port": 31001,
+        "host": "::1",
+        "device": "cpu",
+        "idle_timeout_s": "9",
+    }
+    assert config["aux_layer_ids"] == [1, 3, 5]
+    good = write_config(tmp_path, small_config(tmp_path))
+    check_config_files([good])
+    summary = tmp_path / "summary.json"
+    summary.write_text(json.dumps({"shards": [], "rows": 3}))
+    with pytest.raises(PipelineError, match=f"--configfile {summary}: its keys rows are no"):
+        check_config_files([good, summary])
 
 
 def test_wrong_type_names_the_key(tmp_path):

@@ -13,6 +13,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from .space import disk_full_error, is_disk_full
+
 
 def fsync_dir(directory: str | os.PathLike) -> None:
     fd = os.open(directory, os.O_RDONLY)
@@ -29,10 +31,18 @@ def _umask() -> int:
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, durable: bool = True) -> None:
-    """Write via a temp file and rename; `durable=False` skips the fsyncs (for derivable files)."""
+    """Write via a temp file and rename; `durable=False` skips the fsyncs (for derivable files).
+
+    A full filesystem ends in one PipelineError naming the file, the temp file removed and the
+    target as it was."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        if is_disk_full(exc):
+            raise disk_full_error(path) from None
+        raise
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -42,8 +52,10 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, durable: bool = 
         # mkstemp creates 0600; outputs get the usual permissions of a created file.
         os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
+        if is_disk_full(exc):
+            raise disk_full_error(path) from None
         raise
     if durable:
         fsync_dir(path.parent)

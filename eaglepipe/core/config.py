@@ -75,6 +75,79 @@ def _fill_defaults(node: dict, schema: dict) -> None:
             _fill_defaults(node[key], sub)
 
 
+# --- what Snakemake's command line hands over ----------------------------------------------------
+
+
+def check_config_files(paths) -> None:
+    """Every file given with `--configfile` must be a config: a mapping of config sections.
+
+    Snakemake merges them before the workflow sees the result, so an unknown key would be
+    reported without the file that holds it; a target written after `--configfile f.yaml` is
+    the usual way to get one (Snakemake reads it as a second config file).
+    """
+    sections = set(load_schema()["properties"])
+    for path in paths:
+        try:
+            raw = yaml.safe_load(Path(path).read_text())
+        except (OSError, yaml.YAMLError):
+            continue  # Snakemake read it; its own error is the better one
+        if isinstance(raw, dict) and set(raw) <= sections:
+            continue
+        if isinstance(raw, dict):
+            unknown = ", ".join(sorted(map(str, set(raw) - sections)))
+            what = f"its keys {unknown} are no config sections"
+        else:
+            what = f"it holds a {type(raw).__name__}, not a mapping of config sections"
+        shown = os.path.relpath(path)  # as the user typed it (Snakemake made it absolute)
+        shown = str(path) if shown.startswith("..") else shown
+        raise PipelineError(
+            f"--configfile {shown}: {what} (known: {', '.join(sorted(sections))}). If it is a "
+            "target, not a config file: Snakemake's --configfile takes every word after it as "
+            "one more config file, so write the targets first (`snakemake "
+            f"{shown} --configfile FILE`) or end the config files with `--` (`snakemake "
+            f"--configfile FILE -- {shown}`)"
+        )
+
+
+def type_command_line_values(config: dict, command_line: dict) -> None:
+    """Give the values set with `--config` the types the schema wants, in place.
+
+    Snakemake reads `--config server='{port: 31000}'` with YAML's base loader, so every value
+    inside a section arrives as a string ('31000'); each such string where the schema expects
+    no string is read again as YAML. (`--config server.port=31000` never reaches the workflow:
+    Snakemake's own parser refuses a dotted key.)
+    """
+    _type_values(config, command_line, load_schema())
+
+
+def _type_values(target: dict, given: dict, schema: dict) -> None:
+    properties = schema.get("properties", {})
+    for key in given:
+        if key in target and key in properties:  # else validation names the unknown key
+            target[key] = _typed(target[key], given[key], properties[key])
+
+
+def _typed(value, given, schema: dict):
+    """`value` (merged config) typed where it came from the command line (`given`)."""
+    if isinstance(value, dict) and isinstance(given, dict):
+        _type_values(value, given, schema)
+        return value
+    if isinstance(value, list):
+        items = schema.get("items", {})
+        return [_typed(item, item, items) for item in value]
+    if not isinstance(value, str):
+        return value
+    types = schema.get("type", [])
+    types = [types] if isinstance(types, str) else types
+    if "string" in types or not types:
+        return value
+    try:
+        parsed = yaml.safe_load(value)
+    except yaml.YAMLError:
+        return value
+    return value if isinstance(parsed, str) else parsed
+
+
 def load_config(path: str | os.PathLike) -> dict:
     """Read a YAML or JSON config file and validate it."""
     path = Path(path)

@@ -7,6 +7,7 @@ file, key, port or process involved.
 
 from __future__ import annotations
 
+import errno
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,9 +27,21 @@ class ServerLost(PipelineError):
 
 @contextmanager
 def one_line_errors() -> Iterator[None]:
-    """Turn a PipelineError into `error: <message>` on stderr and exit status 1."""
+    """Turn a PipelineError into `error: <message>` on stderr and exit status 1; a full disk
+    met where no PipelineError names the file yet, too (its path when the OS gave one)."""
     try:
         yield
     except PipelineError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        where = f" while writing {exc.filename}" if exc.filename else ""
+        print(
+            f"error: no space left on device{where}: free space, then rerun (what was finished "
+            "is kept)",
+            file=sys.stderr,
+            flush=True,
+        )
         sys.exit(1)

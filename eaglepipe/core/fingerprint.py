@@ -30,6 +30,8 @@ TOKENIZER_FILE_PATTERNS = (
 
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
+# What `from_pretrained` loads weights from (one file, or the shards its index names).
+LOADABLE_WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
 WEIGHT_SAMPLE_BYTES = 1 << 20
 
 
@@ -102,3 +104,22 @@ def weights_fingerprint(directory: Path) -> str:
             tail = f.read(WEIGHT_SAMPLE_BYTES)
         parts.append([path.name, size, hash_bytes(head + tail)])
     return hash_json(parts)
+
+
+def missing_weights(model_dir: str | os.PathLike) -> str | None:
+    """Why `from_pretrained` would find no weights in `model_dir`, or None when it has them:
+    no `*.safetensors` / `*.bin` file, or a shard its index (`*.index.json`) names is absent."""
+    model_dir = Path(model_dir)
+    if not any(
+        p.is_file() for pattern in LOADABLE_WEIGHT_PATTERNS for p in model_dir.glob(pattern)
+    ):
+        return "holds no weights (no *.safetensors or *.bin file)"
+    for index in sorted(model_dir.glob("*.index.json")):
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return f"has an unreadable weight index {index.name}"
+        absent = sorted(name for name in shards if not (model_dir / name).is_file())
+        if absent:
+            return f"lacks {absent[0]}, a weight file its {index.name} names"
+    return None

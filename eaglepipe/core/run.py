@@ -2,9 +2,10 @@
 
     config.yaml --config.validate_config (schema, defaults)--> dict --resolve()--> RunSpec
 
-The Snakefile resolves the configuration at workflow start and writes the resolved config
-(`.eaglepipe/config.json`) and, beside it, the facts derived from it (`.eaglepipe/run.json`,
-for people); every job loads the description back with `load_run`. Stages take the parts they
+The Snakefile resolves the configuration when it is parsed and, when the run starts its jobs
+(not in a dry run), writes the resolved config (`.eaglepipe/config.json`) and, beside it, the
+facts derived from it (`.eaglepipe/run.json`, for people); every job loads the description
+back with `load_run`. Stages take the parts they
 need (`run.server`, `run.train`, `run.model`, ...); nothing downstream reads the raw YAML or
 re-derives a fact from it.
 
@@ -34,6 +35,7 @@ from .drafter_options import MLA_DIMS, drafter_options
 from .errors import PipelineError
 from .fingerprint import (
     hash_json,
+    missing_weights,
     model_config_hash,
     tokenizer_files,
     tokenizer_fingerprint,
@@ -147,7 +149,7 @@ class SGLangSettings(Section):
 class ServerSettings(Section):
     engine: str
     host: str
-    port: int
+    port: int | None  # None: a port drawn for the working directory (server/ports.py)
     device: str
     dtype: str
     max_batch_tokens: int
@@ -307,6 +309,18 @@ class TargetModel:
     def has_tokenizer(self) -> bool:
         return bool(tokenizer_files(self.directory))
 
+    def require_weights(self) -> None:
+        """Refuse a user's model directory `from_pretrained` would find no weights in (the toy's
+        are built by the run), before the server fails on it."""
+        if self.is_toy:
+            return
+        problem = missing_weights(self.directory)
+        if problem:
+            raise PipelineError(
+                f"model.path {self.directory} {problem}: the server could not load the model; "
+                "copy the weights there or point model.path at the full model directory"
+            )
+
 
 @dataclass(frozen=True)
 class RunSpec:
@@ -410,11 +424,23 @@ def write_run(run: RunSpec) -> None:
     write_json_if_changed(RUN_FACTS, run.facts())
 
 
-def resolve_at_workflow_start(config: dict) -> RunSpec:
-    """Snakemake's `config`, validated and resolved at workflow start: what can be checked
-    before any job runs is (the aux layer ids against the target's depth, a missing model
-    directory), and the description is written for the jobs."""
+def resolve_at_workflow_start(
+    config: dict, *, config_files=(), command_line: dict | None = None
+) -> RunSpec:
+    """Snakemake's `config`, validated and resolved when the Snakefile is parsed: what can be
+    checked before any job runs is (the aux layer ids against the target's depth, a missing
+    model directory or weights). Nothing is written: every parse resolves, dry runs included,
+    and only a run that executes jobs records its description (`write_run`, from the
+    Snakefile's onstart), so `snakemake -n` with another config never changes what a running or
+    finished run recorded.
+
+    `config_files` are the files given with `--configfile` and `command_line` what `--config`
+    set (Snakemake's `workflow.overwrite_configfiles`, `workflow.config_settings.config`): a
+    target read as a config file is named, and `--config` values get their schema types
+    (`config` is changed in place, for Snakemake's own validation after this one)."""
+    cfg.check_config_files(config_files)
+    cfg.type_command_line_values(config, command_line or {})
     run = resolve(cfg.validate_config(config))
     run.facts()  # reads the target's depth and checks the aux layer ids: one clear error here
-    write_run(run)
+    run.model.require_weights()
     return run

@@ -91,11 +91,20 @@ class ShardLock:
 
 
 def record_failure(shard_dir: str | os.PathLike, message: str) -> None:
-    """Record why this attempt at the shard failed (its first line; the log has the rest)."""
-    atomic_write_json(
-        Path(shard_dir) / FAILURE_NAME,
-        {"error": (message.splitlines() or [""])[0], "failed_at": datetime.now(UTC).isoformat()},
-    )
+    """Record why this attempt at the shard failed (its first line; the log has the rest).
+
+    Best effort: on a full disk there is no room for the record either, and the error being
+    recorded (the job's log has it) must not be replaced by that one."""
+    try:
+        atomic_write_json(
+            Path(shard_dir) / FAILURE_NAME,
+            {
+                "error": (message.splitlines() or [""])[0],
+                "failed_at": datetime.now(UTC).isoformat(),
+            },
+        )
+    except (PipelineError, OSError):
+        pass
 
 
 def read_failure(shard_dir: str | os.PathLike) -> dict | None:

@@ -3,6 +3,7 @@ that cannot fit, and human-readable sizes."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from pathlib import Path
@@ -48,4 +49,18 @@ def space_summary(needed_bytes: int, directory: str | os.PathLike) -> str:
     return (
         f"remaining extraction needs {format_bytes(needed_bytes)}; "
         f"{format_bytes(free)} free on {_existing_ancestor(Path(directory))}: {verdict}"
+    )
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """An OSError saying the filesystem (or the user's quota) has no room left."""
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_full_error(path: str | os.PathLike) -> PipelineError:
+    """The one line a write that ran out of space ends in, naming the file."""
+    path = Path(path)
+    return PipelineError(
+        f"no space left on the filesystem of {path.parent} while writing {path.name}: free "
+        "space, then rerun (what was finished is kept; nothing half-written is left)"
     )

@@ -44,6 +44,7 @@ MALFORMED_MESSAGE = "malformed message"
 UNKNOWN_ROLE = "unknown role"
 NON_STRING_CONTENT = "non-string content"
 EMPTY_ASSISTANT_REPLY = "empty assistant reply"
+TURN_ORDER = "turns out of order"
 # Found while tokenizing (eaglepipe.data.chat_mask), listed here so all reasons live in one place.
 NO_ASSISTANT_TOKENS = "no assistant tokens"
 ASSISTANT_TRUNCATED = "assistant tokens truncated away"
@@ -195,7 +196,36 @@ def _normalize(
             # It would train on nothing but an end-of-turn token.
             raise RowProblem(EMPTY_ASSISTANT_REPLY, f"message {index} (assistant) is empty")
         messages.append({"role": role, "content": content})
+    check_turn_order(messages)
     return messages
+
+
+def check_turn_order(messages: list[dict]) -> None:
+    """Raise RowProblem unless the roles are: an optional system message first, then user and
+    assistant turns alternating, starting with user.
+
+    That is the order every chat template renders as one conversation (Mistral's and Gemma's
+    refuse any other); a reply to no prompt, or two prompts in a row, would train the drafter
+    on a turn the target never answers that way, and regeneration would answer nothing.
+    """
+    expected = "user"
+    for index, message in enumerate(messages):
+        role = message["role"]
+        if role == "system" and index == 0:
+            continue
+        if role != expected:
+            if role == "system":
+                why = "a system message is allowed only as the first message"
+            elif index == 0 or (index == 1 and messages[0]["role"] == "system"):
+                why = "the conversation must start with a user turn"
+            else:
+                why = f"it follows a {messages[index - 1]['role']!r} message"
+            raise RowProblem(
+                TURN_ORDER,
+                f"message {index} has role {role!r} where {expected!r} was expected: {why} "
+                "(an optional system message, then user and assistant turns alternating)",
+            )
+        expected = "assistant" if role == "user" else "user"
 
 
 def iter_rows(path: str | os.PathLike, fmt: str = "auto") -> Iterator[Conversation | BadRow]:

@@ -43,11 +43,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
-from ..core.atomic import atomic_write_bytes, atomic_write_json
+from ..core.atomic import atomic_write_bytes, dumps_json
 from ..core.config import text_config
 from ..core.drafter_options import MLA_DIMS, NORM_FLAGS
 from ..core.errors import PipelineError
+from ..core.fingerprint import hash_bytes
 from ..core.run import RunSpec
+from ..core.sealed import CONFIG_SEAL_KEY, seal, seal_metadata
 from .model import DrafterConfig, Eagle3Drafter, load_drafter
 from .variants import ARCHITECTURES, check_export_support
 from .vocab import load_vocab
@@ -206,10 +208,12 @@ def export(
     for engine in engines:
         directory = Path(out_dir) / engine
         engine_config = export_config(model.config, target_config, engine, aux_ids)
-        atomic_write_bytes(
-            directory / "model.safetensors", save(tensors, metadata={"format": "pt"})
-        )
-        atomic_write_json(directory / "config.json", engine_config)
+        # The config first: the weights, written last, record its checksum and their own
+        # (core/sealed.py), so `eaglepipe verify` can check the pair.
+        config_bytes = dumps_json(engine_config)
+        atomic_write_bytes(directory / "config.json", config_bytes)
+        metadata = seal_metadata({"format": "pt", CONFIG_SEAL_KEY: hash_bytes(config_bytes)})
+        atomic_write_bytes(directory / "model.safetensors", seal(save(tensors, metadata=metadata)))
         ids = engine_config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
         print(f"exported {directory} (aux layer ids as {engine} reads them: {ids})", flush=True)
         written.append(directory)

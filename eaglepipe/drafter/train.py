@@ -27,6 +27,8 @@ from ..core.errors import PipelineError
 from ..core.fingerprint import hash_file, hash_json
 from ..core.jsonio import read_json_object
 from ..core.run import RunSpec, TrainSettings
+from ..core.sealed import seal, seal_metadata
+from ..core.space import disk_full_error, is_disk_full
 from .chunks import Chunk, check_chunks, damage_error, list_chunks
 from .data import BatchStream, index_rows, plan_batches, split_row_ids
 from .loss import ttt_loss
@@ -169,7 +171,7 @@ def save_drafter(model: Eagle3Drafter, path: str | os.PathLike, metadata: dict) 
     tensors["d2t"] = model.d2t.cpu()
     tensors["t2d"] = model.t2d.cpu()
     meta = {"drafter_config": model.config.to_json(), **{k: str(v) for k, v in metadata.items()}}
-    atomic_write_bytes(path, save(tensors, metadata=meta))
+    atomic_write_bytes(path, seal(save(tensors, metadata=seal_metadata(meta))))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,6 +241,19 @@ def truncate_log(path: Path, last_step: int) -> None:
         except (json.JSONDecodeError, KeyError):
             continue
     atomic_write_bytes(path, ("\n".join(kept) + "\n" if kept else "").encode())
+
+
+def append_log_line(log_out, path: Path, line: str) -> None:
+    """One step's line on the unbuffered training log. A full disk ends in one line naming
+    the log; a torn last line is dropped when the next run resumes (`truncate_log`)."""
+    data = (line + "\n").encode()
+    try:
+        while data:
+            data = data[log_out.write(data) :]
+    except OSError as exc:
+        if is_disk_full(exc):
+            raise disk_full_error(path) from None
+        raise
 
 
 # ---------------------------------------------------------------------------------------------
@@ -358,7 +373,8 @@ def train(
     tokens_done = 0
     wait_total = 0.0
     last_loss = float("nan")
-    with open(log_file, "a") if dist.is_main else open(os.devnull, "w") as log_out:
+    # Unbuffered: a write a full disk refuses fails here, not again when the file closes.
+    with open(log_file if dist.is_main else os.devnull, "ab", buffering=0) as log_out:
         # One stream over every remaining step, so reading ahead crosses epoch boundaries.
         mine = [
             batch_refs
@@ -423,8 +439,7 @@ def train(
                     "seconds": seconds,
                     "data_wait_s": waited,
                 }
-                log_out.write(json.dumps(record) + "\n")
-                log_out.flush()
+                append_log_line(log_out, log_file, json.dumps(record))
                 if dist.is_main and (step % 10 == 0 or step == end_step or step == 1):
                     elapsed = time.perf_counter() - began
                     rate = tokens_done / max(elapsed, 1e-9)

@@ -20,6 +20,7 @@ from safetensors.torch import save
 
 from ..core.atomic import atomic_write_bytes
 from ..core.errors import PipelineError
+from ..core.sealed import seal, seal_metadata
 
 
 @dataclass
@@ -89,8 +90,8 @@ def build_draft_vocab(
 
 
 def save_vocab(vocab: DraftVocab, path: str | os.PathLike, stats: dict | None = None) -> None:
-    metadata = {k: str(v) for k, v in (stats or {}).items()}
-    atomic_write_bytes(path, save({"d2t": vocab.d2t, "t2d": vocab.t2d}, metadata=metadata))
+    metadata = seal_metadata({k: str(v) for k, v in (stats or {}).items()})
+    atomic_write_bytes(path, seal(save({"d2t": vocab.d2t, "t2d": vocab.t2d}, metadata=metadata)))
 
 
 def load_vocab(path: str | os.PathLike) -> DraftVocab:

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ..core.config import RESOLVED_CONFIG
+from ..core.config import HIDDEN_STATES_DIR, RESOLVED_CONFIG, VALIDATED_DIR
 from ..core.errors import PipelineError
 from ..core.run import RunSpec, load_run
 
@@ -169,42 +169,104 @@ def _planned_shards(args: argparse.Namespace) -> list[str] | None:
         return None
 
 
+# At most this many stale outputs of one kind are named; the rest are counted.
+STALE_LISTED = 20
+
+
+def _stale_lines(found) -> list[str]:
+    """`stale: ...` lines, one per output the next run would make again, with the command."""
+    from ..core.config import PREPARED_DIR, REGENERATED_DIR
+
+    kinds = [
+        (
+            [f"{REGENERATED_DIR}/{shard}" for shard in found.regenerated],
+            "was made under other settings or source rows than this config: "
+            "`snakemake --cores N` regenerates it",
+        ),
+        (
+            [f"{PREPARED_DIR}/"] if found.prepared else [],
+            "was made from other rows or settings than this config: `snakemake --cores N` "
+            "prepares it again",
+        ),
+        (
+            [f"{HIDDEN_STATES_DIR}/{shard}" for shard in found.hidden_states],
+            "was extracted from other rows or settings than this config: `snakemake --cores N` "
+            "extracts it again (keeping the chunks whose rows are unchanged)",
+        ),
+    ]
+    lines = []
+    for names, why in kinds:
+        lines += [f"stale: {name} {why}" for name in names[:STALE_LISTED]]
+        if len(names) > STALE_LISTED:
+            lines.append(f"stale: ... and {len(names) - STALE_LISTED} more like these")
+    reports = sorted(found.validations.items())
+    for shard, why in reports[:STALE_LISTED]:
+        lines.append(
+            f"stale: {VALIDATED_DIR}/{shard}.json: {why}: `snakemake --cores N` validates it again"
+        )
+    if len(reports) > STALE_LISTED:
+        lines.append(f"stale: ... and {len(reports) - STALE_LISTED} more validation reports")
+    return lines
+
+
 def verify_command(args: argparse.Namespace) -> int:
-    from ..core.config import HIDDEN_STATES_DIR, VALIDATED_DIR
+    from ..plan.freshness import Staleness, staleness
     from ..validate import invalidate_damaged, verify_shards
+    from ..validate.stored import StoredReport, check_stored_stages
 
     root = args.hidden_states or HIDDEN_STATES_DIR
-    report = verify_shards(root, planned=_planned_shards(args), progress=True)
+    planned = _planned_shards(args)
+    report = verify_shards(root, planned=planned, progress=True)
+    stored, found = StoredReport([], []), Staleness()
+    if planned is not None:
+        run = load_run_arg(args)
+        stored = check_stored_stages(run, planned)
+        try:
+            found = staleness(run, planned)
+        except PipelineError as exc:
+            print(f"note: what is stale was not judged ({exc})", file=sys.stderr)
     for problem in report.problems:
         print(f"error: {problem}")
+    for damage in stored.damaged:
+        print(f"error: {damage.problem}")
+    for line in _stale_lines(found):
+        print(line)
+    for path in stored.unchecked:
+        print(f"note: {path} records no checksum (written by an older version): not checked")
     for shard in report.unplanned:
         print(
             f"warning: {root / shard} is not in the current shard plan (an earlier plan's): "
             f"training never reads it; remove it with `rm -r {root / shard} "
             f"{VALIDATED_DIR / shard}.json`"
         )
-    if report.damaged:
+    if report.damaged or stored.damaged:
         if args.check_only:
             print(
-                "repair: `eaglepipe verify` (without --check-only) sets the damaged shards' "
-                "manifests aside, then `snakemake --cores N` re-extracts only their bad chunks"
+                "repair: `eaglepipe verify` (without --check-only) sets the damaged files aside "
+                "(a regenerated shard's rows are restored from its journal when they can be), "
+                "then `snakemake --cores N` makes only those again (a shard's intact chunks are "
+                "kept)"
             )
         else:
             for shard in invalidate_damaged(report, root):
                 print(f"{shard}: manifest set aside ({root / shard}/manifest.invalid.json)")
-            print(
-                "repair: `snakemake --cores N` re-extracts the damaged chunks of "
-                f"{', '.join(sorted(report.damaged))} (intact chunks are kept) and revalidates "
-                "and retrains on them"
-            )
-    return 1 if report.problems else 0
+            if report.damaged:
+                print(
+                    "repair: `snakemake --cores N` re-extracts the damaged chunks of "
+                    f"{', '.join(sorted(report.damaged))} (intact chunks are kept) and "
+                    "revalidates and retrains on them"
+                )
+            for damage in stored.damaged:
+                print(f"repair: {damage.repair()}")
+    return 1 if report.problems or stored.damaged or found.any else 0
 
 
 def add_verify_command(subparsers) -> None:
     parser = subparsers.add_parser(
         "verify",
-        help="re-check integrity and schema of every shard (e.g. after copying the data); "
-        "damaged shards are set aside for re-extraction",
+        help="re-check every stage's stored files against their manifests and checksums (e.g. "
+        "after copying the data), name what is stale for the config; damaged files are "
+        "restored or set aside for the next run",
     )
     add_config_argument(parser)
     parser.add_argument(
@@ -213,7 +275,7 @@ def add_verify_command(subparsers) -> None:
     parser.add_argument(
         "--check-only",
         action="store_true",
-        help="only report; leave damaged shards' manifests in place",
+        help="only report; leave damaged files in place",
     )
     parser.set_defaults(run=verify_command)
 

@@ -1,6 +1,6 @@
 """What the Snakefile runs around the rules: garbage-collector tuning for large DAGs, the project's
-Python for rule commands, the run token, the warning about rerun triggers, the disk-space plan at
-start, and stopping the server this run started (onsuccess / onerror)."""
+Python for rule commands, the run token, the warning about rerun triggers, the run's record and
+the disk-space plan at start, and stopping the server this run started (onsuccess / onerror)."""
 
 from __future__ import annotations
 
@@ -78,6 +78,14 @@ def use_project_python() -> None:
 def run_token() -> str:
     """One token per snakemake invocation; jobs inherit it through the environment."""
     return os.environ.setdefault(RUN_TOKEN_ENV, uuid.uuid4().hex)
+
+
+def record_run(run: RunSpec) -> None:
+    """At the start of a run that executes jobs (onstart; never in a dry run): write the
+    resolved config the jobs load and the facts for people (`core.run.write_run`)."""
+    from ..core.run import write_run
+
+    write_run(run)
 
 
 def print_space_plan(run: RunSpec) -> None:

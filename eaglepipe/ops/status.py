@@ -6,6 +6,8 @@ so `eaglepipe status` answers in seconds on a 5,000-shard run.
 
 A shard is
 - done: `manifest.json` exists (the manifest is written last, atomically);
+- stale: done, but from other rows or settings than the config status was given: the same
+  rule as the workflow's (`plan.freshness.staleness`), so the next run makes it again;
 - running: its lock file names a live process (chunks done of planned from `journal.jsonl`);
 - failed: not done, not running, and its last attempt recorded why it failed (`failed.json`,
   gone once another attempt starts or the shard directory is removed);
@@ -18,6 +20,7 @@ Shard directories the plan does not contain (an earlier `rows_per_shard`) are li
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -32,7 +35,7 @@ from typing import TextIO
 import numpy as np
 import psutil
 
-from ..core.config import HIDDEN_STATES_DIR, PREPARED_TABLE, REGENERATED_DIR
+from ..core.config import HIDDEN_STATES_DIR, PREPARED_DIR, PREPARED_TABLE, REGENERATED_DIR
 from ..core.errors import PipelineError
 from ..core.run import RunSpec
 from ..core.shard_job import LOCK_NAME, read_failure
@@ -52,7 +55,9 @@ RECENT_WINDOW_S = 3600.0
 QUIET_WARNING_S = 3600.0
 
 DONE, RUNNING, FAILED, PARTIAL, REMAINING = "done", "running", "failed", "partial", "remaining"
-STATES = (DONE, RUNNING, FAILED, PARTIAL, REMAINING)
+# Done, but from other rows or settings than the config's: the next run makes it again.
+STALE = "stale"
+STATES = (DONE, STALE, RUNNING, FAILED, PARTIAL, REMAINING)
 
 
 @dataclass
@@ -276,9 +281,9 @@ def recent_throughput(
     tokens = byts = 0.0
     earliest = None
     for shard in shards:
-        if shard.state not in (DONE, RUNNING) or shard.started_at is None:
+        if shard.state not in (DONE, STALE, RUNNING) or shard.started_at is None:
             continue
-        end = shard.finished_at if shard.state == DONE else shard.last_activity
+        end = shard.finished_at if shard.state != RUNNING else shard.last_activity
         if end is None or end <= window_start:
             continue
         span = max(end - shard.started_at, 1e-6)
@@ -310,7 +315,11 @@ def summarize(
     tokens_per_s, bytes_per_s = recent_throughput(shards, now, window_s)
     if planned_tokens is not None:
         remaining = sum(
-            max(0, planned_tokens.get(s.name, 0) - s.tokens) for s in shards if s.state != DONE
+            planned_tokens.get(s.name, 0)
+            if s.state == STALE
+            else max(0, planned_tokens.get(s.name, 0) - s.tokens)
+            for s in shards
+            if s.state != DONE
         )
     else:
         # Without the prepared table: scale the done shards' tokens per row to what is left.
@@ -346,12 +355,15 @@ def shard_status(
     chunk_max_bytes: int | None = None,
     now: float | None = None,
     window_s: float = RECENT_WINDOW_S,
+    stale: Iterable[str] = (),
 ) -> StatusSummary:
     """Status of every planned shard (names `rows_<start>-<end>`) under `workdir`.
 
     `hidden_size` and `chunk_max_bytes` (optional) let running shards show chunks done of
-    planned and the totals show the bytes still to write.
+    planned and the totals show the bytes still to write; shards named in `stale` are STALE
+    when done.
     """
+    stale = set(stale)
     workdir = Path(workdir)
     hostname = socket.gethostname()
     plan = list(plan)
@@ -359,6 +371,9 @@ def shard_status(
         inspect_shard(name, hidden_states_dir=workdir / HIDDEN_STATES_DIR, hostname=hostname)
         for name in plan
     ]
+    for shard in shards:
+        if shard.state == DONE and shard.name in stale:
+            shard.state = STALE
     prepared = PreparedRows.read(workdir / PREPARED_TABLE)
     planned = (
         fill_plan(shards, prepared, hidden_size=hidden_size, chunk_max_bytes=chunk_max_bytes)
@@ -414,9 +429,10 @@ def format_status(summary: StatusSummary, *, list_all: bool = False, max_listed:
     """A screenful for a person: totals first, then running and failed shards by name."""
     c = summary.counts
     total = len(summary.shards)
+    stale = f", {c[STALE]} stale" if c[STALE] else ""
     lines = [
-        f"shards: {total} planned, {c[DONE]} done, {c[RUNNING]} running, {c[FAILED]} failed, "
-        f"{c[PARTIAL]} partial, {c[REMAINING]} remaining",
+        f"shards: {total} planned, {c[DONE]} done{stale}, {c[RUNNING]} running, "
+        f"{c[FAILED]} failed, {c[PARTIAL]} partial, {c[REMAINING]} remaining",
         f"written: {summary.rows} rows, {human_count(summary.tokens)} tokens, "
         f"{format_bytes(summary.bytes)}"
         + (
@@ -454,6 +470,11 @@ def format_status(summary: StatusSummary, *, list_all: bool = False, max_listed:
         lines.append(f"  running  {shard.name}: {shard.chunks_done}{planned} chunks ({where})")
     for shard in shown(FAILED):
         lines.append(f"  FAILED   {shard.name}: {shard.error}")
+    for shard in shown(STALE):
+        lines.append(
+            f"  stale    {shard.name}: extracted from other rows or settings than this config; "
+            "the next run extracts it again (keeping the chunks whose rows are unchanged)"
+        )
     for shard in shown(PARTIAL):
         damage = f", damaged ({shard.damage})" if shard.damage else ""
         lines.append(
@@ -470,7 +491,7 @@ def format_status(summary: StatusSummary, *, list_all: bool = False, max_listed:
         for state in (DONE, REMAINING):
             lines.extend(f"  {state:<8} {s.name}" for s in summary.shards if s.state == state)
     else:
-        hidden = sum(max(0, c[state] - max_listed) for state in (RUNNING, PARTIAL))
+        hidden = sum(max(0, c[state] - max_listed) for state in (RUNNING, STALE, PARTIAL))
         if hidden:
             lines.append(f"  ... {hidden} more shards not listed (--all lists every shard)")
     return "\n".join(lines)
@@ -498,16 +519,28 @@ def _hidden_size(run: RunSpec) -> int | None:
 
 
 def regeneration_lines(
-    regenerated_dir: Path, shard_names: list[str], *, hostname: str | None = None
+    regenerated_dir: Path,
+    shard_names: list[str],
+    *,
+    hostname: str | None = None,
+    stale: Iterable[str] = (),
+    max_listed: int = 20,
 ) -> tuple[list[str], bool]:
     """What `eaglepipe status` says of the regeneration stage (dataset.regenerate): a count of
-    its shards by state, then each running or failed one; and whether one failed."""
-    counts = dict.fromkeys((DONE, RUNNING, FAILED, PARTIAL, REMAINING), 0)
+    its shards by state, then each stale, running or failed one; and whether one failed."""
+    stale = set(stale)
+    counts = dict.fromkeys(STATES, 0)
     listed = []
     for name in shard_names:
         shard_dir = regenerated_dir / name
         if (shard_dir / MANIFEST_NAME).exists():
-            counts[DONE] += 1
+            state = STALE if name in stale else DONE
+            counts[state] += 1
+            if state == STALE and counts[STALE] <= max_listed:
+                listed.append(
+                    f"  stale    {REGENERATED_DIR}/{name}: made under other settings or source "
+                    "rows than this config; the next run regenerates it"
+                )
             continue
         try:
             rows = (shard_dir / JOURNAL_NAME).read_text().count("\n")
@@ -520,10 +553,13 @@ def regeneration_lines(
             listed.append(f"  running  {REGENERATED_DIR}/{name}: {rows} rows done ({where})")
         elif state == FAILED:
             listed.append(f"  FAILED   {REGENERATED_DIR}/{name}: {failure.get('error', '?')}")
+    if counts[STALE] > max_listed:
+        listed.append(f"  ... {counts[STALE] - max_listed} more stale regenerated shards")
+    stale_count = f", {counts[STALE]} stale" if counts[STALE] else ""
     head = (
-        f"regenerated: {len(shard_names)} planned, {counts[DONE]} done, {counts[RUNNING]} "
-        f"running, {counts[FAILED]} failed, {counts[PARTIAL]} partial (rows kept), "
-        f"{counts[REMAINING]} remaining"
+        f"regenerated: {len(shard_names)} planned, {counts[DONE]} done{stale_count}, "
+        f"{counts[RUNNING]} running, {counts[FAILED]} failed, {counts[PARTIAL]} partial (rows "
+        f"kept), {counts[REMAINING]} remaining"
     )
     return [head, *listed], counts[FAILED] > 0
 
@@ -535,20 +571,51 @@ def print_status(
     list_all: bool = False,
     stream: TextIO | None = None,
 ) -> int:
-    """`eaglepipe status`: print where the run stands; exit code 1 if any shard failed."""
+    """`eaglepipe status`: print where the run stands for `run`'s config; exit code 1 if any
+    shard failed. Nothing is written: what is stale is judged as the workflow would judge it."""
     workdir = Path(workdir)
+    names = planned_shard_names(run, workdir)
+    found, note = judge_staleness(run, names, workdir)
     summary = shard_status(
         workdir,
-        planned_shard_names(run, workdir),
+        names,
         hidden_size=_hidden_size(run),
         chunk_max_bytes=run.shards.chunk_max_bytes,
+        stale=found.hidden_states,
     )
     text = format_status(summary, list_all=list_all)
     regeneration_failed = False
     if run.dataset.regenerate.enabled:
         lines, regeneration_failed = regeneration_lines(
-            workdir / REGENERATED_DIR, [s.name for s in summary.shards]
+            workdir / REGENERATED_DIR, names, stale=found.regenerated
         )
         text = "\n".join(lines) + "\n" + text
+    extra = [note] if note else []
+    if found.prepared:
+        extra.append(
+            f"stale: {PREPARED_DIR}/ was made from other rows or settings than this config; "
+            "the next run prepares it again"
+        )
+    if found.validations:
+        shown = ", ".join(sorted(found.validations)[:5])
+        more = f" and {len(found.validations) - 5} more" if len(found.validations) > 5 else ""
+        extra.append(
+            f"stale: {len(found.validations)} validation report(s) ({shown}{more}): "
+            f"{next(iter(found.validations.values()))}; the next run validates them again"
+        )
+    if extra:
+        text += "\n" + "\n".join(extra)
     print(text, file=stream or sys.stdout, flush=True)
     return 1 if summary.failed or regeneration_failed else 0
+
+
+def judge_staleness(run: RunSpec, names: list[str], workdir: Path):
+    """(`Staleness` of the run in `workdir` for `run`'s config, a note when it cannot be judged:
+    the model directory is gone, say; then nothing counts as stale)."""
+    from ..plan.freshness import Staleness, staleness
+
+    try:
+        with contextlib.chdir(workdir):
+            return staleness(run, names), None
+    except PipelineError as exc:
+        return Staleness(), f"note: what is stale was not judged ({exc})"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..core.config import HIDDEN_STATES_DIR, VALIDATED_DIR
@@ -21,6 +22,7 @@ from .provenance import (
     _shard_provenances,
     prepare_provenance,
     regenerated_manifest_path,
+    regeneration_enabled,
     shards,
     validation_settings,
 )
@@ -50,6 +52,13 @@ def regeneration_freshness(run: RunSpec) -> Callable[[str], bool]:
 # as a target when what consumes it exists, and (3) finds validation reports that no longer
 # describe their manifest (changed bytes, even with an old mtime) or the validate settings, and
 # gives those validate jobs a freshly written stamp as input, so they rerun.
+#
+# The other way round, a missing input reruns its consumer even when it is `ancient()`: so a
+# fresh shard's extraction takes the prepared table as input only while the table exists.
+# After a failed prepare (Snakemake removes its outputs) the table is made again and only jobs
+# that are stale for their own reasons follow it; a fresh shard's hidden states and validation
+# report stay (their provenance holds the shard's rows, not the table). A fresh extraction
+# runs only when forced (`--forcerun`); without the table it then stops in one line naming it.
 
 VALIDATION_STAMP_DIR = PROVENANCE_DIR / "validate"
 VALIDATION_CACHE = Path(".eaglepipe/cache/validations.json")
@@ -75,21 +84,14 @@ def _report_facts(manifest: str, report: str) -> dict:
     return {"describes_manifest": manifest_hash == hash_file(manifest), "settings": settings}
 
 
-def stale_validations(run: RunSpec, shard_names: list[str]) -> dict[str, str]:
-    """`{shard: why}` for each shard whose validation report exists but is stale.
-
-    Facts are cached by both files' identity (inode, size, mtime, ctime): a warm parse only
-    stats 2 files per shard. Each stale shard's stamp is rewritten when what makes it stale
-    changes, so its validate job sees a new input.
-    """
-    from ..core.atomic import write_json_if_changed
-
+def _validation_staleness(run: RunSpec, shard_names: list[str]) -> tuple[dict, dict, dict]:
+    """({shard: (why, files key)} of stale reports, the facts cache as read, as it should be)."""
     try:
         cache = json.loads(VALIDATION_CACHE.read_text())
     except (FileNotFoundError, ValueError):
         cache = {}
     settings = validation_settings(run)
-    stale: dict[str, str] = {}
+    stale: dict[str, tuple[str, list]] = {}
     new_cache: dict[str, dict] = {}
     for shard in shard_names:
         manifest, report = manifest_path(shard), validation_report_path(shard)
@@ -110,15 +112,74 @@ def stale_validations(run: RunSpec, shard_names: list[str]) -> dict[str, str]:
                 why = "its manifest changed after it was validated"
             elif facts["settings"] != settings:
                 why = "the validate settings changed"
-        if why is None:
-            continue
-        stale[shard] = why
+        if why is not None:
+            stale[shard] = (why, key)
+    return stale, cache, new_cache
+
+
+def stale_validations(run: RunSpec, shard_names: list[str]) -> dict[str, str]:
+    """`{shard: why}` for each shard whose validation report exists but is stale.
+
+    Facts are cached by both files' identity (inode, size, mtime, ctime): a warm parse only
+    stats 2 files per shard. Each stale shard's stamp is rewritten when what makes it stale
+    changes, so its validate job sees a new input.
+    """
+    from ..core.atomic import write_json_if_changed
+
+    stale, cache, new_cache = _validation_staleness(run, shard_names)
+    settings = validation_settings(run)
+    for shard, (why, key) in stale.items():
         write_json_if_changed(
             validation_stamp(shard), {"why": why, "files": key, "settings": settings}, durable=False
         )
     if new_cache != cache:
         write_json_if_changed(VALIDATION_CACHE, new_cache, durable=False)
-    return stale
+    return {shard: why for shard, (why, _) in stale.items()}
+
+
+@dataclass
+class Staleness:
+    """Which existing outputs the workflow would make again for a config, and why: the same
+    decisions as the parse (`regeneration_freshness`, `prepare_is_fresh`, `shard_freshness`,
+    stale validation reports), taken without writing a stamp (`eaglepipe status`, `verify`).
+    Missing outputs are not listed: they are simply not done."""
+
+    regenerated: list[str] = field(default_factory=list)
+    prepared: bool = False
+    hidden_states: list[str] = field(default_factory=list)
+    validations: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def any(self) -> bool:
+        return bool(self.regenerated or self.prepared or self.hidden_states or self.validations)
+
+
+def staleness(run: RunSpec, shard_names: list[str]) -> Staleness:
+    """`Staleness` of the run in the working directory, for `run`'s config."""
+    from ..core.config import PREPARED_SUMMARY
+
+    found = Staleness()
+    if regeneration_enabled(run):
+        is_fresh = regeneration_freshness(run)
+        found.regenerated = [
+            shard
+            for shard in shard_names
+            if os.path.exists(regenerated_manifest_path(shard)) and not is_fresh(shard)
+        ]
+    found.prepared = PREPARED_SUMMARY.exists() and not prepare_is_fresh(run)
+    is_fresh = shard_freshness(run)
+    found.hidden_states = [
+        shard
+        for shard in shard_names
+        if os.path.exists(manifest_path(shard)) and not is_fresh(shard)
+    ]
+    stale, _, _ = _validation_staleness(run, shard_names)
+    found.validations = {
+        shard: why
+        for shard, (why, _) in stale.items()
+        if why != "its manifest is missing"  # the shard is not done: no stale report
+    }
+    return found
 
 
 def incomplete_targets(shard_names: list[str], *, regenerate: bool = False) -> list[str]:

@@ -7,7 +7,8 @@ downstream target up to date):
   (`row_id`, `split`, `num_tokens`, `input_ids`, `loss_mask`, `truncated`,
   `length_limited_turns`);
 - `prepared/skipped.json`: count, per-reason counts and the skipped rows;
-- `prepared/summary.json`: counts, length histogram, split and shard sizes, provenance.
+- `prepared/summary.json`: counts, length histogram, split and shard sizes, provenance, and
+  the size and xxh3-128 of the other two files (written last: the table's manifest).
 
 The Parquet bytes are deterministic: the table is built from an explicit Arrow schema with no
 pandas metadata, and written to memory before being compared with the file on disk.
@@ -35,6 +36,7 @@ import xxhash
 from ..core import config as config_mod
 from ..core.atomic import dumps_json, write_if_changed
 from ..core.errors import PipelineError
+from ..core.fingerprint import hash_bytes
 from ..core.progress import Progress
 from ..core.run import HoldoutSettings, RunSpec
 from ..data.chat_mask import tokenize_conversation
@@ -56,6 +58,8 @@ from ..plan.shard_plan import (
 )
 
 HISTOGRAM_BINS = 16
+# summary.json's record of the other files' sizes and checksums.
+SUMMARY_FILES_KEY = "files"
 _SKIP_EXAMPLES_PRINTED = 10
 
 
@@ -272,20 +276,18 @@ def run_prepare(
         "reasons": dict(sorted(Counter(b.reason for b in skipped).items())),
         "rows": [{"row_id": b.row_id, "reason": b.reason, "detail": b.detail} for b in skipped],
     }
-    written = {
-        config_mod.PREPARED_TABLE.name: write_if_changed(
-            prepared_dir / config_mod.PREPARED_TABLE.name,
-            _parquet_bytes(
-                row_ids, splits, token_arrays, mask_arrays, truncated, limited, rows_per_shard
-            ),
+    contents = {
+        config_mod.PREPARED_TABLE.name: _parquet_bytes(
+            row_ids, splits, token_arrays, mask_arrays, truncated, limited, rows_per_shard
         ),
-        config_mod.PREPARED_SKIPPED.name: write_if_changed(
-            prepared_dir / config_mod.PREPARED_SKIPPED.name, dumps_json(skipped_doc)
-        ),
-        config_mod.PREPARED_SUMMARY.name: write_if_changed(
-            prepared_dir / config_mod.PREPARED_SUMMARY.name, dumps_json(summary)
-        ),
+        config_mod.PREPARED_SKIPPED.name: dumps_json(skipped_doc),
     }
+    # The summary, written last, is the manifest of the other two (`eaglepipe verify`).
+    summary[SUMMARY_FILES_KEY] = {
+        name: {"bytes": len(data), "xxh3_128": hash_bytes(data)} for name, data in contents.items()
+    }
+    contents[config_mod.PREPARED_SUMMARY.name] = dumps_json(summary)
+    written = {name: write_if_changed(prepared_dir / name, data) for name, data in contents.items()}
     _print_outcome(summary, skipped_doc, prepared_dir, written)
     return summary
 

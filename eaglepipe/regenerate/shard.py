@@ -53,6 +53,7 @@ from ..server.request_ids import new_nonce
 from ..server.watch import liveness_check, watch_server
 from .client import GenerationClient, GenerationSettings, RowRefused
 from .store import (
+    INVALID_MANIFEST_NAME,
     MANIFEST_NAME,
     ROWS_NAME,
     append_row,
@@ -347,6 +348,7 @@ def regenerate_shard(
             },
         )
         write_manifest(shard_dir, manifest)
+        (shard_dir / INVALID_MANIFEST_NAME).unlink(missing_ok=True)
     log(
         f"{shard_name}: done, {manifest['regenerated_rows']} rows regenerated "
         f"({manifest['turns_regenerated']} turns, {manifest['output_tokens']} output tokens), "

@@ -13,7 +13,9 @@
   regenerated (kept under `dataset.bad_rows: skip`).
 - `manifest.json`: written last, atomically: the shard is done only when it exists. It holds
   the rows file's size and xxh3-128, counts, provenance and timing.
-- `writer.lock`, `failed.json`: as in a hidden-state shard (`shard_store`).
+- `writer.lock`, `failed.json`: as in a hidden-state shard (`shard_store`);
+  `manifest.invalid.json`: a manifest `eaglepipe verify` set aside (its rows file was damaged
+  and the journal could not restore it), removed when the shard is regenerated.
 """
 
 from __future__ import annotations
@@ -27,11 +29,13 @@ from ..core.atomic import atomic_write_bytes, atomic_write_json
 from ..core.errors import PipelineError
 from ..core.fingerprint import hash_bytes, hash_file
 from ..core.jsonio import read_json_object
+from ..core.space import disk_full_error, is_disk_full
 
 FORMAT_VERSION = 1
 ROWS_NAME = "rows.jsonl"
 JOURNAL_NAME = "journal.jsonl"
 MANIFEST_NAME = "manifest.json"
+INVALID_MANIFEST_NAME = "manifest.invalid.json"
 
 
 def row_line(record: dict) -> bytes:
@@ -45,12 +49,19 @@ def append_row(shard_dir: str | os.PathLike, key: str, record: dict) -> None:
     """Journal a finished row; durable before the call returns."""
     line = json.dumps({"key": key, "row": record}, sort_keys=True, ensure_ascii=False) + "\n"
     path = Path(shard_dir) / JOURNAL_NAME
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
-        os.write(fd, line.encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            data = line.encode()
+            while data:  # a short write leaves a torn line, which the next run drops
+                data = data[os.write(fd, data) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        if is_disk_full(exc):
+            raise disk_full_error(path) from None
+        raise
 
 
 def journalled_rows(shard_dir: str | os.PathLike, key: str, row_ids: Iterable[int]) -> dict:
@@ -103,22 +114,75 @@ def read_manifest(path: str | os.PathLike) -> dict:
     return manifest
 
 
+def rows_problem(manifest_path: str | os.PathLike, manifest: dict | None = None) -> str | None:
+    """Why a finished shard's rows file does not match its manifest (missing, another size or
+    checksum), or None when it does."""
+    manifest_path = Path(manifest_path)
+    manifest = manifest if manifest is not None else read_manifest(manifest_path)
+    rows_path = manifest_path.parent / manifest["rows_file"]
+    try:
+        size = rows_path.stat().st_size
+    except FileNotFoundError:
+        return f"{rows_path} is missing"
+    if size != manifest["bytes"]:
+        return f"{rows_path} is {size} bytes, its manifest lists {manifest['bytes']}"
+    digest = hash_file(rows_path)
+    if digest != manifest["xxh3_128"]:
+        return (
+            f"{rows_path} re-hashes to xxh3-128 {digest}, its manifest lists {manifest['xxh3_128']}"
+        )
+    return None
+
+
+def restore_rows_from_journal(manifest_path: str | os.PathLike) -> bool:
+    """Rewrite a damaged rows file from the shard's journal, when the journalled rows make
+    exactly the bytes its manifest lists (the journal holds every finished row of the run that
+    wrote the manifest). Returns whether it did; nothing is written otherwise."""
+    manifest_path = Path(manifest_path)
+    manifest = read_manifest(manifest_path)
+    rows: dict[int, dict] = {}
+    try:
+        text = (manifest_path.parent / JOURNAL_NAME).read_text()
+    except (FileNotFoundError, UnicodeDecodeError):
+        return False
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)["row"]
+            rows[record["row_id"]] = record
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue  # a torn line
+    wanted = range(manifest["row_start"], manifest["row_end"])
+    if any(row_id not in rows for row_id in wanted):
+        return False
+    data = b"".join(row_line(rows[row_id]) for row_id in wanted)
+    if len(data) != manifest["bytes"] or hash_bytes(data) != manifest["xxh3_128"]:
+        return False
+    atomic_write_bytes(manifest_path.parent / manifest["rows_file"], data)
+    return True
+
+
+def set_aside_manifest(manifest_path: str | os.PathLike, reason: str) -> Path:
+    """Move a damaged shard's manifest to `manifest.invalid.json` (with the reason): the shard
+    is not done, and the next run regenerates it, keeping its journalled rows."""
+    manifest_path = Path(manifest_path)
+    record = manifest_path.parent / INVALID_MANIFEST_NAME
+    atomic_write_json(record, {"reason": reason, "manifest": read_manifest(manifest_path)})
+    manifest_path.unlink()
+    return record
+
+
 def iter_regenerated_rows(manifest_path: str | os.PathLike) -> Iterator[dict]:
     """The row records of a finished regenerated shard, checked against its manifest: the rows
     file's size and checksum, and one record per source row of the range, in order."""
     manifest_path = Path(manifest_path)
     manifest = read_manifest(manifest_path)
     rows_path = manifest_path.parent / manifest["rows_file"]
-    repair = (
-        f"remove {manifest_path} and run snakemake again (the rows journalled in "
-        f"{manifest_path.parent / JOURNAL_NAME} are kept)"
-    )
-    try:
-        size = rows_path.stat().st_size
-    except FileNotFoundError:
-        raise PipelineError(f"{rows_path} is missing: {repair}") from None
-    if size != manifest["bytes"] or hash_file(rows_path) != manifest["xxh3_128"]:
-        raise PipelineError(f"{rows_path} does not match its manifest's checksum: {repair}")
+    problem = rows_problem(manifest_path, manifest)
+    if problem:
+        raise PipelineError(
+            f"{problem}: run `eaglepipe verify`, which restores it from its journal (or sets the "
+            "shard aside for `snakemake --cores N` to regenerate, keeping its journalled rows)"
+        )
     expected = manifest["row_start"]
     with open(rows_path, encoding="utf-8") as f:
         for line in f:

@@ -60,15 +60,21 @@ def temp_dump_path(dump_dir: str | os.PathLike, rid: str) -> Path:
 def prepare_dump_dir(
     path: str | os.PathLike, *, what: str = "dump directory", refuse_open_mode: bool = False
 ) -> Path:
-    """Create the dump directory with mode 0700 (missing parents too), or check an existing one.
+    """Create the dump directory with mode 0700 (missing parents too), or check an existing one;
+    returns its real path.
 
-    An existing directory must be a real directory owned by this user, since the handoff dir
-    usually lives in a shared tmpfs where another user could otherwise read or plant dumps: a
-    wrong owner or a symlink is refused. Any other mode than 0700 is fixed (the directory is
-    ours), except that with `refuse_open_mode` (the handoff root, a predictable path that may
-    have sat open for a while) one writable by group or others is refused.
+    The handoff dir usually lives in a shared tmpfs where another user could otherwise read or
+    plant dumps. So the path to it is resolved one component at a time, and refused when it
+    passes through a directory another user owns or may write (sticky ones such as /tmp and
+    /dev/shm excepted: there only an entry's owner may replace it), or through a symlink another
+    user owns: that user could redirect it. The directory itself must be a real directory owned
+    by this user: a wrong owner or a symlink is refused. Any other mode than 0700 is fixed (the
+    directory is ours), except that with `refuse_open_mode` (the handoff root, a predictable
+    path that may have sat open for a while) one writable by group or others is refused.
     """
-    path = Path(path).absolute()
+    given = Path(path).absolute()
+    parent = _resolve_trusted(given.parent, given, what)
+    path = parent / given.name
     missing = []
     probe = path
     while not os.path.lexists(probe):
@@ -83,27 +89,79 @@ def prepare_dump_dir(
             raise PipelineError(f"cannot create {what} {directory}: {exc}") from None
     info = os.lstat(path)
     if stat.S_ISLNK(info.st_mode):
-        raise PipelineError(f"{what} {path} is a symlink; refusing to write through it")
+        raise PipelineError(f"{what} {given} is a symlink; refusing to write through it")
     if not stat.S_ISDIR(info.st_mode):
-        raise PipelineError(f"{what} {path} exists but is not a directory")
+        raise PipelineError(f"{what} {given} exists but is not a directory")
     if info.st_uid != os.getuid():
         raise PipelineError(
-            f"{what} {path} is owned by {_user_name(info.st_uid)}, not by this user "
+            f"{what} {given} is owned by {_user_name(info.st_uid)}, not by this user "
             f"({_user_name(os.getuid())}): another user could read or plant dumps there; remove "
             "it or choose another server.dump_root"
         )
     mode = stat.S_IMODE(info.st_mode)
     if mode & 0o022 and refuse_open_mode:
         raise PipelineError(
-            f"{what} {path} has mode {mode:o} (writable by group or others): check what is in "
+            f"{what} {given} has mode {mode:o} (writable by group or others): check what is in "
             f"it, then `chmod 700 {path}`, or choose another server.dump_root"
         )
     if mode != 0o700:
         try:
             os.chmod(path, 0o700)
         except OSError as exc:
-            raise PipelineError(f"cannot set mode 0700 on {what} {path}: {exc}") from None
+            raise PipelineError(f"cannot set mode 0700 on {what} {given}: {exc}") from None
     return path
+
+
+_MAX_SYMLINKS = 40  # the kernel's limit on links followed in one lookup
+
+
+def _resolve_trusted(directory: Path, given: Path, what: str) -> Path:
+    """The real path of `directory` (an absolute path whose tail may not exist yet), checking
+    every directory and symlink passed on the way: each must belong to root or to this user,
+    and a directory writable by group or others must be sticky."""
+    trusted_uids = {0, os.getuid()}
+
+    def refuse(place: Path, why: str) -> PipelineError:
+        return PipelineError(
+            f"{what} {given} is reached through {place}, {why}: that user could redirect or "
+            "replace what lies below it; choose another server.dump_root"
+        )
+
+    current = Path("/")
+    pending = list(directory.parts[1:])
+    followed = 0
+    while pending:
+        part = pending.pop(0)
+        if part in ("", "."):
+            continue
+        if part == "..":
+            current = current.parent
+            continue
+        candidate = current / part
+        try:
+            info = os.lstat(candidate)
+        except FileNotFoundError:
+            # The rest is created below a checked directory.
+            return Path(os.path.normpath(candidate.joinpath(*pending)))
+        if info.st_uid not in trusted_uids:
+            kind = "a symlink" if stat.S_ISLNK(info.st_mode) else "a directory"
+            raise refuse(candidate, f"{kind} owned by {_user_name(info.st_uid)}")
+        if stat.S_ISLNK(info.st_mode):
+            followed += 1
+            if followed > _MAX_SYMLINKS:
+                raise PipelineError(f"{what} {given}: too many levels of symlinks")
+            target = Path(os.readlink(candidate))
+            if target.is_absolute():
+                current, target = Path("/"), target.relative_to("/")
+            pending = [*target.parts, *pending]
+            continue
+        if not stat.S_ISDIR(info.st_mode):
+            raise PipelineError(f"{what} {given}: {candidate} is not a directory")
+        mode = stat.S_IMODE(info.st_mode)
+        if mode & 0o022 and not mode & stat.S_ISVTX:
+            raise refuse(candidate, f"a directory others may write (mode {mode:o}, not sticky)")
+        current = candidate
+    return current
 
 
 def _user_name(uid: int) -> str:

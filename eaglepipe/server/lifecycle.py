@@ -11,6 +11,8 @@
 - The server runs under `eaglepipe.server.supervise` in its own process group, with the
   project's Python, unbuffered, logging to `logs/server/`. Stopping it stops the whole group
   (SIGTERM, SIGKILL after a grace period) and waits until the port is free.
+- The server listens on `server.port`, or with null (the default) on a port drawn for this
+  working directory (`ports.working_directory_port`), recorded in the state.
 - A port held by a process this pipeline did not start is an error naming that process.
 - `stop_if_started_by(run_token)` is what the Snakefile's onsuccess/onerror call; a job
   interrupted by SIGINT/SIGTERM stops the server its run started if no other job uses it; an
@@ -71,7 +73,14 @@ from .leases import (
     reap_started_children,
     remove_dead_leases,
 )
-from .ports import describe_port_holders, port_holders, port_is_free, wait_port_free
+from .ports import (
+    describe_port_holders,
+    exposure_warning,
+    port_holders,
+    port_is_free,
+    wait_port_free,
+    working_directory_port,
+)
 from .supervise import owner_file
 
 __all__ = [
@@ -376,7 +385,12 @@ def _new_instance_id() -> str:
 
 def _start(run: RunSpec, paths: ServerPaths, run_token: str, fingerprint: str) -> tuple[dict, dict]:
     server = run.server
-    host, port = server.host, server.port
+    host = server.host
+    # null: this working directory's own port (the state records it for every job).
+    port = server.port or working_directory_port(host, paths.root)
+    warning = exposure_warning(host, port)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     from .handoff import prepare_dump_dir  # imports torch: only on the path that starts a server
 
     dump_root = prepare_dump_dir(
@@ -392,7 +406,8 @@ def _start(run: RunSpec, paths: ServerPaths, run_token: str, fingerprint: str) -
             )
         raise PipelineError(
             f"cannot start the server: {describe_port_holders(host, port)}{hint}, which this "
-            "pipeline did not start and leaves running: stop it, or set server.port to a free port"
+            "pipeline did not start and leaves running: stop it, or set server.port to a free "
+            "port (or to null: a port of this working directory's own)"
         )
     instance_id = _new_instance_id()
     dump_dir = prepare_dump_dir(dump_root / instance_id)
@@ -465,6 +480,7 @@ def _start(run: RunSpec, paths: ServerPaths, run_token: str, fingerprint: str) -
         create_time=supervisor.create_time,
         instance_id=instance_id,
         run_token=run_token,
+        port=port,
     )
     print(
         f"started {server.engine} server: supervisor pid {proc.pid}, port {port}, log {log_path}",

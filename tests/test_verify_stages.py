@@ -1,0 +1,114 @@
+"""`eaglepipe verify` beyond the hidden states, on real files: sealed drafter files, regenerated
+rows against their manifest (restored from the journal, or set aside), the prepared table
+against its summary. The whole command on a finished run is in test_finished_run.py and
+test_regenerate.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save
+
+from eaglepipe.core.errors import PipelineError
+from eaglepipe.core.sealed import is_sealed, seal, seal_metadata, seal_problem
+from eaglepipe.regenerate import store
+from eaglepipe.validate.stored import check_regenerated
+
+
+def sealed_file(path: Path) -> Path:
+    tensors = {"w": torch.arange(64, dtype=torch.float32), "d2t": torch.arange(8)}
+    path.write_bytes(seal(save(tensors, metadata=seal_metadata({"note": "x"}))))
+    return path
+
+
+def test_a_sealed_file_loads_as_a_plain_one_and_names_any_changed_byte(tmp_path):
+    path = sealed_file(tmp_path / "model.safetensors")
+    assert torch.equal(load_file(path)["w"], torch.arange(64, dtype=torch.float32))
+    assert is_sealed(path) and seal_problem(path) is None
+    intact = path.read_bytes()
+    flipped = bytearray(intact)
+    flipped[-10] ^= 0x01
+    path.write_bytes(bytes(flipped))
+    assert "re-hashes to xxh3-128" in seal_problem(path)
+    path.write_bytes(intact[:-100])
+    assert "re-hashes to xxh3-128" in seal_problem(path)
+    path.write_bytes(intact[:30])
+    assert "is not a readable safetensors file" in seal_problem(path)
+    path.unlink()
+    assert seal_problem(path).endswith("is missing")
+    # A file written before files were sealed: nothing to check it against, not damage.
+    path.write_bytes(save({"w": torch.zeros(4)}))
+    assert seal_problem(path) is None and not is_sealed(path)
+
+
+SHARD = "rows_0-4"
+
+
+def regenerated_shard(root: Path) -> Path:
+    """A finished regenerated shard as the job writes it: journal, rows file, manifest."""
+    shard_dir = root / "regenerated" / SHARD
+    shard_dir.mkdir(parents=True)
+    records = [
+        {"row_id": i, "messages": [{"role": "user", "content": f"q{i}"}], "output_tokens": i}
+        for i in range(4)
+    ]
+    for record in reversed(records):  # finished out of order, as concurrent rows do
+        store.append_row(shard_dir, "key", record)
+    size, checksum = store.write_rows(shard_dir, records)
+    manifest = {
+        "shard": SHARD,
+        "row_start": 0,
+        "row_end": 4,
+        "rows_file": store.ROWS_NAME,
+        "bytes": size,
+        "xxh3_128": checksum,
+        "provenance": {"workflow": "w"},
+    }
+    store.write_manifest(shard_dir, manifest)
+    return shard_dir
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete"])
+def test_damaged_regenerated_rows_are_restored_from_the_journal(tmp_path, monkeypatch, damage):
+    monkeypatch.chdir(tmp_path)
+    shard_dir = regenerated_shard(tmp_path)
+    rows = shard_dir / store.ROWS_NAME
+    intact = rows.read_bytes()
+    assert check_regenerated([SHARD]).damaged == []
+    if damage == "truncate":
+        rows.write_bytes(intact[:-20])
+    elif damage == "flip":
+        rows.write_bytes(intact.replace(b"q2", b"q3"))
+    else:
+        rows.unlink()
+    (found,) = check_regenerated([SHARD]).damaged
+    assert f"regenerated/{SHARD}/rows.jsonl" in found.problem
+    assert found.repair() == (
+        f"regenerated/{SHARD}/rows.jsonl: restored from its journal (the bytes its manifest lists)"
+    )
+    assert rows.read_bytes() == intact
+    assert (shard_dir / store.MANIFEST_NAME).exists()
+    assert check_regenerated([SHARD]).damaged == []
+
+
+def test_rows_the_journal_cannot_restore_set_the_shard_aside(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    shard_dir = regenerated_shard(tmp_path)
+    lines = (shard_dir / store.JOURNAL_NAME).read_text().splitlines(keepends=True)
+    (shard_dir / store.JOURNAL_NAME).write_text("".join(lines[1:]))  # row 3 lost
+    (shard_dir / store.ROWS_NAME).write_bytes(b"{}\n")
+    (found,) = check_regenerated([SHARD]).damaged
+    assert "is 3 bytes, its manifest lists" in found.problem
+    repair = found.repair()
+    assert "the journal cannot restore it: manifest set aside as " in repair
+    assert "; `snakemake --cores N` regenerates the shard" in repair
+    assert not (shard_dir / store.MANIFEST_NAME).exists()
+    aside = json.loads((shard_dir / store.INVALID_MANIFEST_NAME).read_text())
+    assert aside["reason"] == found.problem and aside["manifest"]["shard"] == SHARD
+    # prepare's reader names the damage and the command that repairs it.
+    store.write_manifest(shard_dir, aside["manifest"])
+    with pytest.raises(PipelineError, match="run `eaglepipe verify`, which restores it"):
+        list(store.iter_regenerated_rows(shard_dir / store.MANIFEST_NAME))
