@@ -111,13 +111,20 @@ for extra in "${EXTRA_CONFIG[@]}"; do
 done
 
 cd "$RUN" || exit 1
-say "snakemake (limit ${LIMIT_S}s)"
+# With --fp32-live the fp32 run gets the end of the budget: a second call on the warm machine
+# (EAGLEPIPE_PIPELINE_RESUME=1) finishes whatever did not fit.
+FP32_LIMIT_S=${EAGLEPIPE_FP32_LIVE_LIMIT_S:-150}
+SNAKEMAKE_LIMIT_S=$LIMIT_S
+if [ "$FP32_LIVE" = 1 ]; then
+    SNAKEMAKE_LIMIT_S=$((LIMIT_S - FP32_LIMIT_S - 20))
+fi
+say "snakemake (limit ${SNAKEMAKE_LIMIT_S}s)"
 # The snakemake arguments and targets first: --configfile takes every word after it.
-timeout --signal=TERM --kill-after=30 "$LIMIT_S" python3 -m snakemake --cores "$(nproc)" \
+timeout --signal=TERM --kill-after=30 "$SNAKEMAKE_LIMIT_S" python3 -m snakemake --cores "$(nproc)" \
     --scheduler greedy "$@" --configfile h200-sglang.yaml "${EXTRA_CONFIG[@]}"
 rc=$?
 say "snakemake exit $rc"
-if [ "$FP32_LIVE" = 1 ] && [ -f drafter/export/sglang/model.safetensors ]; then
+if [ "$FP32_LIVE" = 1 ] && [ -f drafter/live.json ]; then
     python3 - <<'PY'
 import json
 config = json.load(open(".eaglepipe/config.json"))
@@ -125,7 +132,7 @@ config["server"]["dtype"] = "float32"
 json.dump(config, open(".eaglepipe/config-fp32.json", "w"))
 PY
     say "live acceptance with the target in fp32"
-    timeout --signal=TERM --kill-after=20 "${EAGLEPIPE_FP32_LIVE_LIMIT_S:-240}" python3 -u \
+    timeout --signal=TERM --kill-after=20 "$FP32_LIMIT_S" python3 -u \
         scripts/live_acceptance.py --config .eaglepipe/config-fp32.json \
         --export-dir drafter/export/sglang --table prepared/tokenized.parquet \
         --eval drafter/eval.json --out drafter/live_fp32.json 2>&1 | tee logs/live_fp32.log

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import PYTHON, REPO_ROOT, build_tiny_llama, small_filesystem
+from conftest import PYTHON, REPO_ROOT, add_toy_tokenizer, build_tiny_llama, small_filesystem
 from drafter_helpers import make_inputs, synthetic_rows, train_tiny_target
 
 from eaglepipe.core.config import config_from_arg
@@ -68,7 +68,8 @@ def pipeline(tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the shared test machine is oversubscribed; one thread is faster
     try:
-        model_dir = build_tiny_llama(root / "target")
+        # The toy's kind of tokenizer: live acceptance stops each reply at its end-of-turn ids.
+        model_dir = add_toy_tokenizer(build_tiny_llama(root / "target"))
         train_tiny_target(model_dir, synthetic_rows(60, 300), steps=100)
         inputs = make_inputs(root, model_dir, **TRAIN)
     finally:
