@@ -598,3 +598,60 @@ def test_group_members_recognises_only_the_servers_own_processes():
     # Nor are processes that lack the server instance's marker in their environment.
     assert me.pid in [p.pid for p in lifecycle.group_members(os.getpgid(0), 0)]
     assert lifecycle.group_members(os.getpgid(0), 0, "some-other-instance") == []
+
+
+class CountingServer:
+    """An HTTP server answering /health and SGLang's /server_info (with the project's hook),
+    counting the /health requests it gets."""
+
+    def __init__(self, instance_id: str):
+        from eaglepipe.server.sglang import hook_spec
+
+        self.health_hits = 0
+        hook = hook_spec(
+            dump_dir="/tmp/none", request_prefix="eaglepipe", aux_layer_ids=[1, 3, 4],
+            instance_id=instance_id, hidden_size=32,
+        )  # fmt: skip
+        self.info = {"version": "0.5.14", "forward_hooks": [hook], "instance_id": instance_id}
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+
+    async def _start(self) -> None:
+        from aiohttp import web
+
+        async def health(request):
+            self.health_hits += 1
+            return web.Response(text="")
+
+        async def server_info(request):
+            return web.json_response(self.info)
+
+        app = web.Application()
+        app.router.add_get("/health", health)
+        app.router.add_get("/server_info", server_info)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
+    def __enter__(self) -> CountingServer:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+
+@pytest.mark.parametrize(("engine", "health_hits"), [("sglang", 0), ("reference", 1)])
+def test_a_lease_on_a_running_sglang_asks_its_server_info_not_its_slow_health(engine, health_hits):
+    """SGLang's /health answers a second after a one-token generation at the earliest (the
+    contract test reads it); its /server_info asks the scheduler, which proves it answers."""
+    with CountingServer("inst-1") as server:
+        state = {"url": server.url, "engine": engine, "instance_id": "inst-1"}
+        info = lifecycle._server_info_when_answering(state, patience_s=5)
+        assert info is not None and info["instance_id"] == "inst-1"
+        assert server.health_hits == health_hits

@@ -1344,3 +1344,26 @@ def test_server_info_echoes_the_hook_config_clients_check(src, launch, version, 
 def test_an_sglang_server_without_our_hook_is_refused():
     with pytest.raises(PipelineError, match="without the eaglepipe forward hook"):
         recipe.pipeline_server_info({"forward_hooks": None, "version": "0.5.23"})
+
+
+def test_health_waits_a_second_and_server_info_asks_the_scheduler(src):
+    """Why a lease on a running SGLang asks /server_info only (lifecycle): /health (by default)
+    sends a one-token generation and sleeps a second before its first look at the answer, while
+    /server_info awaits the scheduler's internal state."""
+    tree = parse(src, "srt/entrypoints/http_server.py")
+    handlers = {n.name: n for n in tree.body if isinstance(n, ast.AsyncFunctionDef)}
+    health = handlers["health_generate"]
+    routes = {
+        d.args[0].value
+        for d in health.decorator_list
+        if isinstance(d, ast.Call) and d.args and isinstance(d.args[0], ast.Constant)
+    }
+    assert "/health" in routes
+    loop = next(n for n in ast.walk(health) if isinstance(n, ast.While))
+    first = loop.body[0]
+    assert ast.unparse(first) == "await asyncio.sleep(1)"
+    environ = (src / "srt/environ.py").read_text()
+    assert "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION = EnvBool(True)" in environ
+    info = handlers["server_info"]
+    calls = [ast.unparse(n.func) for n in ast.walk(info) if isinstance(n, ast.Call)]
+    assert "_global_state.tokenizer_manager.get_internal_state" in calls

@@ -305,6 +305,7 @@ def regenerate_shard(
             else:
                 conversations.append(row)
         requests_sent = 0
+        first_request_s = None
         if conversations:
             with server_lease(run) as handle:
                 client = GenerationClient(
@@ -334,6 +335,7 @@ def regenerate_shard(
                     )
                 finally:
                     requests_sent = client.requests_sent
+                    first_request_s = client.first_request_s
         ordered = [records[r.row_id] for r in rows]
         size, checksum = write_rows(shard_dir, ordered)
         manifest = _manifest(
@@ -366,6 +368,7 @@ def regenerate_shard(
                 "rows_kept": progress.kept,
                 "rows_regenerated": progress.done - progress.kept,
                 "requests_sent": requests_sent,
+                "first_request_s": first_request_s,
                 "output_tokens": progress.amount("tokens"),
                 "output_tokens_per_s": round(
                     progress.amount("tokens") / max(time.monotonic() - progress.started, 1e-9), 1

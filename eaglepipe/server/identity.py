@@ -33,20 +33,20 @@ def engine_identity(run: RunSpec) -> dict:
             "dtype": server.dtype,
             "tp_size": server.sglang.tp_size,
         }
-    from .reference_engine import (
+    from .reference_settings import (
         engine_version,
-        resolve_attention,
-        resolve_device,
-        resolve_dtype,
+        resolve_device_type,
+        resolve_dtype_name,
+        resolve_layout,
     )
 
-    device = resolve_device(server.device)
+    device = resolve_device_type(server.device)
     return {
         "engine": "reference",
         "engine_version": engine_version(),
-        "device": device.type,
-        "dtype": str(resolve_dtype(server.dtype, device)).removeprefix("torch."),
-        "attention": resolve_attention(server.attention, device)[0],
+        "device": device,
+        "dtype": resolve_dtype_name(server.dtype, device),
+        "attention": resolve_layout(server.attention, device),
     }
 
 

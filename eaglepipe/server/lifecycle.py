@@ -294,9 +294,10 @@ def _stop_group(state: dict, paths: ServerPaths, reason: str) -> None:
     )
 
 
-def _server_info_if_healthy(state: dict) -> dict | None:
-    """/server_info of the state's server if it answers as that very instance."""
-    if probe_health(state["url"]) is not None:
+def _server_info_if_healthy(state: dict, *, health_probe: bool = True) -> dict | None:
+    """/server_info of the state's server if it answers as that very instance (and, with
+    `health_probe`, its /health first: the readiness check while a server starts)."""
+    if health_probe and probe_health(state["url"]) is not None:
         return None
     try:
         info = http_get_json(f"{state['url']}/server_info", PROBE_TIMEOUT_S)
@@ -315,8 +316,12 @@ def _server_info_when_answering(state: dict, patience_s: float) -> dict | None:
     """Like `_server_info_if_healthy`, but a busy server gets `patience_s` to answer before it
     counts as hung (and is replaced): other jobs may be keeping it busy."""
     deadline = time.monotonic() + patience_s
+    # A running SGLang's /server_info asks its scheduler (get_internal_state), so an answer
+    # proves the server answers; its /health runs a one-token generation and answers no sooner
+    # than a second later, a second every job's lease paid before its first request.
+    health_probe = state.get("engine") != "sglang"
     while True:
-        info = _server_info_if_healthy(state)
+        info = _server_info_if_healthy(state, health_probe=health_probe)
         if info is not None or time.monotonic() > deadline or supervisor_process(state) is None:
             return info
         print(
@@ -377,7 +382,7 @@ def _new_instance_id() -> str:
 def _start(run: RunSpec, paths: ServerPaths, run_token: str, fingerprint: str) -> tuple[dict, dict]:
     server = run.server
     host, port = server.host, server.port
-    from .handoff import prepare_dump_dir  # imports torch: only on the path that starts a server
+    from .handoff import prepare_dump_dir
 
     dump_root = prepare_dump_dir(
         run.server.handoff_root, what="server.dump_root", refuse_open_mode=True
