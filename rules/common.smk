@@ -69,6 +69,7 @@ def when_stale(path, fresh):
     return ancient(path) if fresh else path
 
 
+@hooks.known_parameters
 def regenerate_inputs(wildcards):
     shard = shard_name(wildcards)
     fresh = REGENERATION_IS_FRESH(shard)
@@ -81,6 +82,7 @@ def regenerate_inputs(wildcards):
     }
 
 
+@hooks.known_parameters
 def extract_inputs(wildcards):
     shard = shard_name(wildcards)
     fresh = SHARD_IS_FRESH(shard)
@@ -92,6 +94,7 @@ def extract_inputs(wildcards):
     }
 
 
+@hooks.known_parameters
 def validate_inputs(wildcards):
     shard = shard_name(wildcards)
     inputs = {"manifest": freshness.manifest_path(shard)}
