@@ -50,7 +50,7 @@ JOB = textwrap.dedent(
     if len(sys.argv) > 4:  # the light stand-in engine, for tests of the lifecycle mechanics
         from eaglepipe.server import lifecycle
         fake = sys.argv[4]
-        lifecycle.engine_command = lambda run, *, host, port, dump_dir, instance_id: (
+        lifecycle.engine_command = lambda run, *, host, port, dump_dir, instance_id, purpose: (
             [sys.executable, "-u", fake, host, str(port), instance_id], {})
     with server_lease(run) as handle:
         payload = {"input_ids": [5, 6, 7], "rid": f"eaglepipe-{uuid.uuid4().hex[:12]}-0-0",
@@ -171,7 +171,7 @@ class Run:
         monkeypatch.setattr(
             lifecycle,
             "engine_command",
-            lambda config, *, host, port, dump_dir, instance_id: (
+            lambda config, *, host, port, dump_dir, instance_id, purpose: (
                 [*argv, host, str(port), instance_id],
                 {},
             ),

@@ -374,6 +374,53 @@ def test_launch_argv_parses_to_the_intended_values(cli_flags, launch, mechanism)
     assert (REPO_ROOT / "patch" / "eaglepipe_hook.py").is_file()
 
 
+def test_a_generation_server_runs_sglangs_defaults_without_the_capture(
+    cli_flags, tmp_path, version
+):
+    """Regeneration's server (server_lease(purpose="generation")): the same command without the
+    capture and the four flags only the capture needs; the hook stays, inert, its config saying
+    so (an extraction request there would be refused by the hook for want of aux states)."""
+    from eaglepipe.server.sglang_plugin import CAPTURE_ENV, capture_layer_ids
+
+    model = tmp_path / "dsv3"
+    model.mkdir()
+    (model / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["DeepseekV3ForCausalLM"],
+                "num_hidden_layers": 61,
+                "hidden_size": 7168,
+            }
+        )
+    )
+    config = _config(model, tp_size=8)
+    kwargs = dict(host="127.0.0.1", port=31555, dump_dir="/dev/shm/x/i", instance_id="i",
+                  sglang_version=version)  # fmt: skip
+    capture_argv, _ = recipe.launch_command(resolve(config), **kwargs)
+    argv, env = recipe.launch_command(resolve(config), capture=False, **kwargs)
+    parser = _argparse_from(cli_flags)
+    ns, defaults = parser.parse_args(argv[3:]), parser.parse_args(argv[3:4] + ["x"])
+    assert ns.speculative_algorithm is None and capture_layer_ids(env) is None
+    assert env[CAPTURE_ENV] == ""
+    for field in ("disable_radix_cache", "chunked_prefill_size", "disable_prefill_cuda_graph",
+                  "disable_decode_cuda_graph"):  # fmt: skip
+        assert getattr(ns, field) == getattr(defaults, field), field
+    [spec] = ns.forward_hooks
+    assert spec["config"]["capture"] is False and spec["config"]["capture_layer_ids"] is None
+    # Otherwise the capture server's command, flag for flag.
+    dropped = set(recipe.CAPTURE_ONLY_FLAGS) | {
+        "--speculative-algorithm", "EAGLE3", "--enable-return-aux-hidden-states",
+        "--return-aux-hidden-state-layer-ids", "2", "30", "58",
+    }  # fmt: skip
+    capture_hooks, hooks = capture_argv.index("--forward-hooks"), argv.index("--forward-hooks")
+    assert [a for a in capture_argv[:capture_hooks] if a not in dropped] == argv[:hooks]
+    assert [a for a in capture_argv[capture_hooks + 2 :] if a not in dropped] == argv[hooks + 2 :]
+    assert (
+        recipe.pipeline_server_info({"forward_hooks": [spec], "version": version})["capture"]
+        is False
+    )
+
+
 def test_refused_and_launcher_owned_flags_are_real_flags():
     """A refusal list naming a flag no supported SGLang has would refuse nothing. A flag only
     newer releases have needs no refusal in older ones: their parser refuses it itself."""
@@ -1338,7 +1385,13 @@ def test_server_info_echoes_the_hook_config_clients_check(src, launch, version, 
 
     from eaglepipe.extract.shard import check_server_info
 
+    assert info["capture"] is True
     check_server_info(info, resolve(config).aux_layer_ids, 7168, "http://127.0.0.1:31555")
+    # A generation-only server (regeneration's) is refused by an extraction job, in one line.
+    with pytest.raises(PipelineError, match="is a generation-only server"):
+        check_server_info(
+            {**info, "capture": False}, resolve(config).aux_layer_ids, 7168, "http://h:1"
+        )
 
 
 def test_an_sglang_server_without_our_hook_is_refused():

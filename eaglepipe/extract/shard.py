@@ -117,6 +117,11 @@ def _tokenizer_fingerprint(run: RunSpec, summary: dict) -> str:
 
 def check_server_info(info: dict, aux_ids: list[int], hidden_size: int, url: str) -> None:
     """The server must capture the configured layers of a model of this width."""
+    if info.get("capture") is False:
+        raise PipelineError(
+            f"the server at {url} is a generation-only server (no capture): stop it "
+            "(eaglepipe server stop) so a capturing one starts"
+        )
     served_ids = [int(i) for i in info.get("aux_layer_ids", [])]
     if served_ids != aux_ids:
         raise PipelineError(

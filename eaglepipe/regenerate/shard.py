@@ -48,7 +48,7 @@ from ..plan.provenance import (
     shard_source_rows_digest,
 )
 from ..plan.shard_plan import Shard, parse_shard_name
-from ..server.identity import engine_identity
+from ..server.identity import GENERATION, engine_identity
 from ..server.request_ids import new_nonce
 from ..server.watch import liveness_check, watch_server
 from .client import GenerationClient, GenerationSettings, RowRefused
@@ -307,7 +307,9 @@ def regenerate_shard(
         requests_sent = 0
         first_request_s = None
         if conversations:
-            with server_lease(run) as handle:
+            # With SGLang a server of its own: no capture, so its radix cache, chunked prefill
+            # and CUDA graphs stay on (identity.py).
+            with server_lease(run, purpose=GENERATION) as handle:
                 client = GenerationClient(
                     handle.url,
                     GenerationSettings(

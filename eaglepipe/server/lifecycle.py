@@ -54,7 +54,7 @@ from .handle import (
     server_alive,
     supervisor_process,
 )
-from .identity import server_identity
+from .identity import CAPTURE, server_identity, server_purpose
 from .leases import (
     STARTED_CHILDREN,
     Lease,
@@ -117,18 +117,24 @@ def current_run_token() -> str:
 # ---------------------------------------------------------------- what to launch
 
 
-def launch_settings(run: RunSpec) -> dict:
+def launch_settings(run: RunSpec, purpose: str = CAPTURE) -> dict:
     """Everything that decides what the server computes (`identity.server_identity`); its hash
     is the fingerprint: a job never uses a running server whose fingerprint differs."""
-    return server_identity(run)
+    return server_identity(run, purpose)
 
 
-def server_fingerprint(run: RunSpec) -> str:
-    return hash_json(launch_settings(run))
+def server_fingerprint(run: RunSpec, purpose: str = CAPTURE) -> str:
+    return hash_json(launch_settings(run, purpose))
 
 
 def engine_command(
-    run: RunSpec, *, host: str, port: int, dump_dir: Path, instance_id: str
+    run: RunSpec,
+    *,
+    host: str,
+    port: int,
+    dump_dir: Path,
+    instance_id: str,
+    purpose: str = CAPTURE,
 ) -> tuple[list[str], dict[str, str]]:
     """The engine's argv and extra environment (the supervisor runs it)."""
     engine = run.server.engine
@@ -143,7 +149,12 @@ def engine_command(
                 "(eaglepipe/server/sglang.py is missing)"
             ) from None
         return sglang.launch_command(
-            run, host=host, port=port, dump_dir=dump_dir, instance_id=instance_id
+            run,
+            host=host,
+            port=port,
+            dump_dir=dump_dir,
+            instance_id=instance_id,
+            capture=server_purpose(run, purpose) == CAPTURE,
         )
     server = run.server
     argv = [
@@ -344,12 +355,13 @@ def _adopt(state: dict, paths: ServerPaths, run_token: str, ttl_s: float) -> Non
 
 
 def _ensure_server(
-    run: RunSpec, paths: ServerPaths, run_token: str, lease: Lease
+    run: RunSpec, paths: ServerPaths, run_token: str, lease: Lease, purpose: str = CAPTURE
 ) -> tuple[dict, dict]:
     """Under the lock: reuse, replace or start the server. Returns (state, server_info)."""
     server = run.server
     ttl_s = server.lease_ttl_s
-    fingerprint = server_fingerprint(run)
+    purpose = server_purpose(run, purpose)
+    fingerprint = server_fingerprint(run, purpose)
     remove_dead_leases(paths, ttl_s)
     state = read_json(paths.state)
     if state is not None:
@@ -372,14 +384,16 @@ def _ensure_server(
                     f"in use by {holders}: wait for them, or stop it with `eaglepipe server stop`"
                 )
             _stop_group(state, paths, "the configuration changed (different fingerprint)")
-    return _start(run, paths, run_token, fingerprint)
+    return _start(run, paths, run_token, fingerprint, purpose)
 
 
 def _new_instance_id() -> str:
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
 
 
-def _start(run: RunSpec, paths: ServerPaths, run_token: str, fingerprint: str) -> tuple[dict, dict]:
+def _start(
+    run: RunSpec, paths: ServerPaths, run_token: str, fingerprint: str, purpose: str = CAPTURE
+) -> tuple[dict, dict]:
     server = run.server
     host, port = server.host, server.port
     from .handoff import prepare_dump_dir
@@ -402,7 +416,7 @@ def _start(run: RunSpec, paths: ServerPaths, run_token: str, fingerprint: str) -
     instance_id = _new_instance_id()
     dump_dir = prepare_dump_dir(dump_root / instance_id)
     engine_argv, engine_env = engine_command(
-        run, host=host, port=port, dump_dir=dump_dir, instance_id=instance_id
+        run, host=host, port=port, dump_dir=dump_dir, instance_id=instance_id, purpose=purpose
     )
     log_path = (SERVER_LOG_DIR / f"{hostname()}-{instance_id}.log").resolve()
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -449,7 +463,7 @@ def _start(run: RunSpec, paths: ServerPaths, run_token: str, fingerprint: str) -
         "url": f"http://{host}:{port}",
         "engine": server.engine,
         "fingerprint": fingerprint,
-        "settings": launch_settings(run),
+        "settings": launch_settings(run, purpose),
         "instance_id": instance_id,
         "dump_dir": str(dump_dir),
         "log": str(log_path),
@@ -565,12 +579,15 @@ def server_lease(
     run_token: str | None = None,
     exclusive: bool = False,
     paths: ServerPaths | None = None,
+    purpose: str = CAPTURE,
 ) -> Iterator[ServerHandle]:
     """Hold the node's server for the block, starting it if no fitting one runs.
 
     exclusive=True (validation spot checks) waits until no other job has requests in flight
     and keeps them out until the block ends. Shared users keep the gate for the whole block;
     those that call `handle.yield_to_exclusive()` between requests let a spot check in sooner.
+    `purpose` (identity.py): `generation` for regeneration, which with SGLang is a server of
+    its own, without the capture.
     """
     token = run_token or current_run_token()
     paths = paths or ServerPaths.for_this_host()
@@ -583,7 +600,7 @@ def server_lease(
         lease.acquire()
         try:
             with _locked(paths, _lock_wait_s(run)):
-                state, info = _ensure_server(run, paths, token, lease)
+                state, info = _ensure_server(run, paths, token, lease, purpose)
             handle = ServerHandle(
                 url=state["url"],
                 dump_dir=Path(state["dump_dir"]),
@@ -655,14 +672,16 @@ def stop_server(*, paths: ServerPaths | None = None) -> dict | None:
         return state
 
 
-def start_server(run: RunSpec, *, paths: ServerPaths | None = None) -> ServerHandle:
+def start_server(
+    run: RunSpec, *, paths: ServerPaths | None = None, purpose: str = CAPTURE
+) -> ServerHandle:
     """Start (or reuse) the server and pin it: it stays up until `stop_server`, never idles out."""
     paths = paths or ServerPaths.for_this_host()
     lease = Lease(paths, ttl_s=run.server.lease_ttl_s, run_token=None, kind="manual")
     lease.acquire()
     try:
         with _locked(paths, _lock_wait_s(run)):
-            state, info = _ensure_server(run, paths, current_run_token(), lease)
+            state, info = _ensure_server(run, paths, current_run_token(), lease, purpose)
             paths.pinned.write_text(state["instance_id"] + "\n")
             state["pinned"] = True
             atomic_write_json(paths.state, state)
