@@ -352,7 +352,10 @@ def run_pipeline(
                     log(f"bench_serving on the pipeline's server at {concurrency}: "
                         f"{bench['output_throughput']:,.0f} output tok/s")  # fmt: skip
                 points.append(point)
-            first = points[0]
+            measured = [p for p in points if "skipped" not in p]
+            if not measured:
+                raise RuntimeError("no concurrency was measured within the budget")
+            first = measured[0]
             result["regeneration"] = {k: v for k, v in first.items() if k != "bench_serving"}
             if "bench_serving" in first:
                 result["bench_serving"] = first["bench_serving"]
@@ -366,7 +369,9 @@ def run_pipeline(
     return result
 
 
-def run_stock(config: dict, model_dir: Path, args, output_lens: dict, work: Path) -> dict:
+def run_stock(
+    config: dict, model_dir: Path, args, output_lens: dict, work: Path, deadline: float
+) -> dict:
     argv, extra_env = stock_command(config)
     port = free_port()
     argv[argv.index("--port") + 1] = str(port)
@@ -389,6 +394,9 @@ def run_stock(config: dict, model_dir: Path, args, output_lens: dict, work: Path
         log(f"stock: healthy after {result['startup_s']}s")
         points = []
         for concurrency in concurrencies(args):
+            if deadline - time.monotonic() < 45:
+                points.append({"concurrency": concurrency, "skipped": "budget spent"})
+                continue
             output_len = output_lens.get(concurrency, args.new_tokens)
             offset = log_path.stat().st_size
             bench = run_bench_serving(url, model_dir, args, output_len, work, concurrency)
@@ -397,7 +405,10 @@ def run_stock(config: dict, model_dir: Path, args, output_lens: dict, work: Path
             points.append(bench)
             log(f"bench_serving on a stock server at {concurrency}: "
                 f"{bench['output_throughput']:,.0f} output tok/s")  # fmt: skip
-        result["bench_serving"] = points[0]
+        measured = [p for p in points if "skipped" not in p]
+        if not measured:
+            raise RuntimeError("no concurrency was measured within the budget")
+        result["bench_serving"] = measured[0]
         if args.sweep:
             result["sweep"] = points
     finally:
@@ -430,6 +441,7 @@ def summarise(results: dict) -> None:
     stock_at = {
         b.get("concurrency"): b.get("output_throughput")
         for b in _tok_s(results, "stock", "sweep") or []
+        if "output_throughput" in b
     }
     sweep = []
     for point in _tok_s(results, "pipeline", "sweep") or []:
@@ -592,7 +604,9 @@ def main(argv=None) -> int:
                                     point["output_tokens"] / point["rows"]
                                 )
                     else:
-                        results[name] = run_stock(config, model_dir, args, output_lens, work)
+                        results[name] = run_stock(
+                            config, model_dir, args, output_lens, work, deadline
+                        )
                 except Exception as exc:
                     traceback.print_exc()
                     results[name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}

@@ -391,11 +391,16 @@ def test_the_regeneration_benchmark_end_to_end_on_the_reference_server(tmp_path)
     lifecycle, concurrent regenerate jobs, the summary) with the built-in server on CPU."""
     out = tmp_path / "r.json"
     done = run_script(
-        "benchmarks/bench_sglang_regeneration.py", "--engine", "reference",
+        "benchmarks/bench_sglang_regeneration.py", "--engine", "reference", "--sweep", "4,8",
         "--work-root", str(tmp_path), "--out", str(out),
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    regeneration = json.loads(out.read_text())["pipeline"]["regeneration"]
+    results = json.loads(out.read_text())
+    # The sweep: every row regenerated afresh at each concurrency (split over the 2 jobs).
+    assert [p["concurrency"] for p in results["pipeline"]["sweep"]] == [4, 8]
+    assert all(p["rows"] == 8 and p["first_request_s"] for p in results["pipeline"]["sweep"])
+    assert [p["concurrency"] for p in results["sweep"]] == [4, 8]
+    regeneration = results["pipeline"]["regeneration"]
     assert regeneration["rows"] == 8 and regeneration["shards"] == 2
     # Replies of at most 8 new tokens (the tiny check), counted from the manifests.
     assert 0 < regeneration["output_tokens"] <= 8 * 8

@@ -17,7 +17,7 @@
 #                                       exported drafter served by SGLang's speculative decoding)
 #   bash tools/h200.sh regen    OUT     benchmarks/bench_sglang_regeneration.py (8B shape): the
 #                                       regenerate stage vs SGLang's bench_serving, same batch
-#   bash tools/h200.sh regen-sweep OUT  the same at 32, 64, 128, 256 requests in flight (where
+#   bash tools/h200.sh regen-sweep OUT  the same at 64, 128, 256 requests in flight (where
 #                                       SGLang saturates; ~8 min)
 #   bash tools/h200.sh ingest   OUT     benchmarks/bench_ingest.py: H = 7168 dumps to checksummed
 #                                       chunks with 1-16 workers vs raw writes, /dev/shm and disk
@@ -183,7 +183,7 @@ run_part() {
             ;;
         regen-sweep)
             timeout --signal=TERM --kill-after=20 "$left" python3 -u \
-                benchmarks/bench_sglang_regeneration.py --sweep 32,64,128,256 \
+                benchmarks/bench_sglang_regeneration.py --sweep 64,128,256 \
                 --out "$OUT/sglang_regeneration_sweep.json" \
                 --deadline-s $((left - 25)) --work-root /tmp "$@"
             ;;
