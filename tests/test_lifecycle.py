@@ -655,3 +655,59 @@ def test_a_lease_on_a_running_sglang_asks_its_server_info_not_its_slow_health(en
         info = lifecycle._server_info_when_answering(state, patience_s=5)
         assert info is not None and info["instance_id"] == "inst-1"
         assert server.health_hits == health_hits
+
+
+# A stand-in SGLang (aiohttp only): /server_info in SGLang's shape, with the project's hook config
+# (its instance id, and `capture: false` for a generation server), as the real one echoes it.
+FAKE_SGLANG = textwrap.dedent(
+    """
+    import sys
+    from aiohttp import web
+
+    host, port, instance_id, purpose = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    hook = {"instance_id": instance_id, "aux_layer_ids": [1, 3, 4], "dump_dir": "/none",
+            "request_prefix": "eaglepipe", "hidden_size": 32}
+    if purpose != "capture":
+        hook["capture"] = False
+
+    async def health(request):
+        return web.Response()
+
+    async def server_info(request):
+        return web.json_response({"version": "0.5.14", "forward_hooks": [
+            {"name": "eaglepipe-dump", "config": hook}]})
+
+    app = web.Application()
+    app.add_routes([web.get("/health", health), web.get("/server_info", server_info)])
+    web.run_app(app, host=host, port=port, print=None)
+    """
+)
+
+
+def test_regeneration_and_extraction_servers_replace_each_other_with_sglang(run, monkeypatch):
+    """With SGLang, a generation lease starts a server without the capture; the first capture
+    lease after it replaces it (naming why), and further leases of a purpose reuse its server."""
+    from eaglepipe.server.identity import CAPTURE, GENERATION
+
+    fake = run.workdir / "fake_sglang.py"
+    fake.write_text(FAKE_SGLANG)
+    monkeypatch.setattr(
+        lifecycle,
+        "engine_command",
+        lambda config, *, host, port, dump_dir, instance_id, purpose: (
+            [PYTHON, "-u", str(fake), host, str(port), instance_id, purpose],
+            {},
+        ),
+    )
+    config = run.with_server(engine="sglang")
+    instances = {}
+    for purpose in (GENERATION, GENERATION, CAPTURE, CAPTURE):
+        with server_lease(resolve(config), run_token="run-a", purpose=purpose) as handle:
+            assert handle.info["capture"] is (purpose == CAPTURE)
+            instances.setdefault(purpose, set()).add(handle.info["instance_id"])
+    assert len(instances[GENERATION]) == len(instances[CAPTURE]) == 1
+    history = read_history(run.paths)
+    assert [e["event"] for e in history].count("start") == 2
+    stops = [e["reason"] for e in history if e["event"] == "stop"]
+    assert stops == ["a capture server replaces this generation server"]
+    lifecycle.stop_server()

@@ -375,15 +375,25 @@ def _ensure_server(
                 return state, info
             _stop_group(state, paths, "it does not answer its health check")
         else:
+            running = (state.get("settings") or {}).get("purpose", CAPTURE)
             others = live_leases(paths, ttl_s, exclude=lease.path)
             if others:
                 holders = ", ".join(f"PID {other['pid']}" for other in others)
-                raise PipelineError(
-                    f"{describe_server(state)} runs with other settings (fingerprint "
-                    f"{state['fingerprint'][:12]}, this config needs {fingerprint[:12]}) and is "
-                    f"in use by {holders}: wait for them, or stop it with `eaglepipe server stop`"
+                what = (
+                    f"is a {running} server, this job needs a {purpose} one,"
+                    if running != purpose
+                    else f"runs with other settings (fingerprint {state['fingerprint'][:12]}, "
+                    f"this config needs {fingerprint[:12]})"
                 )
-            _stop_group(state, paths, "the configuration changed (different fingerprint)")
+                raise PipelineError(
+                    f"{describe_server(state)} {what} and is in use by {holders}: wait for "
+                    "them, or stop it with `eaglepipe server stop`"
+                )
+            why = "the configuration changed (different fingerprint)"
+            if running != purpose:
+                # Regeneration is over and extraction begins (or the other way round).
+                why = f"a {purpose} server replaces this {running} server"
+            _stop_group(state, paths, why)
     return _start(run, paths, run_token, fingerprint, purpose)
 
 
