@@ -1,23 +1,36 @@
 #!/usr/bin/env python3
-"""A shard job's start-up read: its own rows from the prepared table, vs the whole table.
+"""A shard job's start-up: what it does before its first request, measured (issue 28, item 2).
 
-Every extraction job starts by loading its shard's prepared rows. The GPU waits for the first
-request of a job whenever every running job is starting or finishing at once (BENCHMARKS.md,
-"job turnover"), so this read must not grow with the dataset. The prepared table holds one
-parquet row group per shard; the timed paths, in the same run and on the same file:
+Goal: an extraction job sends its first request within 1 s of starting; a regeneration job
+within 1 s plus its tokenizer's own load. Every GPU second a job spends starting is lost when
+every running job is starting or finishing at once (BENCHMARKS.md, "job turnover"). Parts
+(`--parts`, all by default), each in the same run:
 
-- shard: `eaglepipe.extract.shard.load_shard_rows` (reads the shard's row group only);
-- whole table: the whole table read and then sliced to the shard (what a job did before).
+- imports: fresh interpreters; `import` of each job's entry module, `scripts/<job>.py --help`,
+  the tokenizer's load (transformers and the target's tokenizer), and whether torch was
+  imported (best of `--repeat`);
+- jobs: real `scripts/extract.py` and `scripts/regenerate.py` processes against a running
+  reference server (a tiny random Llama on CPU, started once through the lifecycle, as
+  Snakemake's first job would), one shard each, one job at a time: seconds from the process's
+  start to the line it logs just before its first request, and the manifest's own
+  `first_request_s` where it records one;
+- read: a shard's rows from a prepared table of `--rows` rows (its own parquet row group,
+  `eaglepipe.extract.shard.load_shard_rows`) against the whole table read and then sliced.
 
-    python -u benchmarks/bench_job_start.py --rows 20000 --rows-per-shard 200 --mean-len 2000
+    python -u benchmarks/bench_job_start.py --out /tmp/job_start.json
+    python -u benchmarks/bench_job_start.py --parts read --rows 20000 --rows-per-shard 200
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
+import statistics
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +38,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
+    REPO_ROOT,
     command_line,
     log,
     machine_info,
@@ -38,16 +52,222 @@ from common import (  # noqa: E402
 from eaglepipe.extract.shard import load_shard_rows  # noqa: E402
 from eaglepipe.prepare.table import _parquet_bytes, load_prepared, rows_in_range  # noqa: E402
 
+PARTS = ("imports", "jobs", "read")
+GOAL_S = 1.0
+# What each job logs right before its first request (extract/shard.py, regenerate/shard.py).
+FIRST_REQUEST_LINE = {"extract": ": requesting ", "regenerate": ": regenerating "}
+ENTRY_MODULES = {"extract": "eaglepipe.extract.shard", "regenerate": "eaglepipe.regenerate.shard"}
+TINY = dict(hidden=64, layers=8, heads=4, kv_heads=2, intermediate=128, vocab=512, max_pos=512)
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", type=int, default=20000)
-    parser.add_argument("--rows-per-shard", type=int, default=200)
-    parser.add_argument("--mean-len", type=int, default=2000, help="mean tokens per row")
-    parser.add_argument("--repeat", type=int, default=3, help="best of this many reads")
+    parser.add_argument("--parts", default=",".join(PARTS), help="imports,jobs,read")
+    parser.add_argument("--jobs", type=int, default=3, help="jobs timed per stage")
+    parser.add_argument("--rows", type=int, default=20000, help="prepared rows (read part)")
+    parser.add_argument("--rows-per-shard", type=int, default=200, help="(read part)")
+    parser.add_argument("--mean-len", type=int, default=2000, help="mean tokens per row (read)")
+    parser.add_argument("--repeat", type=int, default=3, help="best of this many")
     parser.add_argument("--dir", default=None, help="scratch parent dir (default: /tmp)")
     parser.add_argument("--out", default=None, help="results JSON (markdown beside it)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    if not args.parts or not set(args.parts) <= set(PARTS):
+        parser.error(f"--parts: some of {', '.join(PARTS)}")
+    return args
+
+
+# ----------------------------------------------------------------------------- imports
+
+
+def fresh_python(code: str, repeat: int) -> dict:
+    """Best wall time of `python -c code` in fresh interpreters, and what it printed."""
+    best, printed = float("inf"), ""
+    for _ in range(repeat):
+        started = time.perf_counter()
+        done = subprocess.run(
+            [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True
+        )
+        seconds = time.perf_counter() - started
+        if done.returncode != 0:
+            raise RuntimeError(f"python -c {code!r} failed: {done.stderr[-2000:]}")
+        best, printed = min(best, seconds), done.stdout.strip()
+    return {"seconds": round(best, 3), "printed": printed}
+
+
+def measure_imports(args, model_dir: Path | None) -> dict:
+    result: dict = {"interpreter_s": fresh_python("pass", args.repeat)["seconds"]}
+    for job, module in ENTRY_MODULES.items():
+        probe = f"import sys, {module}; print('torch' in sys.modules)"
+        imported = fresh_python(probe, args.repeat)
+        script = REPO_ROOT / "scripts" / f"{job}.py"
+        helped = fresh_python(
+            f"import runpy, sys; sys.argv = [{str(script)!r}, '--help']\n"
+            f"try: runpy.run_path(sys.argv[0], run_name='__main__')\n"
+            "except SystemExit: pass",
+            args.repeat,
+        )
+        result[job] = {
+            "module": module,
+            "import_s": imported["seconds"],
+            "imports_torch": imported["printed"] == "True",
+            "help_s": helped["seconds"],
+        }
+        log(f"{job}: import {imported['seconds']}s (torch: {imported['printed']}), "
+            f"--help {helped['seconds']}s")  # fmt: skip
+    if model_dir is not None:
+        code = (
+            "import sys, time; t = time.perf_counter()\n"
+            "from transformers import AutoTokenizer\n"
+            f"AutoTokenizer.from_pretrained({str(model_dir)!r})\n"
+            "print(round(time.perf_counter() - t, 3), 'torch' in sys.modules)"
+        )
+        loaded = fresh_python(code, args.repeat)
+        seconds, torch_loaded = loaded["printed"].split()
+        result["tokenizer_load_s"] = float(seconds)
+        result["tokenizer_imports_torch"] = torch_loaded == "True"
+        log(f"tokenizer: {seconds}s in a fresh interpreter (transformers included)")
+    return result
+
+
+# ----------------------------------------------------------------------------- jobs
+
+
+def build_target(model_dir: Path) -> None:
+    """A tiny random Llama with a word tokenizer and a chat template (no download)."""
+    import torch
+    from bench_sglang_regeneration import save_chat_tokenizer
+    from common import random_llama
+
+    model = random_llama("cpu", torch.float32, seed=0, **TINY)
+    model.save_pretrained(model_dir)
+    save_chat_tokenizer(model_dir, TINY["vocab"])
+
+
+def write_inputs(run_dir: Path, shards: int, rows_per_shard: int) -> tuple[Path, Path]:
+    """The dataset (single-turn conversations in the tokenizer's words) and a prepared table
+    with one row group per shard, as prepare writes it; returns (dataset, table)."""
+    rng = np.random.default_rng(0)
+    rows = shards * rows_per_shard
+    dataset = run_dir / "conversations.jsonl"
+    with open(dataset, "w") as f:
+        for _ in range(rows):
+            words = " ".join(f"t{i}" for i in rng.integers(103, TINY["vocab"], 24))
+            messages = [{"role": "user", "content": words},
+                        {"role": "assistant", "content": "t5"}]  # fmt: skip
+            f.write(json.dumps({"messages": messages}) + "\n")
+    prepared = run_dir / "prepared"
+    prepared.mkdir()
+    tokens = [rng.integers(3, TINY["vocab"], 64, dtype=np.int32) for _ in range(rows)]
+    masks = [np.ones(64, dtype=np.uint8) for _ in range(rows)]
+    table = prepared / "tokenized.parquet"
+    table.write_bytes(
+        _parquet_bytes(
+            list(range(rows)), ["train"] * rows, tokens, masks, [False] * rows, rows_per_shard
+        )  # fmt: skip
+    )
+    summary = {"rows": rows, "dataset_hash": "bench", "tokenizer_fingerprint": "bench"}
+    (prepared / "summary.json").write_text(json.dumps(summary))
+    return dataset, table
+
+
+def job_config(model_dir: Path, dataset: Path, rows_per_shard: int, regenerate: bool) -> dict:
+    from common import free_port
+
+    from eaglepipe.core.config import load_config, validate_config
+
+    config = load_config(REPO_ROOT / "config.yaml")
+    config["model"]["path"] = str(model_dir)
+    config["dataset"].update(path=str(dataset), format="openai", max_length=256)
+    config["dataset"]["regenerate"].update(
+        enabled=regenerate, max_new_tokens=4, temperature=0.0, turns="last"
+    )
+    config["shards"]["rows_per_shard"] = rows_per_shard
+    config["server"].update(
+        engine="reference", device="cpu", dtype="float32", port=free_port(),
+        dump_root=str(dataset.parent / "dumps"), idle_timeout_s=600, health_timeout_s=300,
+    )  # fmt: skip
+    return validate_config(config)
+
+
+def time_job(run_dir: Path, stage: str, config_path: Path, shard: str) -> dict:
+    """One job process: seconds from its start to the line before its first request, and to
+    its exit; the manifest's own `first_request_s` (seconds since the process started)."""
+    argv = [sys.executable, "-u", str(REPO_ROOT / "scripts" / f"{stage}.py")]
+    argv += ["--config", str(config_path), "--shard", shard]
+    marker = FIRST_REQUEST_LINE[stage]
+    started = time.perf_counter()
+    proc = subprocess.Popen(argv, cwd=run_dir, stderr=subprocess.PIPE, text=True)
+    first_request = None
+    lines = []
+    for line in proc.stderr:
+        lines.append(line)
+        if first_request is None and marker in line:
+            first_request = time.perf_counter() - started
+    proc.wait()
+    wall = time.perf_counter() - started
+    if proc.returncode != 0 or first_request is None:
+        raise RuntimeError(f"{stage} {shard} exited {proc.returncode}: {''.join(lines)[-2000:]}")
+    outputs = {"extract": "hidden_states", "regenerate": "regenerated"}[stage]
+    manifest = json.loads((run_dir / outputs / shard / "manifest.json").read_text())
+    return {
+        "shard": shard,
+        "to_first_request_s": round(first_request, 3),
+        "manifest_first_request_s": manifest["timing"].get("first_request_s"),
+        "wall_s": round(wall, 3),
+    }
+
+
+def summary_of(runs: list[dict]) -> dict:
+    firsts = [r["to_first_request_s"] for r in runs]
+    return {
+        "runs": runs,
+        "to_first_request_s_median": round(statistics.median(firsts), 3),
+        "to_first_request_s_min": round(min(firsts), 3),
+    }
+
+
+def measure_jobs(args, work: Path, model_dir: Path) -> dict:
+    from common import working_directory
+
+    from eaglepipe.core.config import write_resolved
+    from eaglepipe.core.run import resolve
+    from eaglepipe.plan.provenance import shards as planned_shards
+    from eaglepipe.server.lifecycle import start_server, stop_server
+
+    run_dir = work / "run"
+    run_dir.mkdir()
+    rows_per_shard = 4
+    dataset, _ = write_inputs(run_dir, args.jobs, rows_per_shard)
+    result: dict = {"shards": args.jobs, "rows_per_shard": rows_per_shard, "model": TINY}
+    configs = {}
+    for stage in ("extract", "regenerate"):
+        config = job_config(model_dir, dataset, rows_per_shard, stage == "regenerate")
+        if configs:  # one server for both: the same port (its identity ignores the dataset)
+            config["server"]["port"] = configs["extract"]["server"]["port"]
+        configs[stage] = config
+    paths = {
+        stage: write_resolved(config, run_dir / ".eaglepipe" / f"{stage}-config.json")
+        for stage, config in configs.items()
+    }
+    with working_directory(run_dir):
+        try:
+            with timed() as t:
+                start_server(resolve(configs["extract"]))
+            result["server_start_s"] = round(t["seconds"], 1)
+            log(f"jobs: reference server up in {result['server_start_s']}s")
+            names = planned_shards(resolve(configs["extract"]))
+            for stage in ("extract", "regenerate"):
+                runs = [time_job(run_dir, stage, paths[stage], name) for name in names]
+                result[stage] = summary_of(runs)
+                log(f"{stage}: first request after {result[stage]['to_first_request_s_median']}s"
+                    f" (median of {len(runs)} jobs)")  # fmt: skip
+        finally:
+            stop_server()
+    return result
+
+
+# ----------------------------------------------------------------------------- the row read
 
 
 def write_table(path: Path, rows: int, rows_per_shard: int, mean_len: int) -> int:
@@ -78,59 +298,114 @@ def best_of(repeat: int, read) -> tuple[float, int]:
     return best, count
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    work = Path(tempfile.mkdtemp(prefix="eaglepipe-bench-job-start-", dir=args.dir))
-    try:
-        table = work / "tokenized.parquet"
-        total_tokens = write_table(table, args.rows, args.rows_per_shard, args.mean_len)
-        size = table.stat().st_size
-        log(f"prepared table: {args.rows} rows, {total_tokens:,} tokens, {size / 1e6:.1f} MB")
-        # A shard in the middle of the table.
-        start = (args.rows // args.rows_per_shard // 2) * args.rows_per_shard
-        end = min(start + args.rows_per_shard, args.rows)
+def measure_read(args, work: Path) -> dict:
+    table = work / "tokenized.parquet"
+    total_tokens = write_table(table, args.rows, args.rows_per_shard, args.mean_len)
+    size = table.stat().st_size
+    log(f"prepared table: {args.rows} rows, {total_tokens:,} tokens, {size / 1e6:.1f} MB")
+    # A shard in the middle of the table.
+    start = (args.rows // args.rows_per_shard // 2) * args.rows_per_shard
+    end = min(start + args.rows_per_shard, args.rows)
 
-        def shard_read() -> int:
-            return len(load_shard_rows(table, start, end).row_ids)
+    def shard_read() -> int:
+        return len(load_shard_rows(table, start, end).row_ids)
 
-        def whole_read() -> int:
-            return len(rows_in_range(load_prepared(table), start, end))
+    def whole_read() -> int:
+        return len(rows_in_range(load_prepared(table), start, end))
 
-        shard_s, shard_rows = best_of(args.repeat, shard_read)
-        whole_s, whole_rows = best_of(args.repeat, whole_read)
-        if shard_rows != whole_rows or shard_rows != end - start:
-            raise SystemExit(f"read {shard_rows} and {whole_rows} rows, expected {end - start}")
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-
-    results = {
-        "benchmark": "job_start",
-        "command": command_line(),
-        "machine": machine_info(),
-        "setup": {
-            "rows": args.rows,
-            "rows_per_shard": args.rows_per_shard,
-            "tokens": total_tokens,
-            "table_bytes": size,
-            "shard": f"rows_{start}-{end}",
-        },
+    shard_s, shard_rows = best_of(args.repeat, shard_read)
+    whole_s, whole_rows = best_of(args.repeat, whole_read)
+    if shard_rows != whole_rows or shard_rows != end - start:
+        raise SystemExit(f"read {shard_rows} and {whole_rows} rows, expected {end - start}")
+    return {
+        "rows": args.rows,
+        "rows_per_shard": args.rows_per_shard,
+        "tokens": total_tokens,
+        "table_bytes": size,
+        "shard": f"rows_{start}-{end}",
         "shard_read_s": round(shard_s, 4),
         "whole_table_read_s": round(whole_s, 4),
         "speedup": ratio(whole_s, shard_s),
     }
-    markdown = (
-        f"### A shard job's start-up read ({args.rows} rows, {total_tokens:,} tokens, "
-        f"{args.rows // args.rows_per_shard} shards)\n\n"
-        + markdown_table(
-            ["read", f"s (best of {args.repeat})"],
-            [
-                ["the shard's row group", results["shard_read_s"]],
-                ["the whole table, then the shard's rows", results["whole_table_read_s"]],
-            ],
-        )  # fmt: skip
-        + f"\nwhole / shard: {results['speedup']}x  \n"
-        f"Machine: {machine_line(results['machine'])}.  \nCommand: `{results['command']}`\n"
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def markdown_of(results: dict, repeat: int) -> str:
+    parts = []
+    imports = results.get("imports")
+    if imports:
+        rows = [["interpreter start (`python -c pass`)", imports["interpreter_s"], ""]]
+        for job in ENTRY_MODULES:
+            entry = imports[job]
+            rows.append([f"`import {entry['module']}`", entry["import_s"],
+                         "yes" if entry["imports_torch"] else "no"])  # fmt: skip
+            rows.append([f"`scripts/{job}.py --help`", entry["help_s"], ""])
+        if "tokenizer_load_s" in imports:
+            rows.append(["the tokenizer's load (transformers import + from_pretrained)",
+                         imports["tokenizer_load_s"],
+                         "yes" if imports["tokenizer_imports_torch"] else "no"])  # fmt: skip
+        parts.append(
+            f"### Imports (fresh interpreters, best of {repeat})\n\n"
+            + markdown_table(["what", "s", "torch imported"], rows)
+        )
+    jobs = results.get("jobs")
+    if jobs:
+        rows = [
+            [stage, jobs[stage]["to_first_request_s_median"], jobs[stage]["to_first_request_s_min"],
+             ", ".join(str(r["manifest_first_request_s"]) for r in jobs[stage]["runs"]),
+             f"<= {GOAL_S:g} s" + (" + the tokenizer's load" if stage == "regenerate" else "")]
+            for stage in ("extract", "regenerate")
+        ]  # fmt: skip
+        parts.append(
+            f"### Job start to first request ({jobs['shards']} jobs per stage, one at a time, "
+            "reference server on CPU)\n\n"
+            + markdown_table(["job", "median s", "min s", "manifest first_request_s", "goal"], rows)
+        )
+    read = results.get("read")
+    if read:
+        parts.append(
+            f"### A shard job's row read ({read['rows']} rows, {read['tokens']:,} tokens, "
+            f"{read['rows'] // read['rows_per_shard']} shards)\n\n"
+            + markdown_table(
+                ["read", f"s (best of {repeat})"],
+                [
+                    ["the shard's row group", read["shard_read_s"]],
+                    ["the whole table, then the shard's rows", read["whole_table_read_s"]],
+                ],
+            )
+            + f"\nwhole / shard: {read['speedup']}x\n"
+        )
+    return (
+        "\n".join(parts)
+        + f"\nMachine: {machine_line(results['machine'])}.  \nCommand: `{results['command']}`\n"
     )
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="eaglepipe-bench-job-start-", dir=args.dir))
+    results: dict = {
+        "benchmark": "job_start",
+        "command": command_line(),
+        "machine": machine_info("cpu"),
+        "goal_s": GOAL_S,
+    }
+    try:
+        model_dir = None
+        if "jobs" in args.parts or "imports" in args.parts:
+            model_dir = work / "target"
+            build_target(model_dir)
+        if "imports" in args.parts:
+            results["imports"] = measure_imports(args, model_dir)
+        if "jobs" in args.parts:
+            results["jobs"] = measure_jobs(args, work, model_dir)
+        if "read" in args.parts:
+            results["read"] = measure_read(args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    markdown = markdown_of(results, args.repeat)
     print("\n" + markdown, flush=True)
     write_results(args.out, results, markdown)
     return 0

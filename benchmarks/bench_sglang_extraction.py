@@ -21,7 +21,18 @@ busy share (GPU utilisation sampled every 200 ms, and the bare per-token time x 
 wall time), and where the rest of the pipeline's time went (the shard jobs' start-up and the
 manifests' client breakdown). JSON to --out, a markdown table beside it.
 
+At realistic sizes (issue 28, item 1: >= 1 M tokens per shard, >= 5 M in the run) the hidden
+states outgrow the machine (5 M tokens of the 8B shape are 164 GB; the lent H200 has 128 GiB of
+/dev/shm and 64 GiB of disk): `--verify-delete` then hands each finished shard to a verifier
+thread that runs the validation stage's integrity check (every chunk present, re-hashed against
+the manifest, none unlisted) and deletes the shard, as a user would move it to bulk storage,
+while the next job runs. `--shard-tokens` bounds a shard by tokens. The results carry a storage
+and time plan for the full-size shape (`plan`), also in `--dry-run`, so a command can be checked
+against the machine here before a device call.
+
     python3 -u benchmarks/bench_sglang_extraction.py --out $OUT/sglang_extraction.json   # H200
+    python3 -u benchmarks/bench_sglang_extraction.py --tokens 5000000 --shard-tokens 1250000 \
+        --parallel-shards 2 --storages shm --verify-delete --out $OUT/scale.json        # H200
     python3 -u benchmarks/bench_sglang_extraction.py --dry-run --sglang-version 0.5.14 \\
         --out /tmp/sglang_extraction.json                                  # CPU: no server
 """
@@ -57,6 +68,7 @@ from common import (  # noqa: E402
     add_engine_options,
     chunk_storage,
     command_line,
+    first_request_summary,
     free_port,
     log,
     log_between,
@@ -67,6 +79,7 @@ from common import (  # noqa: E402
     ratio,
     seeded_rows,
     shard_jobs_in_parallel,
+    verify_and_delete,
     working_directory,
     write_prepared,
     write_results,
@@ -88,17 +101,56 @@ HOOK_LINE = re.compile(
 )
 
 
+# Realistic sizes on the lent H200 (issue 28, item 1), one device call each (tools/h200.sh
+# perf-scale, perf-scale-disk); `plan` in the results checks them against its storage and call.
+# On /dev/shm: >= 1 M tokens per shard and 5 M in the run; 2 jobs x 32 requests in flight, what
+# the bare run sends (64); 4 shards, 2 waves of 2 jobs. On disk (64 GiB, 49 GB at most at once)
+# shards of 0.5 M tokens.
+PRESETS = {
+    "scale-shm": dict(tokens=5_000_000, shard_tokens=1_250_000, parallel_shards=2,
+                      storages="shm", verify_delete=True, bare_fraction=0.5),
+    "scale-disk": dict(tokens=3_000_000, shard_tokens=500_000, parallel_shards=2,
+                       storages="disk", verify_delete=True, bare_fraction=0.5),
+}  # fmt: skip
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--preset", choices=sorted(PRESETS), default=None,
+        help="a realistic-size run's settings (PRESETS); later options still override them",
+    )  # fmt: skip
     parser.add_argument("--tokens", type=int, default=600_000)
     parser.add_argument("--min-len", type=int, default=512)
     parser.add_argument("--max-len", type=int, default=4096)
     parser.add_argument("--seed", type=int, default=20261201)
     parser.add_argument("--parallel-shards", type=int, default=4, help="shard jobs at once")
     parser.add_argument("--shard-gb", type=float, default=2.5, help="bound on one shard")
+    parser.add_argument(
+        "--shard-tokens", type=int, default=None, help="bound on one shard in tokens (not GB)"
+    )
+    parser.add_argument(
+        "--verify-delete",
+        action="store_true",
+        help="verify each finished shard (integrity: sizes, re-hash, no stray chunk), then "
+        "delete it, beside the running jobs: runs larger than the storage",
+    )
+    parser.add_argument(
+        "--model-on", choices=("auto", "shm", "disk"), default="auto",
+        help="where the random model is saved (auto: /dev/shm when the plan leaves room)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--assume-bare-tok-s", type=float, default=36000.0,
+        help="the plan's bare prefill rate (2026-12-01 on the H200: 35,977 tok/s)",
+    )  # fmt: skip
     parser.add_argument("--chunk-mb", type=float, default=1024.0)
     parser.add_argument("--inflight-requests", type=int, default=32, help="per shard job")
     parser.add_argument("--bare-inflight", type=int, default=64, help="the bare run's client")
+    parser.add_argument(
+        "--bare-fraction", type=float, default=1.0,
+        help="the bare run sends this leading share of the same rows (a rate: a long run's "
+        "steady state needs no more, and the call's 10 minutes are short)",
+    )  # fmt: skip
     parser.add_argument("--mem-fraction-static", type=float, default=0.8)
     parser.add_argument("--storages", default="shm,disk", help="where chunks go, in order")
     parser.add_argument("--raw-gb", type=float, default=4.0, help="raw write test size")
@@ -112,12 +164,17 @@ def parse_args(argv=None) -> argparse.Namespace:
         "model (a check of this script itself)",
     )
     args = parser.parse_args(argv)
+    if args.preset:
+        parser.set_defaults(**PRESETS[args.preset])
+        args = parser.parse_args(argv)
     args.storages = [s.strip() for s in args.storages.split(",") if s.strip()]
     if not set(args.storages) <= {"shm", "disk"}:
         parser.error("--storages: shm and/or disk")
     if args.dry_run and not args.sglang_version:
         parser.error("--dry-run needs --sglang-version")
     args.tiny = args.dry_run or args.engine == "reference"
+    # The sizes a GPU run uses: the plan is made for them, whatever the check itself runs.
+    args.full = {k: getattr(args, k) for k in ("tokens", "min_len", "max_len", "raw_gb")}
     if args.tiny:
         args.tokens = min(args.tokens, 3000)
         args.min_len, args.max_len = 16, 160
@@ -178,13 +235,90 @@ def save_word_tokenizer(model_dir: Path, vocab: int) -> None:
     settings_path.write_text(json.dumps(settings, indent=2))
 
 
+# The lent H200 (KINDS: 128 GiB of /dev/shm, 64 GiB of disk) and what tools/h200.sh leaves this
+# script of a 10-minute call: its 570 s budget less the wheels' install and import check (~60 s)
+# and its margins.
+H200_BYTES = {"shm": 128 << 30, "disk": 64 << 30}
+H200_CALL_S = 480
+SERVER_START_S = 75  # SGLang 0.5.14 with the JIT cache carried (2026-12-01: 57-87 s)
+MODEL_BUILD_S = 45
+DUMP_BYTES_PER_JOB = 2 << 30  # extract.max_inflight_bytes in pipeline_config
+
+
+def token_bytes(shape: dict) -> int:
+    """Chunk bytes per token: aux (3 layers) and final hidden states in bf16, ids, mask."""
+    return 4 * shape["hidden"] * 2 + 5
+
+
+def model_bytes(shape: dict) -> int:
+    h, kv = shape["hidden"], shape["hidden"] * shape["kv_heads"] // shape["heads"]
+    layer = 2 * h * h + 2 * h * kv + 3 * h * shape["intermediate"]
+    return 2 * (shape["layers"] * layer + 2 * shape["vocab"] * h)
+
+
+def shard_token_bound(args, shape: dict) -> int:
+    return args.shard_tokens or int(args.shard_gb * 1e9 / token_bytes(shape))
+
+
+def storage_plan(args) -> dict:
+    """What a GPU run of these arguments writes where, at most at once, against the lent
+    H200's storage, and how long it takes at `--assume-bare-tok-s`."""
+    shape = SHAPES["8b"]
+    tokens = args.full["tokens"]
+    per_token = token_bytes(shape)
+    shard_tokens = min(shard_token_bound(args, shape), tokens)
+    shards = -(-tokens // shard_tokens)
+    shard_bytes = shard_tokens * per_token
+    # Jobs write their shards; each finished one waits for its verifier (one at a time) or is
+    # deleted at once; a shard being verified is whole, the running ones grow.
+    on_storage = min(shards, args.parallel_shards + (1 if args.verify_delete else 0))
+    chunks = on_storage * shard_bytes
+    dumps = args.parallel_shards * DUMP_BYTES_PER_JOB
+    model = model_bytes(shape)
+    need = {
+        storage: chunks + (dumps if storage == "shm" else 0)
+        for storage in ("shm", "disk")
+        if storage in args.storages
+    }
+    need.setdefault("shm", dumps)  # the handoff is on /dev/shm whatever holds the chunks
+    model_on = args.model_on
+    if model_on == "auto":
+        room = H200_BYTES["shm"] - need["shm"]
+        model_on = "shm" if room > model + (8 << 30) else "disk"
+    need[model_on] = need.get(model_on, 0) + model
+    bare_s = tokens / args.assume_bare_tok_s
+    seconds = (
+        MODEL_BUILD_S
+        + 2 * SERVER_START_S
+        + args.bare_fraction * bare_s
+        + len(args.storages) * bare_s / 0.95
+    )
+    return {
+        "shape": "8b",
+        "tokens": tokens,
+        "bytes_per_token": per_token,
+        "shard_tokens": shard_tokens,
+        "shards": shards,
+        "shard_gb": round(shard_bytes / 1e9, 1),
+        "total_gb": round(tokens * per_token / 1e9, 1),
+        "model_on": model_on,
+        "peak_gb": {k: round(v / 1e9, 1) for k, v in need.items()},
+        "room_gb": {k: round(v / 1e9, 1) for k, v in H200_BYTES.items()},
+        "fits": all(v <= H200_BYTES[k] for k, v in need.items()),
+        "estimated_s": round(seconds),
+        "call_s": H200_CALL_S,
+        "fits_call": seconds <= H200_CALL_S,
+        "verify_delete": args.verify_delete,
+    }
+
+
 def pipeline_config(run_dir: Path, model_dir: Path, dataset: Path, rows, args, shape) -> dict:
     from eaglepipe.core.config import load_config, validate_config
 
-    token_bytes = 4 * shape["hidden"] * 2
     tokens = sum(len(r) for r in rows)
-    row_bytes = token_bytes * tokens / len(rows)
-    rows_per_shard = max(1, min(len(rows), int(args.shard_gb * 1e9 / row_bytes)))
+    row_tokens = tokens / len(rows)
+    # At least the bound's tokens per shard (rows are whole).
+    rows_per_shard = max(1, min(len(rows), -(-shard_token_bound(args, shape) // int(row_tokens))))
     if args.tiny:
         rows_per_shard = max(1, len(rows) // 4)
     dump_parent = "/dev/shm" if shm_free_gb() > 8 else str(run_dir)
@@ -440,8 +574,9 @@ def run_pipeline(run_dir: Path, config: dict, rows, warmup, args, deadline) -> d
                     with GpuUtilisation() as gpu:
                         t0 = time.perf_counter()
                         manifests = shard_jobs_in_parallel(
-                            run_dir, config, names, args.parallel_shards
-                        )
+                            run_dir, config, names, args.parallel_shards,
+                            finish=verify_and_delete if args.verify_delete else None,
+                        )  # fmt: skip
                         seconds = time.perf_counter() - t0
                     time.sleep(0.5)  # SGLang logs a prefill batch after running it
                     text = log_between(handle.log_path, offset)
@@ -466,8 +601,19 @@ def run_pipeline(run_dir: Path, config: dict, rows, warmup, args, deadline) -> d
                         job_startup_s=round(
                             sum(m["job_wall_s"] for m in manifests) - job_seconds, 3
                         ),
+                        # From the manifests: each job's process start to its first request.
+                        first_request=first_request_summary(manifests),
+                        shard_tokens=[m["num_tokens"] for m in manifests],
                         **gpu.summary(),
                     )
+                    if args.verify_delete:
+                        checked = [m["verified"] for m in manifests]
+                        entry["verified"] = {
+                            "shards": len(checked),
+                            "chunks": sum(v["chunks"] for v in checked),
+                            "gb": round(sum(v["bytes"] for v in checked) / 1e9, 2),
+                            "seconds": round(sum(v["seconds"] for v in checked), 1),
+                        }
                     entry["chunk_gb_per_s"] = round(entry["bytes_written"] / seconds / 1e9, 3)
                     previous_hook = hook_stats(text) or previous_hook
                     log(f"pipeline ({storage}): {entry['tokens_per_s']:,.0f} tok/s, "
@@ -636,8 +782,18 @@ def main(argv=None) -> int:
             "shard_gb": args.shard_gb,
             "chunk_mb": args.chunk_mb,
             "sglang_extra_args": SGLANG_EXTRA_ARGS,
+            "shard_tokens": args.shard_tokens,
+            "verify_delete": args.verify_delete,
+            "bare_fraction": args.bare_fraction,
         },  # fmt: skip
+        "plan": storage_plan(args),
     }
+    plan = results["plan"]
+    log(
+        f"plan: {plan['shards']} shards of {plan['shard_gb']} GB, peak {plan['peak_gb']} GB "
+        f"(fits: {plan['fits']}), about {plan['estimated_s']} s (fits the call: "
+        f"{plan['fits_call']})"
+    )
     code = 0
     config = None
     try:
@@ -647,7 +803,8 @@ def main(argv=None) -> int:
                 continue
             results["raw_write"][name] = raw_write(directory, args.raw_gb)
             log(f"raw writes to {name}: {results['raw_write'][name]['gb_per_s']} GB/s")
-        model_parent = Path("/dev/shm") if shm_free_gb() > 45 and not args.tiny else work
+        on_shm = plan["model_on"] == "shm" and shm_free_gb() > model_bytes(shape) / 1e9 + 8
+        model_parent = Path("/dev/shm") if on_shm and not args.tiny else work
         model_dir = Path(tempfile.mkdtemp(prefix="eaglepipe-bench-model-", dir=model_parent))
         t0 = time.monotonic()
         dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -685,7 +842,8 @@ def main(argv=None) -> int:
         else:
             try:
                 if args.engine == "sglang":
-                    results["bare"] = run_bare(config, rows, warmup, args, work)
+                    bare_rows = rows[: max(1, round(len(rows) * args.bare_fraction))]
+                    results["bare"] = run_bare(config, bare_rows, warmup, args, work)
                     log(f"bare: {results['bare']['tokens_per_s']:,.0f} tok/s")
                 else:
                     results["bare"] = {"skipped": "the reference engine has no bare server"}

@@ -9,17 +9,21 @@ whose rendered prompt is exactly `--prompt-tokens` tokens; every reply is regene
 `--new-tokens` new tokens at most (greedy; a random model practically never emits a stop
 token, so every reply runs to the limit, as `bench_serving`'s ignore_eos does). Three runs:
 
-- pipeline: SGLang started by the project's launcher (hook, capture, no radix cache, no
-  chunked prefill, no CUDA graphs: what extraction needs), then the shards as `--jobs`
-  concurrent `scripts/regenerate.py` processes (what `snakemake --cores N` runs), each with
-  `extract.max_inflight_requests = --inflight` rows in flight. Output tokens/s from the first
-  job's start to the last manifest.
+- pipeline: SGLang started by the project's launcher for regeneration (`purpose="generation"`:
+  since issue 28 a server of its own, without the capture and the four flags it needs, so with
+  SGLang's radix cache, chunked prefill and CUDA graphs; the hook stays, inert), then the shards
+  as `--jobs` concurrent `scripts/regenerate.py` processes (what `snakemake --cores N` runs),
+  each with `extract.max_inflight_requests = --inflight` rows in flight. Output tokens/s from
+  the first job's start to the last manifest.
 - bench on the pipeline's server: `python -m sglang.bench_serving` on the same server, same
   requests shape (random ids of the same length, the same output length, `--max-concurrency`
   = jobs x inflight, non-streaming as the pipeline's client): what the client costs.
 - bench on a stock server: the same launch command without the hook, the capture and the four
   flags the capture needs (SGLang's defaults: radix cache, chunked prefill, decode CUDA graphs),
   the same bench_serving command: SGLang's own number for this model and batch.
+
+`--sweep 64,128,256` repeats the pipeline run and both bench_serving runs at each total
+concurrency (the jobs split it): where the server saturates, and the pipeline's ratio there.
 
 SGLang's decode log lines give the running batch size and SGLang's own generation throughput
 in each run. JSON to --out, a markdown table beside it.
@@ -77,6 +81,8 @@ from common import (  # noqa: E402
     write_results,
 )
 
+from eaglepipe.server import sglang as recipe  # noqa: E402
+
 # Chat markers: word tokens, so the template renders to exactly 3 tokens around the content.
 USER_MARK, END_MARK, ASSISTANT_MARK = "t100", "t101", "t102"
 CHAT_TEMPLATE = (
@@ -86,12 +92,7 @@ CHAT_TEMPLATE = (
 )  # fmt: skip
 TEMPLATE_TOKENS = 3  # user mark, end mark, assistant mark
 # Flags the launcher adds because the capture needs them; a stock server runs without them.
-CAPTURE_ONLY_FLAGS = (
-    "--disable-radix-cache",
-    "--chunked-prefill-size=-1",
-    "--disable-prefill-cuda-graph",
-    "--disable-decode-cuda-graph",
-)
+CAPTURE_ONLY_FLAGS = recipe.CAPTURE_ONLY_FLAGS
 _DECODE_LINE = re.compile(
     r"Decode batch[^\n]*?#running-req: (\d+)[^\n]*?gen throughput \(token/s\): ([0-9.]+)"
 )
@@ -107,6 +108,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=20261201)
     parser.add_argument("--mem-fraction-static", type=float, default=0.8)
     parser.add_argument("--runs", default="pipeline,stock", help="servers to measure, in order")
+    parser.add_argument(
+        "--sweep", default=None,
+        help="total concurrencies (e.g. 64,128,256): every run at each, split over --jobs",
+    )  # fmt: skip
     parser.add_argument("--deadline-s", type=float, default=540.0, help="whole-run budget")
     parser.add_argument("--health-s", type=float, default=300.0)
     parser.add_argument("--work-root", default=None, help="scratch dir (default /tmp)")
@@ -129,7 +134,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.tiny = args.dry_run or args.engine == "reference"
     if args.tiny:
         args.runs = ["pipeline"]
+    args.sweep = [int(c) for c in args.sweep.split(",") if c.strip()] if args.sweep else None
+    if args.sweep and any(c < args.jobs for c in args.sweep):
+        parser.error(f"--sweep: every concurrency needs at least one row per job ({args.jobs})")
     return args
+
+
+def concurrencies(args) -> list[int]:
+    """The total concurrencies measured: the sweep's, or jobs x inflight."""
+    return args.sweep or [args.jobs * args.inflight]
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -196,7 +209,9 @@ def stock_command(config: dict, sglang_version: str | None = None) -> tuple[list
     return [a for a in argv if a not in CAPTURE_ONLY_FLAGS], env
 
 
-def bench_serving_command(url: str, model_dir: Path, args, output_len: int, out: Path) -> list:
+def bench_serving_command(
+    url: str, model_dir: Path, args, output_len: int, out: Path, concurrency: int | None = None
+) -> list:
     host, port = url.removeprefix("http://").rsplit(":", 1)
     return [
         sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang",
@@ -204,7 +219,8 @@ def bench_serving_command(url: str, model_dir: Path, args, output_len: int, out:
         "--dataset-name", "random-ids", "--tokenize-prompt",
         "--random-input-len", str(args.prompt_tokens), "--random-output-len", str(output_len),
         "--random-range-ratio", "1.0", "--num-prompts", str(args.rows),
-        "--max-concurrency", str(args.jobs * args.inflight), "--request-rate", "inf",
+        "--max-concurrency", str(concurrency or args.jobs * args.inflight),
+        "--request-rate", "inf",
         "--disable-stream", "--seed", str(args.seed), "--output-file", str(out),
     ]  # fmt: skip
 
@@ -237,9 +253,11 @@ def decode_summary(text: str) -> dict:
     }
 
 
-def run_bench_serving(url: str, model_dir: Path, args, output_len: int, work: Path) -> dict:
+def run_bench_serving(
+    url: str, model_dir: Path, args, output_len: int, work: Path, concurrency: int | None = None
+) -> dict:
     out = work / f"bench-serving-{time.monotonic_ns()}.jsonl"
-    argv = bench_serving_command(url, model_dir, args, output_len, out)
+    argv = bench_serving_command(url, model_dir, args, output_len, out, concurrency)
     started = time.perf_counter()
     with GpuUtilisation() as gpu:
         done = subprocess.run(argv, capture_output=True, text=True, env=server_env(), timeout=900)
@@ -259,57 +277,90 @@ def run_bench_serving(url: str, model_dir: Path, args, output_len: int, work: Pa
     return result
 
 
-def run_pipeline(run_dir: Path, config: dict, model_dir: Path, args, work: Path) -> dict:
+def regenerate_all(run_dir: Path, config: dict, names, args, handle, concurrency: int) -> dict:
+    """Every shard regenerated afresh by `--jobs` concurrent jobs, `concurrency` rows in flight
+    in all; output tokens/s from the first job's start to the last manifest."""
+    config = json.loads(json.dumps(config))
+    config["extract"]["max_inflight_requests"] = max(1, concurrency // len(names))
+    shutil.rmtree(run_dir / "regenerated", ignore_errors=True)  # no journalled row is kept
+    offset = handle.log_path.stat().st_size
+    with GpuUtilisation() as gpu:
+        t0 = time.perf_counter()
+        manifests = shard_jobs_in_parallel(run_dir, config, names, len(names), stage="regenerate")
+        seconds = time.perf_counter() - t0
+    time.sleep(0.5)
+    text = log_between(handle.log_path, offset)
+    tokens = sum(m["output_tokens"] for m in manifests)
+    rows = sum(m["regenerated_rows"] for m in manifests)
+    if rows != args.rows:
+        raise RuntimeError(f"{rows} of {args.rows} rows regenerated")
+    return {
+        "concurrency": concurrency,
+        "shards": len(names),
+        "rows": rows,
+        "output_tokens": tokens,
+        "output_tokens_per_row": round(tokens / rows, 1),
+        "length_limited_replies": sum(m["length_limited_replies"] for m in manifests),
+        "seconds": round(seconds, 3),
+        "output_tokens_per_s": round(tokens / seconds, 1),
+        # Inside the jobs, from the first request to the last reply (no start-up).
+        "in_job_tokens_per_s": [m["timing"]["output_tokens_per_s"] for m in manifests],
+        "job_wall_s": [m["job_wall_s"] for m in manifests],
+        # Each job's process start to its first request (its start-up, the tokenizer's load in).
+        "first_request_s": [m["timing"].get("first_request_s") for m in manifests],
+        **decode_summary(text),
+        **gpu.summary(),
+    }
+
+
+def run_pipeline(
+    run_dir: Path, config: dict, model_dir: Path, args, work: Path, deadline: float
+) -> dict:
     from eaglepipe.core.run import resolve
     from eaglepipe.plan.provenance import shards
+    from eaglepipe.server.identity import GENERATION
     from eaglepipe.server.lifecycle import start_server, stop_server
 
     result: dict = {}
     with working_directory(run_dir):
         try:
             started = time.monotonic()
-            handle = start_server(resolve(config))
+            # The server regeneration leases (no capture; the reference server serves both).
+            handle = start_server(resolve(config), purpose=GENERATION)
             result["startup_s"] = round(time.monotonic() - started, 1)
             result["engine_version"] = handle.info.get("engine_version")
+            result["argv"] = handle.state.get("argv")  # the supervisor's, the engine's after "--"
             log(f"pipeline: {handle.info.get('engine')} healthy after {result['startup_s']}s")
             names = shards(resolve(config))
-            offset = handle.log_path.stat().st_size
-            with GpuUtilisation() as gpu:
-                t0 = time.perf_counter()
-                manifests = shard_jobs_in_parallel(
-                    run_dir, config, names, len(names), stage="regenerate"
-                )
-                seconds = time.perf_counter() - t0
-            time.sleep(0.5)
-            text = log_between(handle.log_path, offset)
-            tokens = sum(m["output_tokens"] for m in manifests)
-            rows = sum(m["regenerated_rows"] for m in manifests)
-            if rows != args.rows:
-                raise RuntimeError(f"{rows} of {args.rows} rows regenerated")
-            result["regeneration"] = {
-                "shards": len(names),
-                "rows": rows,
-                "output_tokens": tokens,
-                "output_tokens_per_row": round(tokens / rows, 1),
-                "length_limited_replies": sum(m["length_limited_replies"] for m in manifests),
-                "seconds": round(seconds, 3),
-                "output_tokens_per_s": round(tokens / seconds, 1),
-                # Inside the jobs, from the first request to the last reply (no start-up).
-                "in_job_tokens_per_s": [m["timing"]["output_tokens_per_s"] for m in manifests],
-                "job_wall_s": [m["job_wall_s"] for m in manifests],
-                **decode_summary(text),
-                **gpu.summary(),
-            }
-            log(f"pipeline regeneration: {result['regeneration']['output_tokens_per_s']:,.0f} "
-                f"output tok/s ({tokens} tokens, {rows} rows)")  # fmt: skip
-            if args.engine == "sglang":
-                output_len = round(tokens / rows)
-                offset = handle.log_path.stat().st_size
-                bench = run_bench_serving(handle.url, model_dir, args, output_len, work)
-                bench.update(decode_summary(log_between(handle.log_path, offset)))
-                result["bench_serving"] = bench
-                log(f"bench_serving on the pipeline's server: {bench['output_throughput']:,.0f} "
-                    "output tok/s")  # fmt: skip
+            points = []
+            for concurrency in concurrencies(args):
+                if deadline - time.monotonic() < 60:
+                    points.append({"concurrency": concurrency, "skipped": "budget spent"})
+                    continue
+                point = regenerate_all(run_dir, config, names, args, handle, concurrency)
+                log(f"pipeline regeneration at {concurrency} in flight: "
+                    f"{point['output_tokens_per_s']:,.0f} output tok/s "
+                    f"({point['output_tokens']} tokens, {point['rows']} rows)")  # fmt: skip
+                if args.engine == "sglang":
+                    output_len = round(point["output_tokens"] / point["rows"])
+                    offset = handle.log_path.stat().st_size
+                    bench = run_bench_serving(
+                        handle.url, model_dir, args, output_len, work, concurrency
+                    )
+                    bench.update(decode_summary(log_between(handle.log_path, offset)))
+                    point["bench_serving"] = bench
+                    log(f"bench_serving on the pipeline's server at {concurrency}: "
+                        f"{bench['output_throughput']:,.0f} output tok/s")  # fmt: skip
+                points.append(point)
+            measured = [p for p in points if "skipped" not in p]
+            if not measured:
+                raise RuntimeError("no concurrency was measured within the budget")
+            first = measured[0]
+            result["regeneration"] = {k: v for k, v in first.items() if k != "bench_serving"}
+            if "bench_serving" in first:
+                result["bench_serving"] = first["bench_serving"]
+            if args.sweep:
+                result["sweep"] = points
         finally:
             stop_server()
             logs = sorted((run_dir / "logs" / "server").glob("*.log"))
@@ -318,7 +369,9 @@ def run_pipeline(run_dir: Path, config: dict, model_dir: Path, args, work: Path)
     return result
 
 
-def run_stock(config: dict, model_dir: Path, args, output_len: int, work: Path) -> dict:
+def run_stock(
+    config: dict, model_dir: Path, args, output_lens: dict, work: Path, deadline: float
+) -> dict:
     argv, extra_env = stock_command(config)
     port = free_port()
     argv[argv.index("--port") + 1] = str(port)
@@ -339,11 +392,25 @@ def run_stock(config: dict, model_dir: Path, args, output_len: int, work: Path) 
             time.sleep(0.5)
         result["startup_s"] = round(time.monotonic() - started, 1)
         log(f"stock: healthy after {result['startup_s']}s")
-        offset = log_path.stat().st_size
-        result["bench_serving"] = run_bench_serving(url, model_dir, args, output_len, work)
-        result["bench_serving"].update(decode_summary(log_between(log_path, offset)))
-        log(f"bench_serving on a stock server: "
-            f"{result['bench_serving']['output_throughput']:,.0f} output tok/s")  # fmt: skip
+        points = []
+        for concurrency in concurrencies(args):
+            if deadline - time.monotonic() < 45:
+                points.append({"concurrency": concurrency, "skipped": "budget spent"})
+                continue
+            output_len = output_lens.get(concurrency, args.new_tokens)
+            offset = log_path.stat().st_size
+            bench = run_bench_serving(url, model_dir, args, output_len, work, concurrency)
+            bench.update(decode_summary(log_between(log_path, offset)))
+            bench["concurrency"] = concurrency
+            points.append(bench)
+            log(f"bench_serving on a stock server at {concurrency}: "
+                f"{bench['output_throughput']:,.0f} output tok/s")  # fmt: skip
+        measured = [p for p in points if "skipped" not in p]
+        if not measured:
+            raise RuntimeError("no concurrency was measured within the budget")
+        result["bench_serving"] = measured[0]
+        if args.sweep:
+            result["sweep"] = points
     finally:
         stop_group(proc)
         result["server_log_tail"] = tail(log_path, 15)
@@ -371,6 +438,34 @@ def summarise(results: dict) -> None:
         "regeneration_vs_bench_stock_server": ratio(regen, bench_stock),
         "pipeline_server_vs_stock_server_bench": ratio(bench_same, bench_stock),
     }
+    stock_at = {
+        b.get("concurrency"): b.get("output_throughput")
+        for b in _tok_s(results, "stock", "sweep") or []
+        if "output_throughput" in b
+    }
+    sweep = []
+    for point in _tok_s(results, "pipeline", "sweep") or []:
+        if "output_tokens_per_s" not in point:
+            continue
+        c = point["concurrency"]
+        same = (point.get("bench_serving") or {}).get("output_throughput")
+        sweep.append({
+            "concurrency": c,
+            "regeneration_tok_s": point["output_tokens_per_s"],
+            "bench_same_server_tok_s": same,
+            "bench_stock_tok_s": stock_at.get(c),
+            "regeneration_vs_stock": ratio(point["output_tokens_per_s"], stock_at.get(c)),
+        })  # fmt: skip
+    if sweep:
+        results["sweep"] = sweep
+        best = max(sweep, key=lambda p: p["bench_stock_tok_s"] or p["regeneration_tok_s"])
+        # Where the stock server saturates: the least concurrency within 5 % of its best.
+        top = best["bench_stock_tok_s"] or best["regeneration_tok_s"]
+        results["saturating_concurrency"] = min(
+            p["concurrency"]
+            for p in sweep
+            if (p["bench_stock_tok_s"] or p["regeneration_tok_s"]) >= 0.95 * top
+        )
 
 
 def report(results: dict) -> str:
@@ -403,7 +498,18 @@ def report(results: dict) -> str:
          "GPU util %", "seconds"], rows,
     )  # fmt: skip
     ratios = markdown_table(["ratio", "measured"], list(results.get("ratios", {}).items()))
-    return head + table + "\n" + ratios
+    sweep = ""
+    if results.get("sweep"):
+        sweep = "\n" + markdown_table(
+            ["concurrency", "regeneration tok/s", "bench_serving, pipeline's server",
+             "bench_serving, stock", "regeneration / stock"],
+            [[p["concurrency"], p["regeneration_tok_s"], p["bench_same_server_tok_s"],
+              p["bench_stock_tok_s"], p["regeneration_vs_stock"]] for p in results["sweep"]],
+        ) + (
+            "\nSaturating concurrency (within 5 % of the best): "
+            f"{results['saturating_concurrency']}\n"
+        )  # fmt: skip
+    return head + table + "\n" + ratios + sweep
 
 
 def main(argv=None) -> int:
@@ -462,30 +568,45 @@ def main(argv=None) -> int:
             from eaglepipe.core.run import resolve
             from eaglepipe.server.sglang import launch_command
 
-            argv, _ = launch_command(
-                resolve(config), host="127.0.0.1", port=config["server"]["port"],
+            common = dict(
+                host="127.0.0.1", port=config["server"]["port"],
                 dump_dir=Path(config["server"]["dump_root"]) / "x", instance_id="dry-run",
                 sglang_version=args.sglang_version,
             )  # fmt: skip
+            # Regeneration's server (no capture), and extraction's beside it for comparison.
+            argv, _ = launch_command(resolve(config), capture=False, **common)
+            capture_argv, _ = launch_command(resolve(config), **common)
             url = f"http://127.0.0.1:{config['server']['port']}"
             results["pipeline"] = {"argv": argv}
+            results["capture"] = {"argv": capture_argv}
             results["stock"] = {"argv": stock_command(config, args.sglang_version)[0]}
             results["bench_serving"] = {
-                "argv": bench_serving_command(url, model_dir, args, args.new_tokens, work / "b")
+                "argv": [
+                    bench_serving_command(url, model_dir, args, args.new_tokens, work / "b", c)
+                    for c in concurrencies(args)
+                ]
             }
         else:
-            output_len = args.new_tokens
+            # bench_serving's output length: the regeneration's mean at the same concurrency.
+            output_lens: dict[int, int] = {}
             for name in args.runs:
                 if deadline - time.monotonic() < 90:
                     results[name] = {"skipped": "less than 90 s of the budget left"}
                     continue
                 try:
                     if name == "pipeline":
-                        results[name] = run_pipeline(run_dir, config, model_dir, args, work)
-                        regen = results[name]["regeneration"]
-                        output_len = round(regen["output_tokens"] / regen["rows"])
+                        results[name] = run_pipeline(
+                            run_dir, config, model_dir, args, work, deadline
+                        )
+                        for point in results[name].get("sweep") or [results[name]["regeneration"]]:
+                            if "rows" in point:
+                                output_lens[point["concurrency"]] = round(
+                                    point["output_tokens"] / point["rows"]
+                                )
                     else:
-                        results[name] = run_stock(config, model_dir, args, output_len, work)
+                        results[name] = run_stock(
+                            config, model_dir, args, output_lens, work, deadline
+                        )
                 except Exception as exc:
                     traceback.print_exc()
                     results[name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}

@@ -269,15 +269,28 @@ def working_directory(path: Path):
 
 
 def shard_jobs_in_parallel(
-    run_dir: Path, config: dict, names: list[str], jobs: int, *, stage: str = "extract"
+    run_dir: Path,
+    config: dict,
+    names: list[str],
+    jobs: int,
+    *,
+    stage: str = "extract",
+    finish=None,
 ) -> list[dict]:
     """Each shard as its own `scripts/<stage>.py` process, `jobs` at a time (Snakemake's way);
     their manifests, each with the job's whole wall time. Extracted shards are removed once
-    read (the disk holds only the shards in progress); regenerated ones are small and kept."""
+    read (the disk holds only the shards in progress); regenerated ones are small and kept.
+
+    `finish(shard_dir, manifest)`, if given, takes over an extracted shard once its job has
+    exited, in one thread of its own (so the next job starts at once): what a user does when
+    moving a finished shard to bulk storage (see `verify_and_delete`). All finish before this
+    returns; the first error of one is raised."""
     from eaglepipe.core.config import write_resolved
 
     resolved = write_resolved(config, run_dir / ".eaglepipe" / "config.json")
     outputs = {"extract": "hidden_states", "regenerate": "regenerated"}[stage]
+    finishing = ThreadPoolExecutor(1) if finish is not None else None
+    pending = []
 
     def one(name: str) -> dict:
         argv = [sys.executable, "-u", str(REPO_ROOT / "scripts" / f"{stage}.py")]
@@ -291,11 +304,67 @@ def shard_jobs_in_parallel(
         # The job's whole life (interpreter start, imports, lease) beside the manifest's timing.
         manifest["job_wall_s"] = round(time.perf_counter() - started, 3)
         if stage == "extract":
-            shutil.rmtree(shard_dir)
+            if finishing is None:
+                shutil.rmtree(shard_dir)
+            else:
+                pending.append(finishing.submit(finish, shard_dir, manifest))
         return manifest
 
-    with ThreadPoolExecutor(jobs) as pool:
-        return list(pool.map(one, names))
+    try:
+        with ThreadPoolExecutor(jobs) as pool:
+            manifests = list(pool.map(one, names))
+    finally:
+        if finishing is not None:
+            finishing.shutdown(wait=True)
+    for future in pending:
+        future.result()
+    return manifests
+
+
+def first_request_summary(manifests: list[dict]) -> dict | None:
+    """The jobs' start-up, from their manifests (`timing.first_request_s`: process start to
+    first request): sum, median and max over the shards, None where none records it."""
+    values = sorted(
+        m["timing"]["first_request_s"]
+        for m in manifests
+        if m.get("timing", {}).get("first_request_s") is not None
+    )
+    if not values:
+        return None
+    return {
+        "shards": len(values),
+        "sum_s": round(sum(values), 3),
+        "median_s": values[len(values) // 2],
+        "max_s": values[-1],
+    }
+
+
+def verify_and_delete(shard_dir: Path, manifest: dict) -> dict:
+    """The validation stage's integrity check of a finished shard (every chunk present with its
+    size, re-hashed against the manifest, none unlisted), then the shard deleted: a benchmark
+    that writes more than the storage holds keeps only the shards in progress. Returns what was
+    checked; raises on a failed check (the shard is kept for a look)."""
+    from eaglepipe.validate.integrity import (
+        check_chunk_checksum,
+        check_chunk_file,
+        check_no_stray_chunks,
+        read_manifest,
+    )
+
+    started = time.perf_counter()
+    shard = manifest["shard"]
+    listed = read_manifest(shard_dir, shard)
+    for entry in listed["chunks"]:
+        check_chunk_file(shard_dir, shard, entry)
+        check_chunk_checksum(shard_dir, shard, entry)
+    check_no_stray_chunks(shard_dir, shard, listed)
+    shutil.rmtree(shard_dir)
+    manifest["verified"] = {
+        "chunks": len(listed["chunks"]),
+        "bytes": listed["num_bytes"],
+        "seconds": round(time.perf_counter() - started, 3),
+    }
+    return manifest["verified"]
 
 
 class GpuUtilisation:

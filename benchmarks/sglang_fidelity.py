@@ -488,7 +488,10 @@ def extract(handle, rows: list[list[int]], hidden: int, inflight: int, prefix: s
     got = {}
 
     async def on_row(row):
-        got[row.row_id] = (row.aux_hidden_states.clone(), row.final_hidden_states.clone())
+        got[row.row_id] = (
+            row.aux_hidden_states.to_torch().clone(),
+            row.final_hidden_states.to_torch().clone(),
+        )
 
     client = ExtractionClient(
         handle.url, Path(handle.dump_dir), settings, liveness_check(handle), log=log

@@ -39,11 +39,13 @@ OUT=$(mkdir -p "$1" && cd "$1" && pwd)
 shift
 TOY=wide
 QUICK=0
+FP32_LIVE=0
 EXTRA_CONFIG=()
 while [ $# -gt 0 ]; do
     case "$1" in
     --default-toy) TOY=default ;;
     --quick) QUICK=1 ;;
+    --fp32-live) FP32_LIVE=1 ;;
     --overrides)
         [ -f "${2:-}" ] || { echo "--overrides: no file '${2:-}'" >&2; exit 2; }
         EXTRA_CONFIG+=("$(cd "$(dirname "$2")" && pwd)/$(basename "$2")")

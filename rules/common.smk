@@ -79,6 +79,7 @@ def when_stale(path, fresh):
     return ancient(path) if fresh else path
 
 
+@hooks.known_parameters
 def regenerate_inputs(wildcards):
     shard = shard_name(wildcards)
     fresh = REGENERATION_IS_FRESH(shard)
@@ -91,6 +92,7 @@ def regenerate_inputs(wildcards):
     }
 
 
+@hooks.known_parameters
 def extract_inputs(wildcards):
     shard = shard_name(wildcards)
     fresh = SHARD_IS_FRESH(shard)
@@ -107,6 +109,7 @@ def extract_inputs(wildcards):
     return inputs
 
 
+@hooks.known_parameters
 def validate_inputs(wildcards):
     shard = shard_name(wildcards)
     inputs = {"manifest": freshness.manifest_path(shard)}

@@ -128,12 +128,58 @@ def test_job_start_quick_check_reads_the_same_rows_both_ways(tmp_path):
     scratch.mkdir()
     run_benchmark(
         "bench_job_start.py",
-        *("--rows", "300", "--rows-per-shard", "50", "--mean-len", "64", "--repeat", "1"),
-        *("--dir", str(scratch), "--out", str(out)),
+        *("--parts", "read", "--rows", "300", "--rows-per-shard", "50", "--mean-len", "64"),
+        *("--repeat", "1", "--dir", str(scratch), "--out", str(out)),
     )
-    results = json.loads(out.read_text())
-    assert results["setup"]["shard"] == "rows_150-200"
-    assert results["setup"]["rows"] == 300 and results["setup"]["table_bytes"] > 0
-    assert results["shard_read_s"] > 0 and results["whole_table_read_s"] > 0
+    read = json.loads(out.read_text())["read"]
+    assert read["shard"] == "rows_150-200"
+    assert read["rows"] == 300 and read["table_bytes"] > 0
+    assert read["shard_read_s"] > 0 and read["whole_table_read_s"] > 0
     assert "whole / shard" in out.with_suffix(".md").read_text()
+    assert list(scratch.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_job_start_times_real_jobs_to_their_first_request(tmp_path):
+    """Real extraction and regeneration jobs against a running reference server: each one's
+    first request is seen from outside and recorded in its manifest; the extraction job's entry
+    point imports no torch."""
+    out = tmp_path / "job_start.json"
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    run_benchmark(
+        "bench_job_start.py", "--parts", "imports,jobs", "--jobs", "1", "--repeat", "1",
+        "--dir", str(scratch), "--out", str(out),
+    )  # fmt: skip
+    results = json.loads(out.read_text())
+    assert results["imports"]["extract"]["imports_torch"] is False
+    assert results["imports"]["tokenizer_load_s"] > 0
+    for stage in ("extract", "regenerate"):
+        (job,) = results["jobs"][stage]["runs"]
+        assert job["shard"] == "rows_0-4"
+        assert 0 < job["to_first_request_s"] < job["wall_s"]
+        assert job["manifest_first_request_s"] > 0
+    assert "Job start to first request" in out.with_suffix(".md").read_text()
+    assert list(scratch.iterdir()) == []  # the run directory and its server are gone
+
+
+def test_ingest_quick_check_measures_each_worker_count_against_raw_writes(tmp_path):
+    """Workers ingest real dumps with the job's own code (read, check, delete, checksummed
+    chunks) at once; each count beside raw writes of the same files by as many writers."""
+    out = tmp_path / "ingest.json"
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    run_benchmark(
+        "bench_ingest.py", "--dry-run", "--storages", "disk", "--out-dir", str(scratch),
+        "--handoff-dir", str(scratch), "--out", str(out),
+    )  # fmt: skip
+    results = json.loads(out.read_text())
+    entries = results["runs"]["disk"]
+    assert [e["workers"] for e in entries] == [1, 2]
+    for entry in entries:
+        assert entry["gb"] > 0 and entry["chunks"] >= entry["workers"]
+        assert entry["ingest_gb_per_s"] > 0 and entry["raw_write_gb_per_s"] > 0
+    # Two workers ingest twice the bytes: each its own dumps and shard.
+    assert entries[1]["gb"] == 2 * entries[0]["gb"]
+    assert "ingest / raw" in out.with_suffix(".md").read_text()
     assert list(scratch.iterdir()) == []

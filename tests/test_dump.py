@@ -231,6 +231,34 @@ def test_read_dump_names_the_file_when_broken(tmp_path):
         read_dump(wrong)
 
 
+def test_the_torch_free_reader_maps_what_safetensors_wrote_and_refuses_torn_files(tmp_path):
+    from eaglepipe.core.tensor_bytes import read_safetensors
+
+    tensors = {
+        "a": torch.randn(3, 5).to(torch.bfloat16),
+        "b": torch.arange(7, dtype=torch.int32),
+        "c": torch.zeros(0, 4, dtype=torch.float32),
+        "d": torch.tensor([1, 0, 1], dtype=torch.uint8),
+    }
+    path = tmp_path / "t.safetensors"
+    save_file(tensors, str(path), metadata={"k": "v"})
+    metadata, raw = read_safetensors(path)
+    assert metadata == {"k": "v"} and sorted(raw) == ["a", "b", "c", "d"]
+    assert raw["a"].dtype == "BF16" and raw["a"].shape == (3, 5)
+    for name, tensor in tensors.items():
+        assert torch.equal(raw[name].to_torch(), tensor)
+    path.unlink()  # the tensors map the file: they outlive its name
+    assert torch.equal(raw["a"].to_torch(), tensors["a"])
+    save_file(tensors, str(path), metadata={"k": "v"})
+    whole = path.read_bytes()
+    path.write_bytes(whole[:-1])  # torn: one byte short
+    with pytest.raises(ValueError, match="the tensors end at byte"):
+        read_safetensors(path)
+    path.write_bytes(whole[:8] + b"}" + whole[9:])  # the header is no longer JSON
+    with pytest.raises(ValueError, match="not JSON"):
+        read_safetensors(path)
+
+
 def test_concat_aux_packs_layers_side_by_side():
     layers = [torch.full((2, 3), float(i)) for i in range(3)]
     packed = concat_aux(layers)

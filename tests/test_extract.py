@@ -204,6 +204,38 @@ def chunk_tensors(path: Path) -> dict[str, torch.Tensor]:
         }
 
 
+# A whole job in a fresh interpreter: what it imports, and when it sends its first request.
+FRESH_JOB = """
+import sys
+from pathlib import Path
+from eaglepipe.core.run import load_run
+from eaglepipe.extract.shard import run_extract_job
+run = load_run("config.json")
+manifest = run_extract_job(run, sys.argv[1], hidden_states_dir=Path(sys.argv[2]))
+heavy = sorted(m for m in ("torch", "transformers", "pandas") if m in sys.modules)
+print(manifest["num_rows"], manifest["timing"]["first_request_s"], ",".join(heavy) or "none")
+"""
+
+
+def test_a_job_moves_hidden_states_without_importing_torch(main_run):
+    """Reading dumps and writing chunks needs no torch, transformers or pandas (seconds of
+    imports before a job's first request, issue 28); on server.device cpu the engine's identity
+    needs none either. The manifest records when the first request went out."""
+    workdir, reference, _ = main_run
+    out = workdir / "hidden_states_fresh_interpreter"
+    done = subprocess.run(
+        [sys.executable, "-c", FRESH_JOB, SHARD, str(out)],
+        cwd=workdir, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows, first_request_s, heavy = done.stdout.split()
+    assert int(rows) == reference["num_rows"] and heavy == "none"
+    assert float(first_request_s) > 0
+    fresh = read_manifest(out / SHARD / "manifest.json")
+    assert [c["row_ids"] for c in fresh["chunks"]] == [c["row_ids"] for c in reference["chunks"]]
+    assert fresh["provenance"] == reference["provenance"]
+
+
 def test_every_row_equals_a_direct_forward(main_run, tiny_llama_dir):
     workdir, manifest, lines = main_run
     shard_dir = workdir / "hidden_states" / SHARD

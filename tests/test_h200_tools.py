@@ -560,6 +560,30 @@ def test_the_extraction_benchmark_builds_the_bare_and_pipeline_commands(
     assert list(tmp_path.glob("eaglepipe-bench-sglang-*")) == []  # the scratch dir is removed
 
 
+@pytest.mark.parametrize("preset", ["scale-shm", "scale-disk"])
+def test_the_realistic_size_runs_fit_the_lent_h200(tmp_path, preset):
+    """The presets tools/h200.sh runs (issue 28, item 1): >= 5 M tokens on /dev/shm in shards of
+    >= 1 M (3 M in 0.5 M shards on the 64 GiB disk), verified and deleted shard by shard, within
+    the machine's storage and a call, by the plan the dry run makes for the 8B shape."""
+    out = tmp_path / "r.json"
+    done = run_script(
+        "benchmarks/bench_sglang_extraction.py", "--dry-run", "--sglang-version", "0.5.14",
+        "--preset", preset, "--work-root", str(tmp_path), "--out", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads(out.read_text())
+    plan = results["plan"]
+    assert plan["fits"] and plan["fits_call"] and plan["verify_delete"]
+    assert plan["total_gb"] > plan["room_gb"][preset.removeprefix("scale-")]  # hence the deletes
+    if preset == "scale-shm":
+        assert plan["tokens"] >= 5_000_000 and plan["shard_tokens"] >= 1_000_000
+        assert plan["model_on"] == "disk"  # /dev/shm holds the chunks
+    else:
+        assert plan["model_on"] == "shm"
+    assert results["setup"]["verify_delete"] is True
+    assert list(tmp_path.glob("eaglepipe-bench-sglang-*")) == []
+
+
 def test_the_regeneration_benchmark_builds_its_three_commands(tmp_path):
     out = tmp_path / "r.json"
     done = run_script(
@@ -569,19 +593,38 @@ def test_the_regeneration_benchmark_builds_its_three_commands(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads(out.read_text())
     pipeline, stock = results["pipeline"]["argv"], results["stock"]["argv"]
-    capture_only = ["--forward-hooks", "--disable-radix-cache", "--chunked-prefill-size=-1",
+    capture = results["capture"]["argv"]
+    capture_only = ["--disable-radix-cache", "--chunked-prefill-size=-1",
                     "--disable-prefill-cuda-graph", "--disable-decode-cuda-graph"]  # fmt: skip
-    assert all(flag in pipeline for flag in capture_only)
-    assert not any(flag in stock for flag in capture_only)
-    # Apart from what the capture needs, the stock server is the pipeline's: same model,
-    # memory, dtype and the slim install's backends.
+    # Extraction's server has what the capture needs; regeneration's (issue 28) does not, and
+    # keeps the inert hook; the stock server has neither.
+    assert all(flag in capture for flag in [*capture_only, "--forward-hooks"])
+    assert not any(flag in pipeline for flag in capture_only) and "--forward-hooks" in pipeline
+    assert not any(flag in stock for flag in [*capture_only, "--forward-hooks"])
+    # Apart from the hook, regeneration's server is the stock one: same model, memory, dtype
+    # and the slim install's backends.
     hook_at = pipeline.index("--forward-hooks")
-    kept = pipeline[:hook_at] + [a for a in pipeline[hook_at + 2 :] if a not in capture_only]
-    assert stock == kept
-    bench = results["bench_serving"]["argv"]
+    assert stock == pipeline[:hook_at] + pipeline[hook_at + 2 :]
+    (bench,) = results["bench_serving"]["argv"]
     assert bench[bench.index("--max-concurrency") + 1] == "8"  # 2 jobs x 4 in flight (tiny)
     assert bench[bench.index("--random-range-ratio") + 1] == "1.0"
     assert list(tmp_path.glob("eaglepipe-bench-regen-*")) == []
+
+
+def test_the_regeneration_sweep_runs_bench_serving_at_each_concurrency(tmp_path):
+    out = tmp_path / "r.json"
+    done = run_script(
+        "benchmarks/bench_sglang_regeneration.py", "--dry-run", "--sglang-version", "0.5.23",
+        "--sweep", "64,128,256", "--work-root", str(tmp_path), "--out", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    benches = json.loads(out.read_text())["bench_serving"]["argv"]
+    assert [b[b.index("--max-concurrency") + 1] for b in benches] == ["64", "128", "256"]
+    refused = run_script(
+        "benchmarks/bench_sglang_regeneration.py", "--dry-run", "--sglang-version", "0.5.14",
+        "--jobs", "4", "--rows", "8", "--sweep", "2", "--work-root", str(tmp_path),
+    )  # fmt: skip
+    assert refused.returncode == 2 and "at least one row per job" in refused.stderr
 
 
 def test_the_regeneration_benchmark_uses_only_flags_bench_serving_has():
@@ -689,11 +732,16 @@ def test_the_regeneration_benchmark_end_to_end_on_the_reference_server(tmp_path)
     lifecycle, concurrent regenerate jobs, the summary) with the built-in server on CPU."""
     out = tmp_path / "r.json"
     done = run_script(
-        "benchmarks/bench_sglang_regeneration.py", "--engine", "reference",
+        "benchmarks/bench_sglang_regeneration.py", "--engine", "reference", "--sweep", "4,8",
         "--work-root", str(tmp_path), "--out", str(out),
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    regeneration = json.loads(out.read_text())["pipeline"]["regeneration"]
+    results = json.loads(out.read_text())
+    # The sweep: every row regenerated afresh at each concurrency (split over the 2 jobs).
+    assert [p["concurrency"] for p in results["pipeline"]["sweep"]] == [4, 8]
+    assert all(p["rows"] == 8 and p["first_request_s"] for p in results["pipeline"]["sweep"])
+    assert [p["concurrency"] for p in results["sweep"]] == [4, 8]
+    regeneration = results["pipeline"]["regeneration"]
     assert regeneration["rows"] == 8 and regeneration["shards"] == 2
     # Replies of at most 8 new tokens (the tiny check), counted from the manifests.
     assert 0 < regeneration["output_tokens"] <= 8 * 8
@@ -709,14 +757,18 @@ def test_the_extraction_benchmark_end_to_end_on_the_reference_server(tmp_path):
     out = tmp_path / "r.json"
     done = run_script(
         "benchmarks/bench_sglang_extraction.py", "--engine", "reference", "--tokens", "700",
-        "--storages", "shm", "--parallel-shards", "2", "--work-root", str(tmp_path),
-        "--out", str(out),
+        "--storages", "shm", "--parallel-shards", "2", "--verify-delete", "--work-root",
+        str(tmp_path), "--out", str(out),
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads(out.read_text())
     shm = results["pipeline"]["variants"]["shm"]
     assert shm["tokens"] == results["setup"]["tokens"] >= 700
     assert shm["chunks"] >= 1 and shm["job_startup_s"] > 0
+    # --verify-delete: every shard checked (all its chunks re-hashed), then deleted.
+    shards = results["pipeline"]["shards"]
+    assert shm["verified"]["shards"] == shards and shm["verified"]["chunks"] == shm["chunks"]
+    assert shm["first_request"]["shards"] == shards and shm["first_request"]["max_s"] > 0
     assert set(shm["client_breakdown_s"]) == {
         "budget_wait_s", "dump_wait_s", "read_dump_s", "lookahead_wait_s", "chunk_write_s",
     }  # fmt: skip

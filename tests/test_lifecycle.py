@@ -50,7 +50,7 @@ JOB = textwrap.dedent(
     if len(sys.argv) > 4:  # the light stand-in engine, for tests of the lifecycle mechanics
         from eaglepipe.server import lifecycle
         fake = sys.argv[4]
-        lifecycle.engine_command = lambda run, *, host, port, dump_dir, instance_id: (
+        lifecycle.engine_command = lambda run, *, host, port, dump_dir, instance_id, purpose: (
             [sys.executable, "-u", fake, host, str(port), instance_id], {})
     with server_lease(run) as handle:
         payload = {"input_ids": [5, 6, 7], "rid": f"eaglepipe-{uuid.uuid4().hex[:12]}-0-0",
@@ -171,7 +171,7 @@ class Run:
         monkeypatch.setattr(
             lifecycle,
             "engine_command",
-            lambda config, *, host, port, dump_dir, instance_id: (
+            lambda config, *, host, port, dump_dir, instance_id, purpose: (
                 [*argv, host, str(port), instance_id],
                 {},
             ),
@@ -639,3 +639,116 @@ def test_group_members_recognises_only_the_servers_own_processes():
     # Nor are processes that lack the server instance's marker in their environment.
     assert me.pid in [p.pid for p in lifecycle.group_members(os.getpgid(0), 0)]
     assert lifecycle.group_members(os.getpgid(0), 0, "some-other-instance") == []
+
+
+class CountingServer:
+    """An HTTP server answering /health and SGLang's /server_info (with the project's hook),
+    counting the /health requests it gets."""
+
+    def __init__(self, instance_id: str):
+        from eaglepipe.server.sglang import hook_spec
+
+        self.health_hits = 0
+        hook = hook_spec(
+            dump_dir="/tmp/none", request_prefix="eaglepipe", aux_layer_ids=[1, 3, 4],
+            instance_id=instance_id, hidden_size=32,
+        )  # fmt: skip
+        self.info = {"version": "0.5.14", "forward_hooks": [hook], "instance_id": instance_id}
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+
+    async def _start(self) -> None:
+        from aiohttp import web
+
+        async def health(request):
+            self.health_hits += 1
+            return web.Response(text="")
+
+        async def server_info(request):
+            return web.json_response(self.info)
+
+        app = web.Application()
+        app.router.add_get("/health", health)
+        app.router.add_get("/server_info", server_info)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
+    def __enter__(self) -> CountingServer:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+
+@pytest.mark.parametrize(("engine", "health_hits"), [("sglang", 0), ("reference", 1)])
+def test_a_lease_on_a_running_sglang_asks_its_server_info_not_its_slow_health(engine, health_hits):
+    """SGLang's /health answers a second after a one-token generation at the earliest (the
+    contract test reads it); its /server_info asks the scheduler, which proves it answers."""
+    with CountingServer("inst-1") as server:
+        state = {"url": server.url, "engine": engine, "instance_id": "inst-1"}
+        info = lifecycle._server_info_when_answering(state, patience_s=5)
+        assert info is not None and info["instance_id"] == "inst-1"
+        assert server.health_hits == health_hits
+
+
+# A stand-in SGLang (aiohttp only): /server_info in SGLang's shape, with the project's hook config
+# (its instance id, and `capture: false` for a generation server), as the real one echoes it.
+FAKE_SGLANG = textwrap.dedent(
+    """
+    import sys
+    from aiohttp import web
+
+    host, port, instance_id, purpose = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    hook = {"instance_id": instance_id, "aux_layer_ids": [1, 3, 4], "dump_dir": "/none",
+            "request_prefix": "eaglepipe", "hidden_size": 32}
+    if purpose != "capture":
+        hook["capture"] = False
+
+    async def health(request):
+        return web.Response()
+
+    async def server_info(request):
+        return web.json_response({"version": "0.5.14", "forward_hooks": [
+            {"name": "eaglepipe-dump", "config": hook}]})
+
+    app = web.Application()
+    app.add_routes([web.get("/health", health), web.get("/server_info", server_info)])
+    web.run_app(app, host=host, port=port, print=None)
+    """
+)
+
+
+def test_regeneration_and_extraction_servers_replace_each_other_with_sglang(run, monkeypatch):
+    """With SGLang, a generation lease starts a server without the capture; the first capture
+    lease after it replaces it (naming why), and further leases of a purpose reuse its server."""
+    from eaglepipe.server.identity import CAPTURE, GENERATION
+
+    fake = run.workdir / "fake_sglang.py"
+    fake.write_text(FAKE_SGLANG)
+    monkeypatch.setattr(
+        lifecycle,
+        "engine_command",
+        lambda config, *, host, port, dump_dir, instance_id, purpose: (
+            [PYTHON, "-u", str(fake), host, str(port), instance_id, purpose],
+            {},
+        ),
+    )
+    config = run.with_server(engine="sglang")
+    instances = {}
+    for purpose in (GENERATION, GENERATION, CAPTURE, CAPTURE):
+        with server_lease(resolve(config), run_token="run-a", purpose=purpose) as handle:
+            assert handle.info["capture"] is (purpose == CAPTURE)
+            instances.setdefault(purpose, set()).add(handle.info["instance_id"])
+    assert len(instances[GENERATION]) == len(instances[CAPTURE]) == 1
+    history = read_history(run.paths)
+    assert [e["event"] for e in history].count("start") == 2
+    stops = [e["reason"] for e in history if e["event"] == "stop"]
+    assert stops == ["a capture server replaces this generation server"]
+    lifecycle.stop_server()

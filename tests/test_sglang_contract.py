@@ -374,6 +374,53 @@ def test_launch_argv_parses_to_the_intended_values(cli_flags, launch, mechanism)
     assert (REPO_ROOT / "patch" / "eaglepipe_hook.py").is_file()
 
 
+def test_a_generation_server_runs_sglangs_defaults_without_the_capture(
+    cli_flags, tmp_path, version
+):
+    """Regeneration's server (server_lease(purpose="generation")): the same command without the
+    capture and the four flags only the capture needs; the hook stays, inert, its config saying
+    so (an extraction request there would be refused by the hook for want of aux states)."""
+    from eaglepipe.server.sglang_plugin import CAPTURE_ENV, capture_layer_ids
+
+    model = tmp_path / "dsv3"
+    model.mkdir()
+    (model / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["DeepseekV3ForCausalLM"],
+                "num_hidden_layers": 61,
+                "hidden_size": 7168,
+            }
+        )
+    )
+    config = _config(model, tp_size=8)
+    kwargs = dict(host="127.0.0.1", port=31555, dump_dir="/dev/shm/x/i", instance_id="i",
+                  sglang_version=version)  # fmt: skip
+    capture_argv, _ = recipe.launch_command(resolve(config), **kwargs)
+    argv, env = recipe.launch_command(resolve(config), capture=False, **kwargs)
+    parser = _argparse_from(cli_flags)
+    ns, defaults = parser.parse_args(argv[3:]), parser.parse_args(argv[3:4] + ["x"])
+    assert ns.speculative_algorithm is None and capture_layer_ids(env) is None
+    assert env[CAPTURE_ENV] == ""
+    for field in ("disable_radix_cache", "chunked_prefill_size", "disable_prefill_cuda_graph",
+                  "disable_decode_cuda_graph"):  # fmt: skip
+        assert getattr(ns, field) == getattr(defaults, field), field
+    [spec] = ns.forward_hooks
+    assert spec["config"]["capture"] is False and spec["config"]["capture_layer_ids"] is None
+    # Otherwise the capture server's command, flag for flag.
+    dropped = set(recipe.CAPTURE_ONLY_FLAGS) | {
+        "--speculative-algorithm", "EAGLE3", "--enable-return-aux-hidden-states",
+        "--return-aux-hidden-state-layer-ids", "2", "30", "58",
+    }  # fmt: skip
+    capture_hooks, hooks = capture_argv.index("--forward-hooks"), argv.index("--forward-hooks")
+    assert [a for a in capture_argv[:capture_hooks] if a not in dropped] == argv[:hooks]
+    assert [a for a in capture_argv[capture_hooks + 2 :] if a not in dropped] == argv[hooks + 2 :]
+    assert (
+        recipe.pipeline_server_info({"forward_hooks": [spec], "version": version})["capture"]
+        is False
+    )
+
+
 def test_refused_and_launcher_owned_flags_are_real_flags():
     """A refusal list naming a flag no supported SGLang has would refuse nothing. A flag only
     newer releases have needs no refusal in older ones: their parser refuses it itself."""
@@ -1338,9 +1385,38 @@ def test_server_info_echoes_the_hook_config_clients_check(src, launch, version, 
 
     from eaglepipe.extract.shard import check_server_info
 
+    assert info["capture"] is True
     check_server_info(info, resolve(config).aux_layer_ids, 7168, "http://127.0.0.1:31555")
+    # A generation-only server (regeneration's) is refused by an extraction job, in one line.
+    with pytest.raises(PipelineError, match="is a generation-only server"):
+        check_server_info(
+            {**info, "capture": False}, resolve(config).aux_layer_ids, 7168, "http://h:1"
+        )
 
 
 def test_an_sglang_server_without_our_hook_is_refused():
     with pytest.raises(PipelineError, match="without the eaglepipe forward hook"):
         recipe.pipeline_server_info({"forward_hooks": None, "version": "0.5.23"})
+
+
+def test_health_waits_a_second_and_server_info_asks_the_scheduler(src):
+    """Why a lease on a running SGLang asks /server_info only (lifecycle): /health (by default)
+    sends a one-token generation and sleeps a second before its first look at the answer, while
+    /server_info awaits the scheduler's internal state."""
+    tree = parse(src, "srt/entrypoints/http_server.py")
+    handlers = {n.name: n for n in tree.body if isinstance(n, ast.AsyncFunctionDef)}
+    health = handlers["health_generate"]
+    routes = {
+        d.args[0].value
+        for d in health.decorator_list
+        if isinstance(d, ast.Call) and d.args and isinstance(d.args[0], ast.Constant)
+    }
+    assert "/health" in routes
+    loop = next(n for n in ast.walk(health) if isinstance(n, ast.While))
+    first = loop.body[0]
+    assert ast.unparse(first) == "await asyncio.sleep(1)"
+    environ = (src / "srt/environ.py").read_text()
+    assert "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION = EnvBool(True)" in environ
+    info = handlers["server_info"]
+    calls = [ast.unparse(n.func) for n in ast.walk(info) if isinstance(n, ast.Call)]
+    assert "_global_state.tokenizer_manager.get_internal_state" in calls

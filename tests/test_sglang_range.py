@@ -179,6 +179,34 @@ def test_a_flags_release_gets_the_capture_only_flags_and_no_ids(server_site, tmp
     assert sglang_plugin.capture_layer_ids(env) is None
 
 
+@pytest.mark.parametrize("version", ["0.5.14", "0.5.23"])
+def test_regeneration_gets_a_server_of_its_own_without_the_capture(server_site, tmp_path, version):
+    """With SGLang, a generation lease is another server (its own fingerprint) started without
+    the capture and the flags it needs; the reference server does both, one fingerprint. A
+    capture server's identity has no purpose key: running servers keep their fingerprint."""
+    from eaglepipe.server.identity import CAPTURE, GENERATION, server_identity
+    from eaglepipe.server.lifecycle import engine_command, server_fingerprint
+
+    write_dist(server_site, "sglang", version)
+    write_dist(server_site, "eaglepipe", "0.1.0", PLUGIN_POINTS)
+    run = resolve(llama_config(tmp_path))
+    assert "purpose" not in server_identity(run, CAPTURE)
+    assert server_identity(run, GENERATION)["purpose"] == GENERATION
+    assert server_fingerprint(run, GENERATION) != server_fingerprint(run, CAPTURE)
+    common = dict(host="127.0.0.1", port=31999, dump_dir=tmp_path / "d", instance_id="i")
+    argv, env = engine_command(run, purpose=GENERATION, **common)
+    for flag in (*recipe.CAPTURE_ONLY_FLAGS, "--speculative-algorithm"):
+        assert flag not in argv
+    assert sglang_plugin.capture_layer_ids(env) is None
+    capture_argv, _ = engine_command(run, purpose=CAPTURE, **common)
+    assert all(flag in capture_argv for flag in recipe.CAPTURE_ONLY_FLAGS)
+    (tmp_path / "ref").mkdir()
+    reference = llama_config(tmp_path / "ref")
+    reference["server"]["engine"] = "reference"
+    reference_run = resolve(reference)
+    assert server_fingerprint(reference_run, GENERATION) == server_fingerprint(reference_run)
+
+
 def test_an_sglang_outside_the_range_stops_the_launch(server_site, tmp_path):
     write_dist(server_site, "sglang", "0.5.24")
     with pytest.raises(PipelineError, match=r"^server.engine sglang: SGLang 0\.5\.24 is installed"):

@@ -46,6 +46,35 @@ def make_row(row_id: int, num_tokens: int) -> RowTensors:
     )
 
 
+def test_rows_without_torch_write_the_same_chunk_bytes(tmp_path):
+    """What the extraction job hands the writer (numpy ids and masks, the dump's bf16 bytes as
+    RawTensors) makes the very file torch tensors make; a uint16 array never passes for bf16."""
+    from eaglepipe.core.tensor_bytes import RawTensor
+
+    rows = [make_row(i, t) for i, t in [(2, 5), (4, 1), (9, 7)]]
+    raw_rows = [
+        RowTensors(
+            row_id=r.row_id,
+            input_ids=r.input_ids.numpy(),
+            loss_mask=r.loss_mask.numpy(),
+            aux_hidden_states=RawTensor(r.aux_hidden_states.view(torch.uint16).numpy(), "BF16"),
+            final_hidden_states=RawTensor(r.final_hidden_states.view(torch.uint16).numpy(), "BF16"),
+        )
+        for r in rows
+    ]
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "raw").mkdir()
+    with_torch = write_chunk(tmp_path / "torch", 0, rows, hidden_size=H)
+    without = write_chunk(tmp_path / "raw", 0, raw_rows, hidden_size=H)
+    assert with_torch == without
+    name = with_torch.file
+    assert (tmp_path / "torch" / name).read_bytes() == (tmp_path / "raw" / name).read_bytes()
+    plain = raw_rows[0]
+    plain.final_hidden_states = plain.final_hidden_states.data  # bf16 bits, dtype unknown
+    with pytest.raises(PipelineError, match="final_hidden_states is uint16 .*expected torch.bf"):
+        write_chunk(tmp_path / "raw", 1, [plain], hidden_size=H)
+
+
 def test_plan_is_greedy_in_row_order_and_isolates_big_rows():
     per_token = 4 * H * 2 + 5
     bound = 10 * per_token + 100

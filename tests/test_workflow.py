@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import REPO_ROOT
 from drafter_helpers import flip_low_bit
 from pipeline_run import (
     copy_run,
@@ -173,6 +174,32 @@ def test_wrong_type_names_the_key(tmp_path):
     result = run_snakemake(tmp_path, "-n", check=False)
     assert result.returncode != 0
     assert "config key server.port" in result.stdout + result.stderr
+
+
+def test_per_shard_input_functions_hand_snakemake_their_parameters(monkeypatch):
+    """Snakemake inspects an input function's signature on every job; `known_parameters` gives
+    it the same parameters up front (no inspect.signature per job), and the per-shard input
+    functions of rules/common.smk use it."""
+    import inspect
+
+    from snakemake.common import get_function_params, get_input_function_aux_params
+
+    from eaglepipe.ops.snakefile_hooks import known_parameters
+
+    @known_parameters
+    def shard_inputs(wildcards):
+        return {}
+
+    def no_inspecting(*args, **kwargs):
+        raise AssertionError("inspect.signature called per job")
+
+    monkeypatch.setattr(inspect, "signature", no_inspecting)
+    assert list(get_function_params(shard_inputs)) == ["wildcards"]
+    offered = {"wildcards": 1, "input": 2, "attempt": 3}
+    assert get_input_function_aux_params(shard_inputs, offered) == {"wildcards": 1}
+    common = (REPO_ROOT / "rules" / "common.smk").read_text()
+    for name in ("regenerate_inputs", "extract_inputs", "validate_inputs"):
+        assert f"@hooks.known_parameters\ndef {name}(wildcards):" in common
 
 
 def test_dry_run_lists_one_extract_per_shard(tmp_path):

@@ -5,12 +5,23 @@
 #   bash tools/h200.sh check    OUT     imports, versions, plugin registration (~1 min)
 #   bash tools/h200.sh fidelity OUT     benchmarks/sglang_fidelity.py (Llama, DeepSeek, Kimi)
 #   bash tools/h200.sh perf     OUT     benchmarks/bench_sglang_extraction.py (8B shape)
+#   bash tools/h200.sh perf-scale OUT   the same at realistic sizes on /dev/shm (--preset
+#                                       scale-shm: 5 M tokens, 1.25 M per shard, each shard
+#                                       verified then deleted; ~8 min)
+#   bash tools/h200.sh perf-scale-disk OUT
+#                                       the same on disk (--preset scale-disk: 3 M tokens in
+#                                       0.5 M-token shards; ~6 min)
 #   bash tools/h200.sh pipeline OUT     benchmarks/sglang_pipeline_h200.sh (snakemake, engine sglang)
 #   bash tools/h200.sh live     OUT --config C --export-dir D --table T --eval E
 #                                       scripts/live_acceptance.py on a carried run's files (an
 #                                       exported drafter served by SGLang's speculative decoding)
 #   bash tools/h200.sh regen    OUT     benchmarks/bench_sglang_regeneration.py (8B shape): the
 #                                       regenerate stage vs SGLang's bench_serving, same batch
+#   bash tools/h200.sh regen-sweep OUT  the same at 64, 128, 256 requests in flight (where
+#                                       SGLang saturates; ~8 min)
+#   bash tools/h200.sh ingest   OUT     benchmarks/bench_ingest.py: H = 7168 dumps to checksummed
+#                                       chunks with 1-16 workers vs raw writes, /dev/shm and disk
+#                                       (no GPU, no SGLang; ~5 min)
 #   bash tools/h200.sh regen-acceptance OUT
 #                                       benchmarks/bench_regeneration.py with SGLang: drafters
 #                                       trained on the dataset's and on the target's replies
@@ -39,16 +50,16 @@
 set -u -o pipefail
 
 if [ $# -lt 2 ]; then
-    echo "usage: bash tools/h200.sh check|fidelity|perf|pipeline|live|regen|regen-acceptance|specforge OUT [args...]" >&2
+    echo "usage: bash tools/h200.sh check|fidelity|perf|perf-scale|perf-scale-disk|pipeline|live|regen|regen-sweep|ingest|regen-acceptance|specforge OUT [args...]" >&2
     exit 2
 fi
 PART=$1
 OUT=$2
 shift 2
 case "$PART" in
-check | fidelity | perf | pipeline | live | regen | regen-acceptance | specforge) ;;
+check | fidelity | perf | perf-scale | perf-scale-disk | pipeline | live | regen | regen-sweep | ingest | regen-acceptance | specforge) ;;
 *)
-    echo "tools/h200.sh: unknown part '$PART' (check, fidelity, perf, pipeline, live, regen, regen-acceptance, specforge)" >&2
+    echo "tools/h200.sh: unknown part '$PART' (check, fidelity, perf, pipeline, live, regen, regen-acceptance, perf-scale, perf-scale-disk, regen-sweep, ingest, specforge)" >&2
     exit 2
     ;;
 esac
@@ -161,6 +172,14 @@ run_part() {
                 benchmarks/bench_sglang_extraction.py --out "$OUT/sglang_extraction.json" \
                 --deadline-s $((left - 25)) --work-root /tmp "$@"
             ;;
+        perf-scale | perf-scale-disk)
+            preset=scale-shm
+            [ "$PART" = perf-scale-disk ] && preset=scale-disk
+            timeout --signal=TERM --kill-after=20 "$left" python3 -u \
+                benchmarks/bench_sglang_extraction.py --preset "$preset" \
+                --out "$OUT/sglang_extraction_$preset.json" \
+                --deadline-s $((left - 25)) --work-root /tmp "$@"
+            ;;
         pipeline)
             EAGLEPIPE_PIPELINE_LIMIT_S=$((left - 20)) timeout --signal=TERM --kill-after=20 \
                 "$left" bash benchmarks/sglang_pipeline_h200.sh "$OUT" "$@"
@@ -173,6 +192,18 @@ run_part() {
             timeout --signal=TERM --kill-after=20 "$left" python3 -u \
                 benchmarks/bench_sglang_regeneration.py --out "$OUT/sglang_regeneration.json" \
                 --deadline-s $((left - 25)) --work-root /tmp "$@"
+            ;;
+        regen-sweep)
+            timeout --signal=TERM --kill-after=20 "$left" python3 -u \
+                benchmarks/bench_sglang_regeneration.py --sweep 64,128,256 \
+                --out "$OUT/sglang_regeneration_sweep.json" \
+                --deadline-s $((left - 25)) --work-root /tmp "$@"
+            ;;
+        ingest)
+            timeout --signal=TERM --kill-after=20 "$left" python3 -u \
+                benchmarks/bench_ingest.py --hidden-size 7168 --gb-per-worker 2 \
+                --workers 1,2,4,8,16 --storages shm,disk --out-dir /tmp \
+                --out "$OUT/ingest.json" --deadline-s $((left - 25)) "$@"
             ;;
         regen-acceptance)
             # --scheduler greedy: the ilp scheduler needs pulp, which is not staged.

@@ -114,6 +114,19 @@ def read_failure(shard_dir: str | os.PathLike) -> dict | None:
         return None
 
 
+def process_age_s() -> float | None:
+    """Seconds since this process started, at the kernel's tick (10 ms); None off Linux.
+
+    What a job's manifest records as `first_request_s`: its start-up, interpreter included."""
+    try:
+        after_name = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        start_ticks = int(after_name[19])  # field 22, starttime, in ticks since boot
+        now = time.clock_gettime(time.CLOCK_BOOTTIME)
+        return round(now - start_ticks / os.sysconf("SC_CLK_TCK"), 3)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
 T = TypeVar("T")
 
 

@@ -19,15 +19,27 @@ import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 import xxhash
 from safetensors import safe_open
 
 from ..core.atomic import fsync_dir
 from ..core.errors import PipelineError
 from ..core.fingerprint import hash_json
+from ..core.tensor_bytes import (
+    RawTensor,
+    byte_view,
+    dtype_name,
+    dtype_text,
+    itemsize,
+    nbytes,
+    torch_dtype_text,
+)
+
+if TYPE_CHECKING:
+    import torch
 
 FORMAT_VERSION = 1
 CHUNK_PATTERN = "chunk-*.safetensors"
@@ -46,12 +58,6 @@ TENSOR_ORDER = (
     "input_ids",
     "loss_mask",
 )
-_SAFETENSORS_DTYPE = {
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.uint8: "U8",
-    torch.bfloat16: "BF16",
-}
 
 
 def chunk_file_name(index: int) -> str:
@@ -134,13 +140,14 @@ def plan_bytes(num_tokens: Iterable[int], hidden_size: int, num_aux_layers: int 
 
 @dataclass
 class RowTensors:
-    """One row as it goes into a chunk."""
+    """One row as it goes into a chunk: torch tensors, or (without torch) numpy arrays for the
+    ids and mask and RawTensors for the hidden states (core/tensor_bytes.py)."""
 
     row_id: int
-    input_ids: torch.Tensor  # int32 [T]
-    loss_mask: torch.Tensor  # uint8 [T]
-    aux_hidden_states: torch.Tensor  # bf16 [T, 3H]
-    final_hidden_states: torch.Tensor  # bf16 [T, H]
+    input_ids: torch.Tensor | np.ndarray  # int32 [T]
+    loss_mask: torch.Tensor | np.ndarray  # uint8 [T]
+    aux_hidden_states: torch.Tensor | RawTensor  # bf16 [T, 3H]
+    final_hidden_states: torch.Tensor | RawTensor  # bf16 [T, H]
 
     @property
     def num_tokens(self) -> int:
@@ -149,7 +156,7 @@ class RowTensors:
     @property
     def nbytes(self) -> int:
         return sum(
-            t.numel() * t.element_size()
+            nbytes(t)
             for t in (
                 self.input_ids,
                 self.loss_mask,
@@ -179,31 +186,19 @@ class ChunkRecord:
         }
 
 
-def _as_bytes(tensor: torch.Tensor) -> memoryview:
-    """A zero-copy byte view of a contiguous CPU tensor."""
-    tensor = tensor.detach().contiguous()
-    if tensor.device.type != "cpu":
-        tensor = tensor.cpu()
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
-
-
 def _check_row(row: RowTensors, hidden_size: int, num_aux_layers: int) -> None:
     t = row.num_tokens
     expected = {
-        "input_ids": (row.input_ids, torch.int32, (t,)),
-        "loss_mask": (row.loss_mask, torch.uint8, (t,)),
-        "aux_hidden_states": (
-            row.aux_hidden_states,
-            torch.bfloat16,
-            (t, num_aux_layers * hidden_size),
-        ),
-        "final_hidden_states": (row.final_hidden_states, torch.bfloat16, (t, hidden_size)),
+        "input_ids": (row.input_ids, "I32", (t,)),
+        "loss_mask": (row.loss_mask, "U8", (t,)),
+        "aux_hidden_states": (row.aux_hidden_states, "BF16", (t, num_aux_layers * hidden_size)),
+        "final_hidden_states": (row.final_hidden_states, "BF16", (t, hidden_size)),
     }
     for name, (tensor, dtype, shape) in expected.items():
-        if tensor.dtype != dtype or tuple(tensor.shape) != shape:
+        if dtype_name(tensor) != dtype or tuple(tensor.shape) != shape:
             raise PipelineError(
-                f"row {row.row_id}: {name} is {tensor.dtype} {tuple(tensor.shape)}, "
-                f"expected {dtype} {shape}"
+                f"row {row.row_id}: {name} is {dtype_text(tensor)} {tuple(tensor.shape)}, "
+                f"expected {torch_dtype_text(dtype)} {shape}"
             )
 
 
@@ -211,20 +206,20 @@ def _chunk_header(rows: Sequence[RowTensors], hidden_size: int, num_aux_layers: 
     n = len(rows)
     total = sum(r.num_tokens for r in rows)
     shapes = {
-        "row_ids": (torch.int64, [n]),
-        "offsets": (torch.int64, [n + 1]),
-        "aux_hidden_states": (torch.bfloat16, [total, num_aux_layers * hidden_size]),
-        "final_hidden_states": (torch.bfloat16, [total, hidden_size]),
-        "input_ids": (torch.int32, [total]),
-        "loss_mask": (torch.uint8, [total]),
+        "row_ids": ("I64", [n]),
+        "offsets": ("I64", [n + 1]),
+        "aux_hidden_states": ("BF16", [total, num_aux_layers * hidden_size]),
+        "final_hidden_states": ("BF16", [total, hidden_size]),
+        "input_ids": ("I32", [total]),
+        "loss_mask": ("U8", [total]),
     }
     header: dict = {"__metadata__": {"format_version": str(FORMAT_VERSION)}}
     offset = 0
     for name in TENSOR_ORDER:
         dtype, shape = shapes[name]
-        size = int(np.prod(shape)) * torch.tensor([], dtype=dtype).element_size()
+        size = int(np.prod(shape)) * itemsize(dtype)
         header[name] = {
-            "dtype": _SAFETENSORS_DTYPE[dtype],
+            "dtype": dtype,
             "shape": shape,
             "data_offsets": [offset, offset + size],
         }
@@ -270,10 +265,10 @@ def write_chunk(
     sections = {
         "row_ids": lambda: [memoryview(np.asarray(ids, dtype=np.int64))],
         "offsets": lambda: [memoryview(offsets)],
-        "aux_hidden_states": lambda: (_as_bytes(r.aux_hidden_states) for r in row_list),
-        "final_hidden_states": lambda: (_as_bytes(r.final_hidden_states) for r in row_list),
-        "input_ids": lambda: (_as_bytes(r.input_ids) for r in row_list),
-        "loss_mask": lambda: (_as_bytes(r.loss_mask) for r in row_list),
+        "aux_hidden_states": lambda: (byte_view(r.aux_hidden_states) for r in row_list),
+        "final_hidden_states": lambda: (byte_view(r.final_hidden_states) for r in row_list),
+        "input_ids": lambda: (byte_view(r.input_ids) for r in row_list),
+        "loss_mask": lambda: (byte_view(r.loss_mask) for r in row_list),
     }
     hasher = xxhash.xxh3_128()
     written = 0
@@ -321,7 +316,7 @@ def write_chunk(
 
 
 class ChunkReader:
-    """A memory-mapped chunk: row index up front, per-row tensors sliced on demand."""
+    """A memory-mapped chunk: row index up front, per-row torch tensors sliced on demand."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)

@@ -22,13 +22,15 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import aiohttp
-import torch
 
 from ..core.errors import PipelineError, ServerLost
 from ..core.run import RunSpec
-from ..server.handoff import DUMP_WAIT_S, DumpNotWritten, await_dump, read_dump
+from ..core.shard_job import process_age_s
+from ..core.tensor_bytes import RawTensor, dtype_name, dtype_text
+from ..server.handoff import DUMP_WAIT_S, DumpNotWritten, await_dump, read_dump_raw
 from ..server.request_ids import is_pipeline_rid, make_rid, new_nonce, parse_rid
 from ..server.watch import (
     BACKOFF_BASE_S,
@@ -37,6 +39,9 @@ from ..server.watch import (
     liveness_check,
     watch_server,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -47,9 +52,12 @@ class RowRequest:
 
 @dataclass
 class ExtractedRow:
+    """One answered row. The client gives the dump's bytes as RawTensors (no torch: the job
+    only moves them); `RawTensor.to_torch()` views them as torch tensors."""
+
     row_id: int
-    aux_hidden_states: torch.Tensor  # bf16 [T, 3H]
-    final_hidden_states: torch.Tensor  # bf16 [T, H]
+    aux_hidden_states: RawTensor | torch.Tensor  # bf16 [T, 3H]
+    final_hidden_states: RawTensor | torch.Tensor  # bf16 [T, H]
     dump_bytes: int
 
 
@@ -93,9 +101,12 @@ class ClientStats:
     budget_wait_s: float = 0.0
     dump_wait_s: float = 0.0
     read_dump_s: float = 0.0
+    # Seconds from the process's start to its first request (core.shard_job.process_age_s).
+    first_request_s: float | None = None
 
     def timing(self) -> dict:
         return {
+            "first_request_s": self.first_request_s,
             "budget_wait_s": round(self.budget_wait_s, 3),
             "dump_wait_s": round(self.dump_wait_s, 3),
             "read_dump_s": round(self.read_dump_s, 3),
@@ -154,10 +165,9 @@ def sweep_stale_dumps(dump_dir: Path, prefix: str, nonce: str, row_ids: set[int]
     return swept
 
 
-def check_dump(
-    aux: torch.Tensor, final: torch.Tensor, row: RowRequest, rid: str, settings: ClientSettings
-) -> None:
-    """The dump must answer exactly this request: token count, layer widths, dtype."""
+def check_dump(aux, final, row: RowRequest, rid: str, settings: ClientSettings) -> None:
+    """The dump must answer exactly this request: token count, layer widths, dtype (the
+    tensors are RawTensors or torch tensors)."""
     t = len(row.input_ids)
     h = settings.hidden_size
     where = f"row {row.row_id} (request {rid})"
@@ -172,8 +182,10 @@ def check_dump(
         )
     if final.shape[1] != h:
         raise PipelineError(f"{where}: final_hidden_states width {final.shape[1]}, expected {h}")
-    if aux.dtype != torch.bfloat16 or final.dtype != torch.bfloat16:
-        raise PipelineError(f"{where}: dump dtype {aux.dtype}/{final.dtype}, expected bfloat16")
+    if dtype_name(aux) != "BF16" or dtype_name(final) != "BF16":
+        raise PipelineError(
+            f"{where}: dump dtype {dtype_text(aux)}/{dtype_text(final)}, expected bfloat16"
+        )
 
 
 class ExtractionClient:
@@ -298,6 +310,8 @@ class ExtractionClient:
             "sampling_params": {"max_new_tokens": 0},
         }
         timeout = aiohttp.ClientTimeout(total=self.settings.request_timeout_s)
+        if not self.stats.requests_sent:
+            self.stats.first_request_s = process_age_s()
         self.stats.requests_sent += 1
         try:
             async with session.post(f"{self.url}/generate", json=payload, timeout=timeout) as resp:
@@ -322,7 +336,7 @@ class ExtractionClient:
             self.stats.dump_wait_s += time.monotonic() - answered
         try:
             reading_since = time.monotonic()
-            aux, final, _meta = await asyncio.to_thread(read_dump, path)
+            aux, final, _meta = await asyncio.to_thread(read_dump_raw, path)
             self.stats.read_dump_s += time.monotonic() - reading_since
             check_dump(aux, final, row, rid, self.settings)
         except PipelineError as exc:

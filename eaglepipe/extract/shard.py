@@ -26,7 +26,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
-import torch
 import xxhash
 
 from .. import __version__
@@ -89,17 +88,11 @@ class ShardRows:
 
 
 def load_shard_rows(table_path: Path, start: int, end: int) -> ShardRows:
-    from ..prepare.table import load_prepared, rows_in_range
+    from ..prepare.table import read_token_rows
 
     # Only this shard's row group is read: a job's start-up must not grow with the dataset.
-    columns = ["row_id", "input_ids", "loss_mask"]
-    rows = rows_in_range(load_prepared(table_path, start, end, columns=columns), start, end)
-    rows = rows.sort_values("row_id")
-    return ShardRows(
-        row_ids=[int(r) for r in rows["row_id"]],
-        input_ids=[np.array(ids, dtype=np.int32) for ids in rows["input_ids"]],
-        loss_masks=[np.array(mask, dtype=np.uint8) for mask in rows["loss_mask"]],
-    )
+    row_ids, input_ids, loss_masks = read_token_rows(table_path, start, end)
+    return ShardRows(row_ids=row_ids, input_ids=input_ids, loss_masks=loss_masks)
 
 
 def shard_inputs_hash(rows: ShardRows) -> str:
@@ -124,6 +117,11 @@ def _tokenizer_fingerprint(run: RunSpec, summary: dict) -> str:
 
 def check_server_info(info: dict, aux_ids: list[int], hidden_size: int, url: str) -> None:
     """The server must capture the configured layers of a model of this width."""
+    if info.get("capture") is False:
+        raise PipelineError(
+            f"the server at {url} is a generation-only server (no capture): stop it "
+            "(eaglepipe server stop) so a capturing one starts"
+        )
     served_ids = [int(i) for i in info.get("aux_layer_ids", [])]
     if served_ids != aux_ids:
         raise PipelineError(
@@ -240,8 +238,8 @@ class ChunkAssembler:
         ids, mask = self.prepared[row.row_id]
         return RowTensors(
             row_id=row.row_id,
-            input_ids=torch.from_numpy(ids),
-            loss_mask=torch.from_numpy(mask),
+            input_ids=ids,
+            loss_mask=mask,
             aux_hidden_states=row.aux_hidden_states,
             final_hidden_states=row.final_hidden_states,
         )

@@ -428,3 +428,64 @@ def rows_in_range(table, start: int, end: int):
     row_ids = table["row_id"].to_numpy()
     lo, hi = np.searchsorted(row_ids, [start, end], side="left")
     return table.iloc[lo:hi].reset_index(drop=True)
+
+
+def read_token_rows(
+    path: str | os.PathLike, start: int, end: int
+) -> tuple[list[int], list[np.ndarray], list[np.ndarray]]:
+    """The rows `start <= row_id < end` as (row ids, int32 input ids, uint8 loss masks), in
+    row-id order: a shard job's start-up read.
+
+    Only the row groups whose row_id statistics overlap the range are read (one group per
+    shard), straight from the Parquet file into numpy: no pandas and no pyarrow.dataset, whose
+    imports alone took longer than the read (issue 28).
+    """
+    import pyarrow.parquet as pq
+
+    path = Path(path)
+    if not path.is_file():
+        raise PipelineError(f"prepared table {path} does not exist: run the prepare rule first")
+    try:
+        parquet = pq.ParquetFile(path)
+        groups = _row_groups_overlapping(parquet.metadata, start, end)
+        table = parquet.read_row_groups(groups, columns=["row_id", "input_ids", "loss_mask"])
+    except (OSError, ValueError) as exc:
+        raise PipelineError(f"prepared table {path} cannot be read: {exc}") from None
+    chunks = table.column("row_id").chunks
+    row_ids = np.concatenate([_numpy_of(c, np.int64) for c in chunks] or [np.zeros(0, np.int64)])
+    wanted = np.flatnonzero((row_ids >= start) & (row_ids < end))
+    wanted = wanted[np.argsort(row_ids[wanted], kind="stable")]
+    lists = {}
+    for name, dtype in (("input_ids", np.int32), ("loss_mask", np.uint8)):
+        rows: list[np.ndarray] = []
+        for chunk in table.column(name).chunks:
+            offsets = _numpy_of(chunk.offsets, np.int32)
+            values = _numpy_of(chunk.values, dtype)
+            rows += [values[offsets[i] : offsets[i + 1]] for i in range(len(chunk))]
+        lists[name] = [np.array(rows[i], dtype=dtype) for i in wanted]
+    return [int(row_ids[i]) for i in wanted], lists["input_ids"], lists["loss_mask"]
+
+
+def _numpy_of(array, dtype) -> np.ndarray:
+    """A null-free primitive Arrow array as a numpy view of its data buffer (pyarrow's own
+    to_numpy imports pandas, which takes longer than the shard's read)."""
+    if array.null_count:
+        raise PipelineError(f"the prepared table holds nulls in a {array.type} column")
+    item = np.dtype(dtype).itemsize
+    return np.frombuffer(
+        array.buffers()[1], dtype=dtype, count=len(array), offset=array.offset * item
+    )
+
+
+def _row_groups_overlapping(metadata, start: int, end: int) -> list[int]:
+    """Row groups whose row_id min/max may fall in [start, end) (all of them without stats)."""
+    groups = []
+    for index in range(metadata.num_row_groups):
+        group = metadata.row_group(index)
+        stats = None
+        for column in range(group.num_columns):
+            if group.column(column).path_in_schema == "row_id":
+                stats = group.column(column).statistics
+        if stats is None or not stats.has_min_max or (stats.min < end and stats.max >= start):
+            groups.append(index)
+    return groups

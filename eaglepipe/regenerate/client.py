@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from ..core.errors import PipelineError, ServerLost
+from ..core.shard_job import process_age_s
 from ..server.request_ids import make_generation_rid
 from ..server.watch import BACKOFF_BASE_S, BACKOFF_MAX_S, TransientError
 
@@ -102,6 +103,8 @@ class GenerationClient:
         self.log = log or (lambda line: None)
         self.requests_sent = 0
         self.retries = 0
+        # Seconds from the process's start to its first request (core.shard_job.process_age_s).
+        self.first_request_s: float | None = None
 
     async def generate(
         self,
@@ -140,6 +143,8 @@ class GenerationClient:
             "sampling_params": sampling_params(self.settings, max_new_tokens, seed),
         }
         timeout = aiohttp.ClientTimeout(total=self.settings.request_timeout_s)
+        if not self.requests_sent:
+            self.first_request_s = process_age_s()
         self.requests_sent += 1
         try:
             async with session.post(f"{self.url}/generate", json=payload, timeout=timeout) as resp:

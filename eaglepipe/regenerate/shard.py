@@ -48,7 +48,7 @@ from ..plan.provenance import (
     shard_source_rows_digest,
 )
 from ..plan.shard_plan import Shard, parse_shard_name
-from ..server.identity import engine_identity
+from ..server.identity import GENERATION, engine_identity
 from ..server.request_ids import new_nonce
 from ..server.watch import liveness_check, watch_server
 from .client import GenerationClient, GenerationSettings, RowRefused
@@ -280,8 +280,11 @@ def regenerate_shard(
             else:
                 conversations.append(row)
         requests_sent = 0
+        first_request_s = None
         if conversations:
-            with server_lease(run) as handle:
+            # With SGLang a server of its own: no capture, so its radix cache, chunked prefill
+            # and CUDA graphs stay on (identity.py).
+            with server_lease(run, purpose=GENERATION) as handle:
                 client = GenerationClient(
                     handle.url,
                     GenerationSettings(
@@ -309,6 +312,7 @@ def regenerate_shard(
                     )
                 finally:
                     requests_sent = client.requests_sent
+                    first_request_s = client.first_request_s
         ordered = [records[r.row_id] for r in rows]
         size, checksum = write_rows(shard_dir, ordered)
         manifest = _manifest(
@@ -341,6 +345,7 @@ def regenerate_shard(
                 "rows_kept": progress.kept,
                 "rows_regenerated": progress.done - progress.kept,
                 "requests_sent": requests_sent,
+                "first_request_s": first_request_s,
                 "output_tokens": progress.amount("tokens"),
                 "output_tokens_per_s": round(
                     progress.amount("tokens") / max(time.monotonic() - progress.started, 1e-9), 1

@@ -10,6 +10,7 @@ renamed into place, so a reader never sees a partial dump: a dump is complete ex
 final name exists, and `await_dump` / `wait_for_dump` are the one way the pipeline waits for that
 (the SGLang hook writes from a background thread, so its dump can land after the HTTP answer).
 
+The client reads dumps without torch (`read_dump_raw`); `read_dump` gives torch tensors.
 The writer is `dump_writer.py` (shared by the reference server and the SGLang hook); the
 request ids are `request_ids.py`'s.
 """
@@ -24,11 +25,13 @@ import stat
 import time
 from collections.abc import Sequence
 from pathlib import Path
-
-import torch
-from safetensors import safe_open
+from typing import TYPE_CHECKING
 
 from ..core.errors import PipelineError
+from ..core.tensor_bytes import RawTensor, read_safetensors, torch_dtype_text
+
+if TYPE_CHECKING:
+    import torch
 
 AUX_KEY = "aux_hidden_states"
 FINAL_KEY = "final_hidden_states"
@@ -204,27 +207,23 @@ def wait_for_dump(path: str | os.PathLike, within_s: float = DUMP_WAIT_S) -> Pat
 # ----------------------------------------------------------------------------- reading
 
 
-def read_dump(path: str | os.PathLike) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """Load one complete dump: (aux bf16 [T, 3H], final bf16 [T, H], metadata with ints decoded).
+def read_dump_raw(path: str | os.PathLike) -> tuple[RawTensor, RawTensor, dict]:
+    """Load one complete dump without torch: (aux bf16 [T, 3H], final bf16 [T, H], metadata
+    with ints decoded), the tensors as RawTensors (core/tensor_bytes.py).
 
-    The tensors map the file rather than copy it (safetensors), so no copy is made on the
-    client's hot path; deleting the file frees its space only once the tensors are gone."""
+    The tensors map the file rather than copy it, so no copy is made on the client's hot path;
+    deleting the file frees its space only once the tensors are gone."""
     path = Path(path)
     try:
-        with safe_open(str(path), framework="pt") as f:
-            raw_meta = f.metadata() or {}
-            keys = set(f.keys())
-            missing = {AUX_KEY, FINAL_KEY} - keys
-            if missing:
-                raise PipelineError(f"dump {path} lacks tensor(s) {', '.join(sorted(missing))}")
-            aux = f.get_tensor(AUX_KEY)
-            final = f.get_tensor(FINAL_KEY)
+        raw_meta, tensors = read_safetensors(path)
     except FileNotFoundError:
         raise PipelineError(f"dump {path} does not exist") from None
-    except PipelineError:
-        raise
-    except Exception as exc:  # safetensors raises its own error types for corrupt headers
+    except Exception as exc:  # a torn or foreign file: say which, in one line
         raise PipelineError(f"dump {path} is unreadable: {exc}") from None
+    missing = {AUX_KEY, FINAL_KEY} - set(tensors)
+    if missing:
+        raise PipelineError(f"dump {path} lacks tensor(s) {', '.join(sorted(missing))}")
+    aux, final = tensors[AUX_KEY], tensors[FINAL_KEY]
     try:
         meta = {
             "rid": raw_meta["rid"],
@@ -242,12 +241,18 @@ def read_dump(path: str | os.PathLike) -> tuple[torch.Tensor, torch.Tensor, dict
         (AUX_KEY, aux, (tokens, num_aux * hidden)),
         (FINAL_KEY, final, (tokens, hidden)),
     ):
-        if tensor.dtype != torch.bfloat16 or tuple(tensor.shape) != shape:
+        if tensor.dtype != "BF16" or tensor.shape != shape:
             raise PipelineError(
-                f"dump {path}: {name} is {tensor.dtype} {list(tensor.shape)}, "
+                f"dump {path}: {name} is {torch_dtype_text(tensor.dtype)} {list(tensor.shape)}, "
                 f"expected torch.bfloat16 {list(shape)}"
             )
     return aux, final, meta
+
+
+def read_dump(path: str | os.PathLike) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """`read_dump_raw` with the tensors as torch bf16 tensors (views of the mapped file)."""
+    aux, final, meta = read_dump_raw(path)
+    return aux.to_torch(), final.to_torch(), meta
 
 
 def concat_aux(aux_hidden_states: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
@@ -255,6 +260,8 @@ def concat_aux(aux_hidden_states: torch.Tensor | Sequence[torch.Tensor]) -> torc
 
     Engines hand aux states over either way (SGLang as a list or already concatenated).
     """
+    import torch  # the engines' side, where torch is loaded already
+
     if isinstance(aux_hidden_states, torch.Tensor):
         return aux_hidden_states
     return torch.cat(list(aux_hidden_states), dim=-1)

@@ -4,7 +4,10 @@
   its version, device kind, dtype and batch layout (resolved, not `auto`).
 - `server_identity`: everything that decides what a running hidden-state server computes and
   where it listens. Its hash is the server's fingerprint: a job whose identity differs from the
-  running server's never uses that server (`server.lifecycle`).
+  running server's never uses that server (`server.lifecycle`). With SGLang a server is started
+  for a purpose: `capture` (extraction, validation: the hook, the capture and the flags it
+  needs) or `generation` (regeneration: no capture, so SGLang's radix cache, chunked prefill and
+  CUDA graphs stay on); the reference server does both, so it has no purpose in its identity.
 - `chunk_reuse_key`: what a journalled chunk must have been computed under for a resumed
   extraction to keep it: the shard's inputs, the model and its weights, the layers, and the
   engine identity, so a shard never mixes chunks of two engines or dtypes.
@@ -17,6 +20,19 @@ the one the shard provenance uses too.
 from __future__ import annotations
 
 from ..core.run import RunSpec
+
+# What an SGLang server is started for (`server_purpose`).
+CAPTURE = "capture"
+GENERATION = "generation"
+PURPOSES = (CAPTURE, GENERATION)
+
+
+def server_purpose(run: RunSpec, wanted: str = CAPTURE) -> str:
+    """The purpose a job's server is started for: `generation` only where it makes another
+    server (SGLang); the reference server serves both from one process."""
+    if wanted not in PURPOSES:
+        raise ValueError(f"server purpose {wanted!r}: one of {', '.join(PURPOSES)}")
+    return wanted if run.server.engine == "sglang" else CAPTURE
 
 
 def engine_identity(run: RunSpec) -> dict:
@@ -33,24 +49,24 @@ def engine_identity(run: RunSpec) -> dict:
             "dtype": server.dtype,
             "tp_size": server.sglang.tp_size,
         }
-    from .reference_engine import (
+    from .reference_settings import (
         engine_version,
-        resolve_attention,
-        resolve_device,
-        resolve_dtype,
+        resolve_device_type,
+        resolve_dtype_name,
+        resolve_layout,
     )
 
-    device = resolve_device(server.device)
+    device = resolve_device_type(server.device)
     return {
         "engine": "reference",
         "engine_version": engine_version(),
-        "device": device.type,
-        "dtype": str(resolve_dtype(server.dtype, device)).removeprefix("torch."),
-        "attention": resolve_attention(server.attention, device)[0],
+        "device": device,
+        "dtype": resolve_dtype_name(server.dtype, device),
+        "attention": resolve_layout(server.attention, device),
     }
 
 
-def server_identity(run: RunSpec) -> dict:
+def server_identity(run: RunSpec, purpose: str = CAPTURE) -> dict:
     """Everything that decides what the server computes and where it listens."""
     server, model = run.server, run.model
     identity = {
@@ -67,6 +83,9 @@ def server_identity(run: RunSpec) -> dict:
     }
     if server.engine == "sglang":
         identity["sglang"] = server.sglang.as_dict()
+        if server_purpose(run, purpose) == GENERATION:
+            # Only here: a capture server's fingerprint is what it was before purposes existed.
+            identity["purpose"] = GENERATION
     return identity
 
 

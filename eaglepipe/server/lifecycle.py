@@ -56,7 +56,7 @@ from .handle import (
     server_alive,
     supervisor_process,
 )
-from .identity import server_identity
+from .identity import CAPTURE, server_identity, server_purpose
 from .leases import (
     STARTED_CHILDREN,
     Lease,
@@ -126,18 +126,24 @@ def current_run_token() -> str:
 # ---------------------------------------------------------------- what to launch
 
 
-def launch_settings(run: RunSpec) -> dict:
+def launch_settings(run: RunSpec, purpose: str = CAPTURE) -> dict:
     """Everything that decides what the server computes (`identity.server_identity`); its hash
     is the fingerprint: a job never uses a running server whose fingerprint differs."""
-    return server_identity(run)
+    return server_identity(run, purpose)
 
 
-def server_fingerprint(run: RunSpec) -> str:
-    return hash_json(launch_settings(run))
+def server_fingerprint(run: RunSpec, purpose: str = CAPTURE) -> str:
+    return hash_json(launch_settings(run, purpose))
 
 
 def engine_command(
-    run: RunSpec, *, host: str, port: int, dump_dir: Path, instance_id: str
+    run: RunSpec,
+    *,
+    host: str,
+    port: int,
+    dump_dir: Path,
+    instance_id: str,
+    purpose: str = CAPTURE,
 ) -> tuple[list[str], dict[str, str]]:
     """The engine's argv and extra environment (the supervisor runs it)."""
     engine = run.server.engine
@@ -152,7 +158,12 @@ def engine_command(
                 "(eaglepipe/server/sglang.py is missing)"
             ) from None
         return sglang.launch_command(
-            run, host=host, port=port, dump_dir=dump_dir, instance_id=instance_id
+            run,
+            host=host,
+            port=port,
+            dump_dir=dump_dir,
+            instance_id=instance_id,
+            capture=server_purpose(run, purpose) == CAPTURE,
         )
     server = run.server
     argv = [
@@ -303,9 +314,10 @@ def _stop_group(state: dict, paths: ServerPaths, reason: str) -> None:
     )
 
 
-def _server_info_if_healthy(state: dict) -> dict | None:
-    """/server_info of the state's server if it answers as that very instance."""
-    if probe_health(state["url"]) is not None:
+def _server_info_if_healthy(state: dict, *, health_probe: bool = True) -> dict | None:
+    """/server_info of the state's server if it answers as that very instance (and, with
+    `health_probe`, its /health first: the readiness check while a server starts)."""
+    if health_probe and probe_health(state["url"]) is not None:
         return None
     try:
         info = http_get_json(f"{state['url']}/server_info", PROBE_TIMEOUT_S)
@@ -324,8 +336,12 @@ def _server_info_when_answering(state: dict, patience_s: float) -> dict | None:
     """Like `_server_info_if_healthy`, but a busy server gets `patience_s` to answer before it
     counts as hung (and is replaced): other jobs may be keeping it busy."""
     deadline = time.monotonic() + patience_s
+    # A running SGLang's /server_info asks its scheduler (get_internal_state), so an answer
+    # proves the server answers; its /health runs a one-token generation and answers no sooner
+    # than a second later, a second every job's lease paid before its first request.
+    health_probe = state.get("engine") != "sglang"
     while True:
-        info = _server_info_if_healthy(state)
+        info = _server_info_if_healthy(state, health_probe=health_probe)
         if info is not None or time.monotonic() > deadline or supervisor_process(state) is None:
             return info
         print(
@@ -348,12 +364,13 @@ def _adopt(state: dict, paths: ServerPaths, run_token: str, ttl_s: float) -> Non
 
 
 def _ensure_server(
-    run: RunSpec, paths: ServerPaths, run_token: str, lease: Lease
+    run: RunSpec, paths: ServerPaths, run_token: str, lease: Lease, purpose: str = CAPTURE
 ) -> tuple[dict, dict]:
     """Under the lock: reuse, replace or start the server. Returns (state, server_info)."""
     server = run.server
     ttl_s = server.lease_ttl_s
-    fingerprint = server_fingerprint(run)
+    purpose = server_purpose(run, purpose)
+    fingerprint = server_fingerprint(run, purpose)
     remove_dead_leases(paths, ttl_s)
     state = read_json(paths.state)
     if state is not None:
@@ -367,23 +384,35 @@ def _ensure_server(
                 return state, info
             _stop_group(state, paths, "it does not answer its health check")
         else:
+            running = (state.get("settings") or {}).get("purpose", CAPTURE)
             others = live_leases(paths, ttl_s, exclude=lease.path)
             if others:
                 holders = ", ".join(f"PID {other['pid']}" for other in others)
-                raise PipelineError(
-                    f"{describe_server(state)} runs with other settings (fingerprint "
-                    f"{state['fingerprint'][:12]}, this config needs {fingerprint[:12]}) and is "
-                    f"in use by {holders}: wait for them, or stop it with `eaglepipe server stop`"
+                what = (
+                    f"is a {running} server, this job needs a {purpose} one,"
+                    if running != purpose
+                    else f"runs with other settings (fingerprint {state['fingerprint'][:12]}, "
+                    f"this config needs {fingerprint[:12]})"
                 )
-            _stop_group(state, paths, "the configuration changed (different fingerprint)")
-    return _start(run, paths, run_token, fingerprint)
+                raise PipelineError(
+                    f"{describe_server(state)} {what} and is in use by {holders}: wait for "
+                    "them, or stop it with `eaglepipe server stop`"
+                )
+            why = "the configuration changed (different fingerprint)"
+            if running != purpose:
+                # Regeneration is over and extraction begins (or the other way round).
+                why = f"a {purpose} server replaces this {running} server"
+            _stop_group(state, paths, why)
+    return _start(run, paths, run_token, fingerprint, purpose)
 
 
 def _new_instance_id() -> str:
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
 
 
-def _start(run: RunSpec, paths: ServerPaths, run_token: str, fingerprint: str) -> tuple[dict, dict]:
+def _start(
+    run: RunSpec, paths: ServerPaths, run_token: str, fingerprint: str, purpose: str = CAPTURE
+) -> tuple[dict, dict]:
     server = run.server
     host = server.host
     # null: this working directory's own port (the state records it for every job).
@@ -391,7 +420,7 @@ def _start(run: RunSpec, paths: ServerPaths, run_token: str, fingerprint: str) -
     warning = exposure_warning(host, port)
     if warning:
         print(warning, file=sys.stderr, flush=True)
-    from .handoff import prepare_dump_dir  # imports torch: only on the path that starts a server
+    from .handoff import prepare_dump_dir
 
     dump_root = prepare_dump_dir(
         run.server.handoff_root, what="server.dump_root", refuse_open_mode=True
@@ -412,7 +441,7 @@ def _start(run: RunSpec, paths: ServerPaths, run_token: str, fingerprint: str) -
     instance_id = _new_instance_id()
     dump_dir = prepare_dump_dir(dump_root / instance_id)
     engine_argv, engine_env = engine_command(
-        run, host=host, port=port, dump_dir=dump_dir, instance_id=instance_id
+        run, host=host, port=port, dump_dir=dump_dir, instance_id=instance_id, purpose=purpose
     )
     log_path = (SERVER_LOG_DIR / f"{hostname()}-{instance_id}.log").resolve()
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -459,7 +488,7 @@ def _start(run: RunSpec, paths: ServerPaths, run_token: str, fingerprint: str) -
         "url": f"http://{host}:{port}",
         "engine": server.engine,
         "fingerprint": fingerprint,
-        "settings": launch_settings(run),
+        "settings": launch_settings(run, purpose),
         "instance_id": instance_id,
         "dump_dir": str(dump_dir),
         "log": str(log_path),
@@ -576,12 +605,15 @@ def server_lease(
     run_token: str | None = None,
     exclusive: bool = False,
     paths: ServerPaths | None = None,
+    purpose: str = CAPTURE,
 ) -> Iterator[ServerHandle]:
     """Hold the node's server for the block, starting it if no fitting one runs.
 
     exclusive=True (validation spot checks) waits until no other job has requests in flight
     and keeps them out until the block ends. Shared users keep the gate for the whole block;
     those that call `handle.yield_to_exclusive()` between requests let a spot check in sooner.
+    `purpose` (identity.py): `generation` for regeneration, which with SGLang is a server of
+    its own, without the capture.
     """
     token = run_token or current_run_token()
     paths = paths or ServerPaths.for_this_host()
@@ -594,7 +626,7 @@ def server_lease(
         lease.acquire()
         try:
             with _locked(paths, _lock_wait_s(run)):
-                state, info = _ensure_server(run, paths, token, lease)
+                state, info = _ensure_server(run, paths, token, lease, purpose)
             handle = ServerHandle(
                 url=state["url"],
                 dump_dir=Path(state["dump_dir"]),
@@ -666,14 +698,16 @@ def stop_server(*, paths: ServerPaths | None = None) -> dict | None:
         return state
 
 
-def start_server(run: RunSpec, *, paths: ServerPaths | None = None) -> ServerHandle:
+def start_server(
+    run: RunSpec, *, paths: ServerPaths | None = None, purpose: str = CAPTURE
+) -> ServerHandle:
     """Start (or reuse) the server and pin it: it stays up until `stop_server`, never idles out."""
     paths = paths or ServerPaths.for_this_host()
     lease = Lease(paths, ttl_s=run.server.lease_ttl_s, run_token=None, kind="manual")
     lease.acquire()
     try:
         with _locked(paths, _lock_wait_s(run)):
-            state, info = _ensure_server(run, paths, current_run_token(), lease)
+            state, info = _ensure_server(run, paths, current_run_token(), lease, purpose)
             paths.pinned.write_text(state["instance_id"] + "\n")
             state["pinned"] = True
             atomic_write_json(paths.state, state)

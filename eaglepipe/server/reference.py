@@ -45,14 +45,8 @@ from .dump_writer import DEFAULT_MAX_PINNED_BYTES, DumpWriter
 from .faults import DIE_EXIT_CODE, Faults, faults_from_env
 from .generate import BadSamplingParams, Generation, SamplingParams
 from .handoff import prepare_dump_dir
-from .reference_engine import (
-    _DTYPES,
-    ATTENTION_LAYOUTS,
-    ReferenceEngine,
-    engine_version,
-    resolve_device,
-    resolve_dtype,
-)
+from .reference_engine import ReferenceEngine, resolve_device, resolve_dtype
+from .reference_settings import ATTENTION_LAYOUTS, DTYPE_NAMES, engine_version
 from .request_ids import is_pipeline_rid, parse_rid
 
 ENGINE = "reference"
@@ -523,7 +517,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dump-dir", required=True, help="this instance's handoff directory")
     parser.add_argument("--request-prefix", default="eaglepipe")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    parser.add_argument("--dtype", default="auto", choices=["auto", *_DTYPES])
+    parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPE_NAMES])
     parser.add_argument("--max-batch-tokens", type=int, default=8192)
     parser.add_argument(
         "--attention",

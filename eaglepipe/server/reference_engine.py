@@ -9,14 +9,13 @@ from pathlib import Path
 
 import torch
 
-from .. import __version__
 from ..core.errors import PipelineError
 from ..core.layers import validate_aux_layer_ids
 from .capture import HiddenStateCapture, text_config
 from .generate import BatchGenerator, Generation, SamplingParams
+from .reference_settings import flex_attention_available, resolve_dtype_name, resolve_layout
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-ATTENTION_LAYOUTS = ("auto", "packed", "padded")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -32,39 +31,18 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name not in _DTYPES:
-        raise PipelineError(f"--dtype {name!r}: choose auto, {', '.join(_DTYPES)}")
-    return _DTYPES[name]
-
-
-def flex_attention_available() -> bool:
-    try:
-        import torch.nn.attention.flex_attention  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return _DTYPES[resolve_dtype_name(name, device.type)]
 
 
 def resolve_attention(layout: str, device: torch.device) -> tuple[str, str | None]:
     """(batch layout, transformers attention implementation or None for the model's default)."""
-    if layout not in ATTENTION_LAYOUTS:
-        raise PipelineError(f"--attention {layout!r}: choose {', '.join(ATTENTION_LAYOUTS)}")
-    if layout == "auto":
-        layout = "packed" if device.type == "cuda" and flex_attention_available() else "padded"
+    layout = resolve_layout(layout, device.type)
     if layout == "padded":
         return layout, None
     if device.type == "cuda" and flex_attention_available():
         return layout, "flex_attention"
     # sdpa packs too: transformers then builds a dense [T, T] block-diagonal mask.
     return layout, "sdpa"
-
-
-def engine_version() -> str:
-    import transformers
-
-    return f"{__version__}+transformers-{transformers.__version__}"
 
 
 class ReferenceEngine:

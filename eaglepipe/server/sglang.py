@@ -225,6 +225,7 @@ def hook_spec(
     instance_id: str,
     hidden_size: int | None = None,
     capture_layer_ids: list[int] | None = None,
+    capture: bool = True,
 ) -> dict:
     """The `--forward-hooks` entry: SGLang calls `make_dump_hook(spec["config"])` per rank.
 
@@ -232,18 +233,23 @@ def hook_spec(
     ids SGLang captures: SGLang echoes it in `/server_info`, which `pipeline_server_info` reads
     back (releases without capture-only flags report no capture ids of their own).
     """
+    config = {
+        "dump_dir": str(dump_dir),
+        "request_prefix": request_prefix,
+        "aux_layer_ids": list(aux_layer_ids),
+        "instance_id": instance_id,
+        "hidden_size": hidden_size,
+        "capture_layer_ids": None if capture_layer_ids is None else list(capture_layer_ids),
+    }
+    if not capture:
+        # A generation-only server: it dumps nothing, and the hook refuses a prefixed
+        # (extraction) request loudly, as it arrives without aux hidden states.
+        config["capture"] = False
     return {
         "name": HOOK_NAME,
         "target_modules": list(HOOK_TARGET_MODULES),
         "hook_factory": HOOK_FACTORY,
-        "config": {
-            "dump_dir": str(dump_dir),
-            "request_prefix": request_prefix,
-            "aux_layer_ids": list(aux_layer_ids),
-            "instance_id": instance_id,
-            "hidden_size": hidden_size,
-            "capture_layer_ids": None if capture_layer_ids is None else list(capture_layer_ids),
-        },
+        "config": config,
     }
 
 
@@ -274,8 +280,18 @@ def pipeline_server_info(raw: dict) -> dict:
         "request_prefix": hook["request_prefix"],
         "instance_id": hook["instance_id"],
         "sglang_capture_layer_ids": capture_ids,
+        "capture": hook.get("capture", True),
     }
 
+
+# What the capture needs besides switching it on: every request whole in one eager prefill,
+# where forward hooks fire. A generation-only server runs without them.
+CAPTURE_ONLY_FLAGS = (
+    "--disable-radix-cache",
+    "--chunked-prefill-size=-1",
+    "--disable-prefill-cuda-graph",
+    "--disable-decode-cuda-graph",
+)
 
 # Extra args that would break per-request capture; each maps to why.
 _REFUSED_FLAGS = {
@@ -420,6 +436,7 @@ def launch_command(
     dump_dir: str | os.PathLike,
     instance_id: str,
     sglang_version: str | None = None,
+    capture: bool = True,
 ) -> tuple[list[str], dict[str, str]]:
     """The SGLang server command for `config`, and the extra environment it needs.
 
@@ -427,6 +444,11 @@ def launch_command(
     the hook's config; the hook logs both when SGLang registers it. `sglang_version` defaults to
     the SGLang installed for the server (`installed_sglang_version`); it decides the capture
     mechanism, and a version outside patch/sglang.toml's range is refused.
+
+    `capture=False` is a generation-only server (regeneration): the same command without the
+    capture and without the four flags only the capture needs, so SGLang keeps its radix cache,
+    chunked prefill and CUDA graphs (decode with CUDA graphs ran 1.58x the eager decode on the
+    H200, BENCHMARKS.md); the hook stays, inert, for `/server_info` and as a guard.
     """
     from ..core import config as cfg
     from .sglang_plugin import CAPTURE_ENV
@@ -441,7 +463,7 @@ def launch_command(
         sglang_version if sglang_version is not None else installed_sglang_version()
     )
     mechanism = capture_mechanism(version)
-    if mechanism == CAPTURE_BY_PLUGIN and not plugin_registered():
+    if capture and mechanism == CAPTURE_BY_PLUGIN and not plugin_registered():
         raise PipelineError(
             f"server.engine sglang: SGLang {version} needs the eaglepipe SGLang plugin (entry "
             f"point {PLUGIN_GROUP}: {PLUGIN_NAME}), which is not installed for {sys.executable}: "
@@ -462,7 +484,8 @@ def launch_command(
         aux_layer_ids=our_ids,
         instance_id=instance_id,
         hidden_size=cfg.text_config(model_config).get("hidden_size"),
-        capture_layer_ids=capture_ids,
+        capture_layer_ids=capture_ids if capture else None,
+        capture=capture,
     )
 
     argv = [
@@ -485,7 +508,7 @@ def launch_command(
     dtype = _DTYPE_FLAG_VALUES.get(run.server.dtype)
     if dtype:
         argv += ["--dtype", dtype]
-    if mechanism == CAPTURE_BY_FLAGS:
+    if capture and mechanism == CAPTURE_BY_FLAGS:
         argv += [
             "--speculative-algorithm",
             "EAGLE3",
@@ -493,22 +516,17 @@ def launch_command(
             "--return-aux-hidden-state-layer-ids",
             *[str(i) for i in capture_ids],
         ]
-    argv += [
-        "--forward-hooks",
-        json.dumps([spec], separators=(",", ":")),
-        "--disable-radix-cache",
-        "--chunked-prefill-size=-1",
-        "--disable-prefill-cuda-graph",
-        "--disable-decode-cuda-graph",
-        *extra_args,
-    ]
+    argv += ["--forward-hooks", json.dumps([spec], separators=(",", ":"))]
+    if capture:
+        argv += list(CAPTURE_ONLY_FLAGS)
+    argv += extra_args
 
     # Extra environment, merged over os.environ by the lifecycle code. The capture ids are
     # always set (empty with the flags), so none left in the caller's environment leaks in.
     env = {
         "PYTHONPATH": os.pathsep.join(server_path_entries()),
         "PYTHONUNBUFFERED": "1",
-        CAPTURE_ENV: json.dumps(capture_ids) if mechanism == CAPTURE_BY_PLUGIN else "",
+        CAPTURE_ENV: json.dumps(capture_ids) if capture and mechanism == CAPTURE_BY_PLUGIN else "",
     }
     allowed = os.environ.get(SGLANG_PLUGINS_ENV)
     if allowed and PLUGIN_NAME not in [name.strip() for name in allowed.split(",")]:

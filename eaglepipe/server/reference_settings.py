@@ -1,0 +1,64 @@
+"""The reference engine's device, dtype and batch layout resolved by name, and its version.
+
+Kept apart from `reference_engine.py`, which imports torch: a shard job computes the engine's
+identity (`identity.engine_identity`) before its first request, and on `server.device: cpu`
+nothing in it needs torch or transformers, whose imports take seconds (issue 28). `auto` and
+`cuda` ask torch whether CUDA is there, as the server itself does.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+from .. import __version__
+from ..core.errors import PipelineError
+
+ATTENTION_LAYOUTS = ("auto", "packed", "padded")
+DTYPE_NAMES = ("bfloat16", "float16", "float32")
+
+
+def resolve_device_type(name: str) -> str:
+    """The device type (`cpu`, `cuda`) `reference_engine.resolve_device(name)` gives."""
+    if name == "cpu":
+        return "cpu"
+    from .reference_engine import resolve_device
+
+    return resolve_device(name).type
+
+
+def resolve_dtype_name(name: str, device_type: str) -> str:
+    """`auto` is bf16 on a GPU and fp32 on CPU."""
+    if name == "auto":
+        return "bfloat16" if device_type == "cuda" else "float32"
+    if name not in DTYPE_NAMES:
+        raise PipelineError(f"--dtype {name!r}: choose auto, {', '.join(DTYPE_NAMES)}")
+    return name
+
+
+def flex_attention_available() -> bool:
+    try:
+        import torch.nn.attention.flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_layout(layout: str, device_type: str) -> str:
+    """The batch layout: `auto` packs rows on CUDA with flex_attention, pads them elsewhere."""
+    if layout not in ATTENTION_LAYOUTS:
+        raise PipelineError(f"--attention {layout!r}: choose {', '.join(ATTENTION_LAYOUTS)}")
+    if layout == "auto":
+        return "packed" if device_type == "cuda" and flex_attention_available() else "padded"
+    return layout
+
+
+def engine_version() -> str:
+    """The project's version and the transformers release that runs the model, read from the
+    installed distribution (importing transformers takes seconds)."""
+    try:
+        transformers_version = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        import transformers  # on the path without distribution metadata
+
+        transformers_version = transformers.__version__
+    return f"{__version__}+transformers-{transformers_version}"
