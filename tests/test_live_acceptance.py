@@ -235,6 +235,34 @@ def test_bf16_differences_are_counted_with_the_target_margin():
         check_lossless([same, near_tie], "float32")
 
 
+def test_live_turns_are_an_even_sample_of_the_offline_turns(tmp_path):
+    """Two turns per row: the live set mixes first and second turns as the offline set does,
+    and leaves out replies cut at max_new_tokens."""
+    rows = [
+        {
+            "row_id": r,
+            "split": "eval" if r != 1 else "train",
+            "num_tokens": 8,
+            "input_ids": list(range(10 * r, 10 * r + 8)),
+            "loss_mask": [0, 0, 1, 1, 0, 0, 1, 1],
+            "truncated": False,
+            "length_limited_turns": [1] if r == 4 else [],
+        }
+        for r in range(5)
+    ]
+    table = write_table(rows, tmp_path / "tokenized.parquet")
+    every = held_out_turns(table, 100, max_rows=64)
+    assert [(t.row_id, t.turn) for t in every] == [
+        (0, 0), (0, 1), (2, 0), (2, 1), (3, 0), (3, 1), (4, 0),
+    ]  # fmt: skip
+    assert every[1].prompt == [0, 1, 2, 3, 4, 5] and every[1].reply == [6, 7]
+    sample = held_out_turns(table, 3, max_rows=64)
+    assert [(t.row_id, t.turn) for t in sample] == [(0, 0), (2, 0), (3, 0)]
+    sample = held_out_turns(table, 4, max_rows=64)
+    assert {t.turn for t in sample} == {0, 1}
+    assert [(t.row_id, t.turn) for t in held_out_turns(table, 100, max_rows=1)] == [(0, 0), (0, 1)]
+
+
 def test_first_difference():
     assert first_difference([1, 2, 3], [1, 2, 3]) is None
     assert first_difference([1, 2, 3], [1, 5, 3]) == 1

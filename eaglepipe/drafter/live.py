@@ -1,10 +1,9 @@
 """Live speculative decoding with the exported drafter: the check a layer-id or export bug fails,
 and the acceptance length a user can plan on.
 
-The prompts are held-out assistant turns, the same rows and turns the offline evaluation walks
-(`held_out_turns`: the first turn of each of the first `evaluate.max_rows` held-out rows, then
-their second turns, ...; replies cut at max_new_tokens left out), `evaluate.live_prompts` of
-them. Each is decoded greedily with chain drafting of `train.ttt_length` tokens until the end of
+The prompts are held-out assistant turns, a sample of the turns the offline evaluation walks
+(`held_out_turns`: `evaluate.live_prompts` of them, evenly spaced over the turns of the first
+`evaluate.max_rows` held-out rows; replies cut at max_new_tokens left out). Each is decoded greedily with chain drafting of `train.ttt_length` tokens until the end of
 the turn (the tokenizer's end-of-turn / eos tokens) or `evaluate.live_new_tokens` tokens, through
 one of two harnesses that write the same `drafter/live.json` (run by hand, the steps / top-k /
 draft tokens can be another `SpeculativeSetting`):
@@ -86,9 +85,10 @@ class LiveTurn:
 
 
 def held_out_turns(table_path, count: int, max_rows: int) -> list[LiveTurn]:
-    """`count` turns of the first `max_rows` held-out rows: every row's first turn, then every
-    row's second, and so on, so a few long conversations cannot fill the set. Replies cut at
-    max_new_tokens are left out (offline reports them apart)."""
+    """`count` of the turns the offline walk scores (those of the first `max_rows` held-out
+    rows, replies cut at max_new_tokens left out), evenly spaced over them in (row, turn) order:
+    a sample of the same mix of first and later turns, so the live figure estimates the offline
+    headline and not a subset of easier or harder turns."""
     import numpy as np
     import pyarrow.parquet as pq
 
@@ -99,16 +99,18 @@ def held_out_turns(table_path, count: int, max_rows: int) -> list[LiveTurn]:
     has_limits = "length_limited_turns" in pq.read_schema(table_path).names
     table = load_prepared(table_path, columns=columns + ["length_limited_turns"] * has_limits)
     rows = table[table["split"] == "eval"].sort_values("row_id").head(max_rows)
-    by_ordinal: dict[int, list[LiveTurn]] = {}
+    eligible: list[LiveTurn] = []
     for row in rows.itertuples():
         ids = [int(t) for t in row.input_ids]
         limited = set(int(t) for t in row.length_limited_turns) if has_limits else set()
         for ordinal, (first, last) in enumerate(assistant_turns(np.asarray(row.loss_mask))):
             if first > 0 and ordinal not in limited:
-                turn = LiveTurn(int(row.row_id), ordinal, ids[:first], ids[first : last + 1])
-                by_ordinal.setdefault(ordinal, []).append(turn)
-    ordered = [turn for ordinal in sorted(by_ordinal) for turn in by_ordinal[ordinal]]
-    return ordered[:count]
+                eligible.append(
+                    LiveTurn(int(row.row_id), ordinal, ids[:first], ids[first : last + 1])
+                )
+    if count >= len(eligible):
+        return eligible
+    return [eligible[i * len(eligible) // count] for i in range(count)]
 
 
 def offline_figures(eval_path, turns: list[LiveTurn], steps: int) -> dict:
