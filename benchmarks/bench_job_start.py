@@ -163,8 +163,14 @@ def write_inputs(run_dir: Path, shards: int, rows_per_shard: int) -> tuple[Path,
     table = prepared / "tokenized.parquet"
     table.write_bytes(
         _parquet_bytes(
-            list(range(rows)), ["train"] * rows, tokens, masks, [False] * rows, rows_per_shard
-        )  # fmt: skip
+            list(range(rows)),
+            ["train"] * rows,
+            tokens,
+            masks,
+            [False] * rows,
+            [()] * rows,
+            rows_per_shard,
+        )
     )
     summary = {"rows": rows, "dataset_hash": "bench", "tokenizer_fingerprint": "bench"}
     (prepared / "summary.json").write_text(json.dumps(summary))

@@ -3,10 +3,11 @@ and the acceptance length a user can plan on.
 
 The prompts are held-out assistant turns, a sample of the turns the offline evaluation walks
 (`held_out_turns`: `evaluate.live_prompts` of them, evenly spaced over the turns of the first
-`evaluate.max_rows` held-out rows; replies cut at max_new_tokens left out). Each is decoded greedily with chain drafting of `train.ttt_length` tokens until the end of
-the turn (the tokenizer's end-of-turn / eos tokens) or `evaluate.live_new_tokens` tokens, through
-one of two harnesses that write the same `drafter/live.json` (run by hand, the steps / top-k /
-draft tokens can be another `SpeculativeSetting`):
+`evaluate.max_rows` held-out rows; replies cut at max_new_tokens left out). Each is decoded
+greedily with chain drafting of `train.ttt_length` tokens until the end of the turn (the
+tokenizer's end-of-turn / eos tokens) or `evaluate.live_new_tokens` tokens, through one of two
+harnesses that write the same `drafter/live.json` (run by hand, the steps / top-k / draft tokens
+can be another `SpeculativeSetting`):
 
 - `server.engine: reference` (laptops, CI): the target in transformers with the exported
   drafter read back through its engine's own name mapping (`live_transformers.py`);
