@@ -21,7 +21,6 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import secrets
@@ -43,7 +42,6 @@ import psutil
 from ..core import config as cfg
 from ..core.atomic import atomic_write_json
 from ..core.errors import PipelineError
-from ..core.fingerprint import hash_json
 from ..core.run import RunSpec
 from .handle import (
     PROBE_TIMEOUT_S,
@@ -56,7 +54,8 @@ from .handle import (
     server_alive,
     supervisor_process,
 )
-from .identity import CAPTURE, server_identity, server_purpose
+from .identity import CAPTURE, server_purpose
+from .launch import engine_command, launch_settings, server_fingerprint
 from .leases import (
     STARTED_CHILDREN,
     Lease,
@@ -81,6 +80,7 @@ from .ports import (
     wait_port_free,
     working_directory_port,
 )
+from .process_group import INSTANCE_ENV, group_members, stop_members
 from .supervise import owner_file
 
 __all__ = [
@@ -99,8 +99,6 @@ __all__ = [
 ]
 
 RUN_TOKEN_ENV = "EAGLEPIPE_RUN_TOKEN"
-# Every process of a server carries its instance id in this variable: how a stop recognises them.
-INSTANCE_ENV = "EAGLEPIPE_SERVER_INSTANCE"
 SERVER_LOG_DIR = cfg.LOG_DIR / "server"
 STOP_GRACE_S = 20.0
 PORT_RELEASE_TIMEOUT_S = 15.0
@@ -121,125 +119,6 @@ def current_run_token() -> str:
         return token
     me = ProcessRef.current()
     return f"process-{hostname()}-{me.pid}-{int(me.create_time)}"
-
-
-# ---------------------------------------------------------------- what to launch
-
-
-def launch_settings(run: RunSpec, purpose: str = CAPTURE) -> dict:
-    """Everything that decides what the server computes (`identity.server_identity`); its hash
-    is the fingerprint: a job never uses a running server whose fingerprint differs."""
-    return server_identity(run, purpose)
-
-
-def server_fingerprint(run: RunSpec, purpose: str = CAPTURE) -> str:
-    return hash_json(launch_settings(run, purpose))
-
-
-def engine_command(
-    run: RunSpec,
-    *,
-    host: str,
-    port: int,
-    dump_dir: Path,
-    instance_id: str,
-    purpose: str = CAPTURE,
-) -> tuple[list[str], dict[str, str]]:
-    """The engine's argv and extra environment (the supervisor runs it)."""
-    engine = run.server.engine
-    if engine == "sglang":
-        try:
-            sglang = importlib.import_module("eaglepipe.server.sglang")
-        except ModuleNotFoundError as exc:
-            if exc.name != "eaglepipe.server.sglang":
-                raise
-            raise PipelineError(
-                "server.engine sglang: the sglang engine is unavailable in this installation "
-                "(eaglepipe/server/sglang.py is missing)"
-            ) from None
-        return sglang.launch_command(
-            run,
-            host=host,
-            port=port,
-            dump_dir=dump_dir,
-            instance_id=instance_id,
-            capture=server_purpose(run, purpose) == CAPTURE,
-        )
-    server = run.server
-    argv = [
-        sys.executable,
-        "-u",
-        "-m",
-        "eaglepipe.server.reference",
-        "--model",
-        str(run.model.directory.resolve()),
-        "--aux-layer-ids",
-        ",".join(str(i) for i in run.aux_layer_ids),
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--dump-dir",
-        str(dump_dir),
-        "--request-prefix",
-        run.extract.request_prefix,
-        "--device",
-        server.device,
-        "--dtype",
-        server.dtype,
-        "--max-batch-tokens",
-        str(server.max_batch_tokens),
-        "--attention",
-        server.attention,
-        "--instance-id",
-        instance_id,
-    ]
-    if run.model.trust_remote_code:
-        argv.append("--trust-remote-code")
-    return argv, {}
-
-
-def group_members(
-    pgid: int, started_after: float, instance_id: str | None = None
-) -> list[psutil.Process]:
-    """Live processes of a server's process group.
-
-    A member must be younger than the supervisor and, given `instance_id`, carry the instance
-    marker in its environment: a recycled pid or process group is never taken for ours.
-    """
-    members = []
-    for proc in psutil.process_iter():
-        try:
-            if os.getpgid(proc.pid) != pgid or proc.create_time() < started_after - 1:
-                continue
-            if proc.status() == psutil.STATUS_ZOMBIE:
-                continue
-            if instance_id is not None and proc.environ().get(INSTANCE_ENV) != instance_id:
-                continue
-            members.append(proc)
-        except (ProcessLookupError, psutil.NoSuchProcess, psutil.ZombieProcess):
-            continue
-        except psutil.AccessDenied:
-            continue
-    return members
-
-
-def _stop_members(state: dict, grace_s: float) -> None:
-    """SIGTERM every process of the server's group, SIGKILL what is left after `grace_s`."""
-    pgid, since, instance = state["pgid"], state["create_time"], state["instance_id"]
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, grace_s)):
-        members = group_members(pgid, since, instance)
-        if not members:
-            return
-        for proc in members:
-            try:
-                proc.send_signal(sig)
-            except psutil.NoSuchProcess:
-                continue
-        deadline = time.monotonic() + wait_s
-        while group_members(pgid, since, instance) and time.monotonic() < deadline:
-            reap_started_children()
-            time.sleep(0.2)
 
 
 # ---------------------------------------------------------------- lock, start, stop
@@ -294,7 +173,7 @@ def _stop_group(state: dict, paths: ServerPaths, reason: str) -> None:
     """Stop the server's whole process group, wait for its port, and remove its traces."""
     if group_members(state["pgid"], state["create_time"], state["instance_id"]):
         print(f"stopping {describe_server(state)}: {reason}", file=sys.stderr, flush=True)
-        _stop_members(state, STOP_GRACE_S)
+        stop_members(state, STOP_GRACE_S)
     reap_started_children()
     port_free = wait_port_free(state["host"], state["port"], PORT_RELEASE_TIMEOUT_S)
     shutil.rmtree(state["dump_dir"], ignore_errors=True)

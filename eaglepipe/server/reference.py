@@ -25,10 +25,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
-import json
 import os
 import signal
-import socket
 import sys
 import time
 import uuid
@@ -40,7 +38,8 @@ from aiohttp import web
 
 from ..core.errors import PipelineError
 from ..core.fingerprint import hash_json, model_config_hash
-from ..core.layers import CONVENTION, FINAL_CONVENTION, validate_aux_layer_ids
+from ..core.layers import CONVENTION, FINAL_CONVENTION
+from .batching import select_batch
 from .dump_writer import DEFAULT_MAX_PINNED_BYTES, DumpWriter
 from .faults import DIE_EXIT_CODE, Faults, faults_from_env
 from .generate import BadSamplingParams, Generation, SamplingParams
@@ -48,6 +47,7 @@ from .handoff import prepare_dump_dir
 from .reference_engine import ReferenceEngine, resolve_device, resolve_dtype
 from .reference_settings import ATTENTION_LAYOUTS, DTYPE_NAMES, engine_version
 from .request_ids import is_pipeline_rid, parse_rid
+from .startup_checks import check_aux_ids_against_config, check_port_free
 
 ENGINE = "reference"
 PROGRESS_INTERVAL_S = 5.0
@@ -312,52 +312,6 @@ class ReferenceServer:
             self._queue.put_nowait(item)
         return item
 
-    # -- batching
-
-    def _select_batch(self, pending: list[_Request]) -> tuple[list[_Request], list[_Request]]:
-        """The requests of the next forward pass, and the rest (which wait for the next one).
-
-        Prefill and text generation never share a batch: the oldest request decides which
-        kind runs next, and the requests of the other kind wait in order."""
-        generating = pending[0].sampling is not None
-        same = [r for r in pending if (r.sampling is not None) == generating]
-        other = [r for r in pending if (r.sampling is not None) != generating]
-        if generating:
-            batch, rest = self._select_padded(same)
-        elif self.engine.layout == "packed":
-            batch, rest = self._select_packed(same)
-        else:
-            batch, rest = self._select_padded(same)
-        return batch, sorted(rest + other, key=lambda r: r.started)
-
-    def _select_packed(self, pending: list[_Request]) -> tuple[list[_Request], list[_Request]]:
-        """Oldest first, each request that still fits the row's token budget (first fit)."""
-        batch, rest, used = [], [], 0
-        for item in pending:
-            if not batch or used + len(item.input_ids) <= self.max_batch_tokens:
-                batch.append(item)
-                used += len(item.input_ids)
-            else:
-                rest.append(item)
-        return batch, rest
-
-    def _select_padded(self, pending: list[_Request]) -> tuple[list[_Request], list[_Request]]:
-        """The oldest request plus the waiting ones closest to it in length, within the budget
-        of padded tokens."""
-        oldest, others = pending[0], pending[1:]
-        others.sort(key=lambda r: (abs(len(r.input_ids) - len(oldest.input_ids)), r.started))
-        batch, longest = [oldest], len(oldest.input_ids)
-        rest = []
-        for item in others:
-            padded = max(longest, len(item.input_ids)) * (len(batch) + 1)
-            if padded <= self.max_batch_tokens:
-                batch.append(item)
-                longest = max(longest, len(item.input_ids))
-            else:
-                rest.append(item)
-        rest.sort(key=lambda r: r.started)
-        return batch, rest
-
     async def _batch_loop(self) -> None:
         loop = asyncio.get_running_loop()
         pending: list[_Request] = []
@@ -375,7 +329,7 @@ class ReferenceServer:
             if not pending:
                 self._waiting = 0
                 continue
-            batch, pending = self._select_batch(pending)
+            batch, pending = select_batch(pending, self.engine.layout, self.max_batch_tokens)
             self._waiting = len(pending)  # left for a later pass (new arrivals are queued)
             if any(r.generate_ordinal and self.faults.hangs_at(r.generate_ordinal) for r in batch):
                 log(f"fault hang_after:{self.faults.hang_after}: worker stalls")
@@ -540,36 +494,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="bound on host memory holding batches not yet written (backpressure beyond it)",
     )
     return parser
-
-
-def check_port_free(host: str, port: int) -> None:
-    """Fail before the (slow) model load if the port is taken; binding later still checks."""
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    except socket.gaierror as exc:
-        raise PipelineError(f"--host {host}: cannot resolve ({exc})") from None
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(address)
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                raise PipelineError(f"port {port} on {host} is already in use") from None
-            raise PipelineError(f"cannot listen on {host}:{port}: {exc}") from None
-
-
-def check_aux_ids_against_config(model_dir: str, aux_layer_ids: list[int]) -> None:
-    """Validate the layer ids from config.json alone, before the weights are loaded."""
-    path = Path(model_dir) / "config.json"
-    try:
-        config = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise PipelineError(f"--model {model_dir}: no config.json (a local HF model dir)") from None
-    except ValueError as exc:
-        raise PipelineError(f"{path} is not valid JSON: {exc}") from None
-    depth = (config.get("text_config") or config).get("num_hidden_layers")
-    if isinstance(depth, int):
-        validate_aux_layer_ids(aux_layer_ids, depth)
 
 
 async def serve(args) -> None:
