@@ -24,6 +24,29 @@ for _variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
     os.environ.setdefault(_variable, "1")
 
 
+# The longest modules first (measured with `pytest -n 2 --durations=60`, docs/testing.md):
+# pytest-xdist (`--dist loadfile`) hands out whole modules in collection order, so the last
+# module to start decides when the suite ends.
+LONGEST_FIRST = [
+    "test_embedded_default.py",
+    "test_slurm.py",
+    "test_finished_run.py",
+    "test_workflow_faults.py",
+    "test_regenerate.py",
+    "test_workflow.py",
+    "test_h200_tools.py",
+    "test_lifecycle.py",
+    "test_benchmarks.py",
+    "test_live_acceptance.py",
+    "test_drafter_train.py",
+]
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order kept within
+
+
 _GREEDY_MODELS: dict = {}
 
 

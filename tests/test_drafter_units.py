@@ -136,6 +136,40 @@ def test_unrolled_drafter_obeys_the_ttt_mask():
     assert torch.allclose(before[0][0, :3], moved[0][0, :3], atol=1e-6)
 
 
+def test_a_later_step_of_the_last_positions_sees_the_whole_step0_context():
+    # Decode-time drafting runs steps >= 1 for the last positions only: the mask keeps each
+    # query's causal step-0 keys (offset to its place in the context) and its own later keys.
+    assert ttt_attention_mask(2, 1, context_len=4).int().tolist() == [
+        [1, 1, 1, 0, 1, 0],
+        [1, 1, 1, 1, 0, 1],
+    ]
+    assert ttt_attention_mask(3, 2).equal(ttt_attention_mask(3, 2, context_len=3))
+
+
+def test_the_live_draft_chain_equals_the_training_unrolls_last_position():
+    from eaglepipe.drafter.live_transformers import draft_chain
+
+    torch.manual_seed(2)
+    model = Eagle3Drafter(tiny_config()).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8)  # sharper logits: argmax ties would make this vacuous
+    committed = torch.randint(0, 20, (9,)).tolist()
+    pending, aux, k = 7, torch.randn(9, 48), 5
+    drafted = draft_chain(model, committed, pending, aux, k)
+    # The unroll over every position, each step's last input the previous step's draft.
+    step_ids = [torch.tensor([committed[1:] + [pending]])]
+    expected = []
+    with torch.no_grad():
+        for _ in range(k):
+            logits = model(aux[None], step_ids)[-1]
+            expected.append(int(model.draft_to_target(logits[0, -1].argmax())))
+            following = step_ids[-1].clone()
+            following[0, -1] = expected[-1]
+            step_ids.append(following)
+    assert drafted == expected
+    assert len(set(expected)) > 1
+
+
 def hand_built_batch():
     """Two rows over an 8-id vocab whose target argmax at position q is q (lm_head = 10 * I)."""
     final = torch.zeros(2, 6, 8)

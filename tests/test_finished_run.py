@@ -70,17 +70,13 @@ def test_the_finished_run_leaves_nothing_to_do(finished):
     assert dry_run_jobs(finished) == {}
 
 
-def test_a_deleted_manifest_reextracts_its_shard_and_what_follows(run):
-    # The README's recovery for one shard: delete its manifest, run snakemake.
-    kept = shard_file(run, "rows_0-10", "manifest.json").read_bytes()
+def test_a_deleted_manifest_plans_its_shard_and_what_follows(run):
+    # The README's recovery for one shard: delete its manifest, run snakemake. The run itself
+    # is the same as after verify sets a damaged shard aside (the `flip` repair below runs it).
     shard_file(run, "rows_10-20", "manifest.json").unlink()
     jobs = dry_run_jobs(run)
     assert jobs["extract"] == 1 and jobs["validate"] == 1 and jobs["train"] == 1
     assert AFTER_TRAIN <= set(jobs)
-    run_snakemake(run, "--cores", "2", timeout=1200)
-    assert shard_file(run, "rows_10-20", "manifest.json").is_file()
-    assert shard_file(run, "rows_0-10", "manifest.json").read_bytes() == kept
-    assert dry_run_jobs(run) == {}
 
 
 def test_a_deleted_validation_report_revalidates_and_retrains(run):
@@ -158,6 +154,8 @@ def test_verify_sets_damaged_data_aside_and_snakemake_repairs_it(run, damage):
     assert "rows_20-30" in status.stdout and "damaged" in status.stdout
     jobs = dry_run_jobs(run)
     assert jobs["extract"] == 1 and jobs["train"] == 1
+    if damage != "flip":
+        return  # the repair run is the same for every kind of damage: run it once
     run_snakemake(run, "--cores", "2", timeout=1200)
     assert eaglepipe(run, "verify").returncode == 0
     assert dry_run_jobs(run) == {}

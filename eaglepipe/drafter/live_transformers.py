@@ -101,7 +101,11 @@ class Target:
 def draft_chain(
     drafter: Eagle3Drafter, committed: list[int], pending: int, aux: torch.Tensor, k: int
 ) -> list[int]:
-    """k draft tokens continuing committed + [pending], from the aux states of `committed`."""
+    """k draft tokens continuing committed + [pending], from the aux states of `committed`.
+
+    Step 0 runs over the whole context (its keys are what every later step attends to); the
+    later steps only for the last position, the one whose chain is drafted: the same keys
+    and the same result as the training unroll's last position, without its other chains."""
     device = aux.device
     n = len(committed)
     inputs = torch.tensor([committed[1:] + [pending]], device=device)
@@ -113,8 +117,9 @@ def draft_chain(
         hidden, logits = drafter.step(inputs, hidden, positions + step, kv_cache)
         token = int(drafter.draft_to_target(logits[0, -1].argmax()))
         drafted.append(token)
-        inputs = inputs.clone()
-        inputs[0, -1] = token
+        inputs = torch.tensor([[token]], device=device)
+        hidden = hidden[:, -1:]
+        positions = positions[:, -1:]
     return drafted
 
 

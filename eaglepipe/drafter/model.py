@@ -265,14 +265,20 @@ class RotaryEmbedding(nn.Module):
         return (x.float() * cos + rotate_half(x.float()) * sin).to(x.dtype)
 
 
-def ttt_attention_mask(seq_len: int, step: int, device=None) -> torch.Tensor:
-    """Boolean [L, (step+1)*L] mask of the keys a step-`step` query may attend to.
+def ttt_attention_mask(
+    seq_len: int, step: int, device=None, context_len: int | None = None
+) -> torch.Tensor:
+    """Boolean [L, context_len + step*L] mask of the keys a step-`step` query may attend to.
 
     Keys are laid out as [step-0 keys | step-1 keys | ... | step-`step` keys]. The query at
     base position t sees step-0 keys 0..t (causal) and, of every later step 1..step, only
     the key at its own position t: the drafter's own earlier guesses for this chain.
+    In training the queries are every position (`context_len` = L); drafting at decode time
+    runs the later steps for the last L positions of a longer step-0 context.
     """
-    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
+    context_len = seq_len if context_len is None else context_len
+    causal = torch.ones(seq_len, context_len, dtype=torch.bool, device=device)
+    causal = causal.tril(context_len - seq_len)
     own = torch.eye(seq_len, dtype=torch.bool, device=device)
     return torch.cat([causal] + [own] * step, dim=1)
 
@@ -281,7 +287,8 @@ def ttt_attend(q, k, v, kv_cache: list, scale: float | None = None) -> torch.Ten
     """Attention of this step's queries [B, heads, L, D] over every step's keys so far.
 
     Appends this step's (k, v) to `kv_cache` (one entry per TTT step); KV heads fewer than the
-    query heads are repeated (grouped-query attention). Returns [B, L, heads * Dv].
+    query heads are repeated (grouped-query attention). Returns [B, L, heads * Dv]. The
+    step-0 entry may be longer than L (the queries are then its last L positions).
     """
     kv_cache.append((k, v))
     step = len(kv_cache) - 1
@@ -292,7 +299,8 @@ def ttt_attend(q, k, v, kv_cache: list, scale: float | None = None) -> torch.Ten
         keys = keys.repeat_interleave(repeat, dim=1)
         values = values.repeat_interleave(repeat, dim=1)
     b, _, length, _ = q.shape
-    mask = ttt_attention_mask(length, step, device=q.device)
+    context_len = kv_cache[0][0].shape[2]
+    mask = ttt_attention_mask(length, step, device=q.device, context_len=context_len)
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
     return out.transpose(1, 2).reshape(b, length, -1)
 
