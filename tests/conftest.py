@@ -25,8 +25,8 @@ for _variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
 
 
 # The longest modules first (measured with `pytest -n 2 --durations=60`, docs/testing.md):
-# pytest-xdist (`--dist loadfile`) hands out whole modules in collection order, so the last
-# module to start decides when the suite ends.
+# pytest-xdist (`--dist loadfile --no-loadscope-reorder`) hands out whole modules in this
+# order, so the last module to start decides when the suite ends.
 LONGEST_FIRST = [
     "test_embedded_default.py",
     "test_slurm.py",
