@@ -295,12 +295,12 @@ def step_inputs(ctx: Context, step: Step) -> dict:
 
 
 def install_specforge(ctx: Context) -> None:
-    """SpecForge's eight wheels (.whl-specforge/manifest.json) into WORK/site-specforge, once
+    """SpecForge's wheels (.whl-specforge/manifest.json) into WORK/site-specforge, once
     per manifest; each wheel is checked against its sha256 first."""
     manifest_path = ctx.args.wheels / "manifest.json"
     paths = ctx.paths
     if ctx.args.dry_run:
-        wheels = [f"<{manifest_path}: 8 wheels>"]
+        wheels = [f"<{manifest_path}: its wheels>"]
     else:
         if not manifest_path.is_file():
             raise StepFailed(

@@ -275,6 +275,42 @@ def test_specforge_must_pin_the_staged_sglang(tmp_path):
         stage_specforge.check_sglang_pin(specforge_wheel("sglang==0.5.13"), wheel_list)
 
 
+def test_specforge_staging_copies_its_own_wheels_and_lists_every_one(tmp_path, monkeypatch):
+    """SpecForge's wheel and cuda-tile (what its in-process capture imports beyond the server)
+    land in DEST with their checksums; the shared ones are named in the SGLang staging."""
+    monkeypatch.setattr(stage_specforge, "REPO_ROOT", tmp_path)
+    sglang_dest = write_sglang_manifest(tmp_path / ".whl-sglang")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+
+    def fake_download(spec, into):
+        path = into / f"{spec.name.replace('-', '_')}-{spec.version}-py3-none-any.whl"
+        metadata = f"Metadata-Version: 2.1\nName: {spec.name}\nVersion: {spec.version}\n"
+        if spec.name == "specforge":
+            metadata += "Requires-Dist: sglang==0.5.14\n"
+        with zipfile.ZipFile(path, "w") as archive:
+            archive.writestr(f"{spec.name}-{spec.version}.dist-info/METADATA", metadata)
+            archive.writestr(f"{spec.name}-{spec.version}.dist-info/licenses/LICENSE", "MIT")
+        return path
+
+    monkeypatch.setattr(stage_specforge, "download", fake_download)
+    script = tmp_path / "prepare_hidden_states.py"
+    script.write_text("print('stand-in')\n")
+    monkeypatch.setattr(stage_specforge, "SCRIPT_SHA256", stage_specforge.sha256(script))
+    dest = tmp_path / ".whl-specforge"
+    wheel_list = REPO_ROOT / "tools" / "h200_wheels.txt"
+    manifest = stage_specforge.stage(dest, cache, sglang_dest, wheel_list, script)
+    names = [w["name"] for w in manifest["wheels"]]
+    assert names == ["specforge", "cuda-tile", *stage_specforge.SHARED_WITH_SGLANG]
+    for entry in manifest["wheels"][:2]:
+        staged = tmp_path / entry["file"]
+        assert staged.parent == dest and stage_specforge.sha256(staged) == entry["sha256"]
+    assert json.loads((dest / "manifest.json").read_text()) == manifest
+    # One version of each package per install: the extras are not staged for SGLang as well.
+    sglang_names = {s.name for s in stage.read_wheel_list()}
+    assert not {s.name for s in stage_specforge.OWN_EXTRAS} & sglang_names
+
+
 def test_a_prepare_hidden_states_copy_of_another_commit_is_refused(tmp_path):
     copy = tmp_path / "prepare_hidden_states.py"
     copy.write_text("# not SpecForge's script at a6b6b023\n")

@@ -7,8 +7,9 @@
 What the SpecForge runs of benchmarks/bench_specforge.py install there (`pip install --no-deps
 --target`, a directory of their own, so the trainer sees only these beside the machine's own
 packages): the set that ran on the H200 on 2026-12-01 (../shared/specforge-h200), SpecForge's
-wheel and seven wheels the SGLang staging already holds with the same versions (datasets, dill,
-multiprocess, pydantic and its three parts). Only SpecForge's wheel is copied into DEST; the
+wheel, cuda-tile (OWN_EXTRAS: what its in-process capture imports beyond the server) and seven
+wheels the SGLang staging already holds with the same versions (datasets, dill, multiprocess,
+pydantic and its three parts). Only SpecForge's wheel and OWN_EXTRAS are copied into DEST; the
 manifest names the other seven in .whl-sglang/common/ with their sha256, so a call carries them
 once. The staging stops when they are missing there or differ in version, and when SpecForge's
 wheel pins another SGLang than tools/h200_wheels.txt.
@@ -57,6 +58,11 @@ from stage_sglang import DEFAULT_DEST as SGLANG_DEST  # noqa: E402
 
 DEFAULT_DEST = REPO_ROOT / ".whl-specforge"
 SPECFORGE = WheelSpec("specforge", "0.2.0", "common")
+# Staged with SpecForge's wheel, not with SGLang's: flashinfer requires cuda-tile, and only
+# SpecForge's in-process capture reaches the module that imports it (SGLang's MoE token
+# dispatcher, through its DP-attention scheduler code); the server never does. Without it that
+# route stopped on the H200 on 2026-12-03 with "No module named 'cuda.tile'".
+OWN_EXTRAS = (WheelSpec("cuda-tile", "1.7.0", "common"),)
 # What SpecForge's offline route imports that the H200 image lacks: the set that ran there.
 # Each must be staged for SGLang with this version (tests/test_h200_tools.py checks the list).
 SHARED_WITH_SGLANG = {
@@ -178,22 +184,27 @@ def stage(dest: Path, cache: Path, sglang_dest: Path, wheel_list: Path, script_f
     shared = shared_wheels(sglang_dest)
     wheel = download(SPECFORGE, cache)
     sglang = check_sglang_pin(wheel, wheel_list)
+    extras = [(spec, download(spec, cache)) for spec in OWN_EXTRAS]
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=dest.parent))
     try:
-        shutil.copyfile(wheel, staging / wheel.name)
+        own = []
+        for spec, path in [(SPECFORGE, wheel), *extras]:
+            shutil.copyfile(path, staging / path.name)
+            own.append(
+                {
+                    "name": spec.name,
+                    "version": spec.version,
+                    "file": f"{dest.relative_to(REPO_ROOT).as_posix()}/{path.name}",
+                    "sha256": sha256(staging / path.name),
+                    "bytes": path.stat().st_size,
+                }
+            )
         origin = fetch_script(staging / SCRIPT_NAME, script_from)
         copy_license(wheel, staging / LICENSE_NAME)
-        own = {
-            "name": SPECFORGE.name,
-            "version": SPECFORGE.version,
-            "file": f"{dest.relative_to(REPO_ROOT).as_posix()}/{wheel.name}",
-            "sha256": sha256(staging / wheel.name),
-            "bytes": wheel.stat().st_size,
-        }
         manifest = {
             "specforge": SPECFORGE.version,
             "sglang": sglang,
-            "wheels": [own, *shared],
+            "wheels": [*own, *shared],
             "script": {
                 "file": SCRIPT_NAME,
                 "commit": SCRIPT_COMMIT,
@@ -234,8 +245,9 @@ def main(argv=None) -> int:
     repo = tracked_bytes()
     total = own + sglang + repo
     print(
-        f"{dest.name}: SpecForge {manifest['specforge']} ({own / MIB:.2f} MiB) and 7 wheels "
-        f"shared with {args.sglang_dest.name}; prepare_hidden_states.py at {SCRIPT_COMMIT} from "
+        f"{dest.name}: SpecForge {manifest['specforge']} and {len(OWN_EXTRAS)} more "
+        f"({own / MIB:.2f} MiB), {len(SHARED_WITH_SGLANG)} wheels shared with "
+        f"{args.sglang_dest.name}; prepare_hidden_states.py at {SCRIPT_COMMIT} from "
         f"{manifest['script']['source']}",
         flush=True,
     )
