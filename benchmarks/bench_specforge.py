@@ -76,16 +76,16 @@ from specforge_steps import (  # noqa: E402
 from eaglepipe.core.errors import PipelineError  # noqa: E402
 from eaglepipe.drafter.live_run import SpeculativeSetting  # noqa: E402
 
-# Usual lengths on the H200 (2026-12-01 runs), to decide whether a step can start.
+# Usual lengths on the H200 (2026-12-01 and 2026-12-03 runs), to decide whether a step can start.
 STEP_SECONDS = {
-    "pipeline-first": 150,  # resumable: snakemake continues in the next call
+    "pipeline-first": 150,  # resumable: snakemake continues in the next call (439 s in all)
     "pipeline-retrain": 120,
     "specforge-inputs": 30,
     "specforge-features": 120,
     "specforge-train-base": 60,
-    "specforge-train-per-epoch": 25,
-    "live": 120,  # 32 held-out turns, each to its end of turn (issue 26's live defaults)
-    "live-with-reference": 200,
+    "specforge-train-per-epoch": 25,  # 219 s for 8 epochs alone on 2026-12-03
+    "live": 90,  # 32 held-out turns, each to its end of turn: 72-80 s on 2026-12-03
+    "live-with-reference": 170,  # 150 s on 2026-12-03
 }
 EXIT_LEFT_FOR_LATER = 3
 
