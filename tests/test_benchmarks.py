@@ -183,3 +183,49 @@ def test_ingest_quick_check_measures_each_worker_count_against_raw_writes(tmp_pa
     assert entries[1]["gb"] == 2 * entries[0]["gb"]
     assert "ingest / raw" in out.with_suffix(".md").read_text()
     assert list(scratch.iterdir()) == []
+
+
+def test_acceptance_spread_pools_turns_as_the_harnesses_do(tmp_path):
+    """Four live turns with hand-set tokens and rounds: every draw of all four pools to the
+    exact figures, the evenly spaced pair is the live stage's choice, and a turn the offline
+    walk lacks is refused."""
+    turns = [(0, 0, 10, 5, 10, 4), (0, 1, 6, 6, 6, 3), (1, 0, 20, 4, 20, 5), (2, 0, 4, 4, 4, 2)]
+    live = {
+        "speculative": {"steps": 7, "topk": 1, "draft_tokens": 8},
+        "per_prompt": [
+            {"row_id": r, "turn": t, "completion_tokens": tok, "rounds": rounds}
+            for r, t, tok, rounds, _, _ in turns
+        ],
+    }
+    evaluation = {
+        "ttt_length": 7,
+        "turns": [
+            {"row_id": r, "turn": t, "tokens": tok, "rounds": {"3": off + 1, "7": off}}
+            for r, t, _, _, tok, off in turns
+        ],
+    }
+    (tmp_path / "live.json").write_text(json.dumps(live))
+    (tmp_path / "eval.json").write_text(json.dumps(evaluation))
+    out = tmp_path / "spread.json"
+    run_benchmark(
+        "acceptance_spread.py", "--live", str(tmp_path / "live.json"), "--eval",
+        str(tmp_path / "eval.json"), "--sizes", "2,4", "--draws", "50", "--out", str(out),
+    )  # fmt: skip
+    results = json.loads(out.read_text())
+    assert results["all_turns"] == {"live": round(40 / 19, 3), "offline": round(40 / 14, 3)}
+    whole = results["sizes"]["4"]
+    assert whole["live"]["mean"] == round(40 / 19, 3) and whole["live"]["stdev"] == 0
+    assert whole["live_over_offline"]["mean"] == round((40 / 19) / (40 / 14), 3)
+    # Two of four, evenly spaced: turns 0 and 2, as held_out_turns takes them.
+    assert results["sizes"]["2"]["evenly_spaced"] == {
+        "live": round(30 / 9, 3), "offline": round(30 / 9, 3)
+    }  # fmt: skip
+    assert results["sizes"]["2"]["live"]["stdev"] > 0
+    evaluation["turns"].pop()
+    (tmp_path / "eval.json").write_text(json.dumps(evaluation))
+    proc = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "benchmarks" / "acceptance_spread.py"), "--live",
+         str(tmp_path / "live.json"), "--eval", str(tmp_path / "eval.json"), "--sizes", "2"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert proc.returncode != 0 and "turn (2, 0) of the live run" in proc.stderr
