@@ -4,6 +4,7 @@
 # export and live acceptance, in a fresh copy of the workflow, then the results into OUT.
 #
 #   bash benchmarks/sglang_pipeline_h200.sh OUT [--default-toy] [--quick] [--overrides YAML]
+#                                               [--fp32-live] [--deterministic-live]
 #                                               [snakemake args and targets...]
 #
 # Run it through tools/h200.sh (which installs the staged SGLang and sets PYTHONPATH, the SGLang
@@ -25,6 +26,12 @@
 # --fp32-live: after the run, live acceptance once more with the target served in fp32
 # (`--dtype float32`), into drafter/live_fp32.json: the lossless check (every output must equal
 # plain greedy decoding) in the precision where kernels cannot break ties (issue 26).
+# --deterministic-live: after the run, live acceptance once more on servers started with
+# SGLang's `--enable-deterministic-inference` (batch-invariant kernels; the triton attention
+# backend the overrides set is one it accepts), into drafter/live_deterministic.json: whether
+# the bf16 differences from plain greedy decoding, all at near-tied logits so far, go away
+# (issue 26, item 5). Both extra live runs get their own greedy reference (the serving
+# settings are part of its key).
 # OUT receives pipeline_summary.json (what ran, the evaluation and live acceptance results, the
 # validation reports' verdicts, each rule's duration) and pipeline_results.tgz (eval.json,
 # live.json, validated/*.json, report/*.csv, manifests, the overrides, the tail of every log).
@@ -40,12 +47,14 @@ shift
 TOY=wide
 QUICK=0
 FP32_LIVE=0
+DETERMINISTIC_LIVE=0
 EXTRA_CONFIG=()
 while [ $# -gt 0 ]; do
     case "$1" in
     --default-toy) TOY=default ;;
     --quick) QUICK=1 ;;
     --fp32-live) FP32_LIVE=1 ;;
+    --deterministic-live) DETERMINISTIC_LIVE=1 ;;
     --overrides)
         [ -f "${2:-}" ] || { echo "--overrides: no file '${2:-}'" >&2; exit 2; }
         EXTRA_CONFIG+=("$(cd "$(dirname "$2")" && pwd)/$(basename "$2")")
@@ -113,32 +122,41 @@ for extra in "${EXTRA_CONFIG[@]}"; do
 done
 
 cd "$RUN" || exit 1
-# With --fp32-live the fp32 run gets the end of the budget: a second call on the warm machine
-# (EAGLEPIPE_PIPELINE_RESUME=1) finishes whatever did not fit.
-FP32_LIMIT_S=${EAGLEPIPE_FP32_LIVE_LIMIT_S:-150}
-SNAKEMAKE_LIMIT_S=$LIMIT_S
-if [ "$FP32_LIVE" = 1 ]; then
-    SNAKEMAKE_LIMIT_S=$((LIMIT_S - FP32_LIMIT_S - 20))
-fi
+# With --fp32-live or --deterministic-live each extra live run gets its share of the end of the
+# budget: a second call on the warm machine (EAGLEPIPE_PIPELINE_RESUME=1) finishes whatever did
+# not fit.
+EXTRA_LIVE_LIMIT_S=${EAGLEPIPE_FP32_LIVE_LIMIT_S:-150}
+SNAKEMAKE_LIMIT_S=$((LIMIT_S - (FP32_LIVE + DETERMINISTIC_LIVE) * (EXTRA_LIVE_LIMIT_S + 20)))
 say "snakemake (limit ${SNAKEMAKE_LIMIT_S}s)"
 # The snakemake arguments and targets first: --configfile takes every word after it.
 timeout --signal=TERM --kill-after=30 "$SNAKEMAKE_LIMIT_S" python3 -m snakemake --cores "$(nproc)" \
     --scheduler greedy "$@" --configfile h200-sglang.yaml "${EXTRA_CONFIG[@]}"
 rc=$?
 say "snakemake exit $rc"
-if [ "$FP32_LIVE" = 1 ] && [ -f drafter/live.json ]; then
-    python3 - <<'PY'
-import json
+# One more live run on the run's config changed by KIND (fp32: the target served in fp32;
+# deterministic: SGLang's batch-invariant mode), into drafter/live_KIND.json.
+extra_live() {
+    local kind=$1
+    python3 - "$kind" <<'PY'
+import json, sys
+kind = sys.argv[1]
 config = json.load(open(".eaglepipe/config.json"))
-config["server"]["dtype"] = "float32"
-json.dump(config, open(".eaglepipe/config-fp32.json", "w"))
+if kind == "fp32":
+    config["server"]["dtype"] = "float32"
+else:
+    config["server"]["sglang"]["extra_args"].append("--enable-deterministic-inference")
+json.dump(config, open(f".eaglepipe/config-{kind}.json", "w"))
 PY
-    say "live acceptance with the target in fp32"
-    timeout --signal=TERM --kill-after=20 "$FP32_LIMIT_S" python3 -u \
-        scripts/live_acceptance.py --config .eaglepipe/config-fp32.json \
+    say "live acceptance, $kind"
+    timeout --signal=TERM --kill-after=20 "$EXTRA_LIVE_LIMIT_S" python3 -u \
+        scripts/live_acceptance.py --config ".eaglepipe/config-$kind.json" \
         --export-dir drafter/export/sglang --table prepared/tokenized.parquet \
-        --eval drafter/eval.json --out drafter/live_fp32.json 2>&1 | tee logs/live_fp32.log
-    say "fp32 live exit ${PIPESTATUS[0]}"
+        --eval drafter/eval.json --out "drafter/live_$kind.json" 2>&1 | tee "logs/live_$kind.log"
+    say "$kind live exit ${PIPESTATUS[0]}"
+}
+if [ -f drafter/live.json ]; then
+    [ "$FP32_LIVE" = 1 ] && extra_live fp32
+    [ "$DETERMINISTIC_LIVE" = 1 ] && extra_live deterministic
 fi
 
 # Results: one summary and one archive (a call returns at most 8 files).
@@ -176,6 +194,7 @@ summary = {
     "eval": load(run / "drafter" / "eval.json"),
     "live": load(run / "drafter" / "live.json"),
     "live_fp32": load(run / "drafter" / "live_fp32.json"),
+    "live_deterministic": load(run / "drafter" / "live_deterministic.json"),
     "engine": next(
         ({k: load(m).get("provenance", {}).get(k) for k in ("engine", "engine_version")}
          for m in sorted((run / "hidden_states").glob("*/manifest.json"))),
@@ -197,7 +216,7 @@ done
 (
     cd "$RUN" || exit 1
     tar -czf "$OUT/pipeline_results.tgz" h200-sglang.yaml log-tails \
-        $(ls -d drafter/eval.json drafter/live.json drafter/live_fp32.json \
+        $(ls -d drafter/eval.json drafter/live.json drafter/live_fp32.json drafter/live_deterministic.json \
             drafter/export/*/config.json \
             validated prepared/summary.json report/*.csv hidden_states/*/manifest.json \
             .eaglepipe/server 2>/dev/null)

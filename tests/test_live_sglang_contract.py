@@ -28,6 +28,7 @@ from eaglepipe.core.config import load_config
 from eaglepipe.core.run import resolve
 from eaglepipe.drafter.live_run import SpeculativeSetting
 from eaglepipe.drafter.live_sglang import serve_command
+from eaglepipe.server.sglang import check_extra_args
 
 pytestmark = pytest.mark.network
 
@@ -128,6 +129,34 @@ def test_every_flag_the_live_launcher_passes_exists_with_its_type(src, live_argv
     for flag in passed:
         assert flag in fields, f"{flag} is not a server argument of {src}"
         assert fields[flag][1] == EXPECTED_TYPES[flag], (flag, fields[flag])
+
+
+# What benchmarks/sglang_pipeline_h200.sh adds through server.sglang.extra_args: the flags that
+# ran on the H200, and --enable-deterministic-inference for its --deterministic-live run (the
+# triton attention backend it sets is one SGLang's deterministic mode accepts).
+H200_EXTRA_ARGS = {
+    "--attention-backend": "str",
+    "--sampling-backend": "str",
+    "--grammar-backend": "str",
+    "--enable-deterministic-inference": "bool",
+}
+
+
+@pytest.mark.parametrize("src", ["0.5.14"], indirect=True)  # the release the H200 stages
+def test_the_h200_drivers_extra_flags_exist_and_the_launcher_accepts_them(src):
+    fields = server_argument_fields(src)
+    for flag, type_name in H200_EXTRA_ARGS.items():
+        assert flag in fields, f"{flag} is not a server argument of {src}"
+        assert fields[flag][1] == type_name, (flag, fields[flag])
+    check_extra_args(
+        ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend",
+         "none", "--enable-deterministic-inference"]
+    )  # fmt: skip
+    source = (src / "srt" / "server_args.py").read_text()
+    choices = next(
+        line for line in source.splitlines() if line.startswith("DETERMINISTIC_ATTENTION_BACKEND")
+    )
+    assert '"triton"' in choices, choices
 
 
 def test_eagle3_is_a_speculative_algorithm(src):

@@ -12,6 +12,11 @@
 #                                       the same on disk (--preset scale-disk: 3 M tokens in
 #                                       0.5 M-token shards; ~6 min)
 #   bash tools/h200.sh pipeline OUT     benchmarks/sglang_pipeline_h200.sh (snakemake, engine sglang)
+#   bash tools/h200.sh variants OUT [--variants fc_norm,norm_output] [--epochs N]
+#                                       benchmarks/bench_drafter_variants.py on the run the
+#                                       pipeline part left on this warm machine: each variant
+#                                       trained, evaluated, exported and served live through
+#                                       SGLang (~3.5 min each; a later call continues)
 #   bash tools/h200.sh live     OUT --config C --export-dir D --table T --eval E
 #                                       scripts/live_acceptance.py on a carried run's files (an
 #                                       exported drafter served by SGLang's speculative decoding)
@@ -50,16 +55,16 @@
 set -u -o pipefail
 
 if [ $# -lt 2 ]; then
-    echo "usage: bash tools/h200.sh check|fidelity|perf|perf-scale|perf-scale-disk|pipeline|live|regen|regen-sweep|ingest|regen-acceptance|specforge OUT [args...]" >&2
+    echo "usage: bash tools/h200.sh check|fidelity|perf|perf-scale|perf-scale-disk|pipeline|variants|live|regen|regen-sweep|ingest|regen-acceptance|specforge OUT [args...]" >&2
     exit 2
 fi
 PART=$1
 OUT=$2
 shift 2
 case "$PART" in
-check | fidelity | perf | perf-scale | perf-scale-disk | pipeline | live | regen | regen-sweep | ingest | regen-acceptance | specforge) ;;
+check | fidelity | perf | perf-scale | perf-scale-disk | pipeline | variants | live | regen | regen-sweep | ingest | regen-acceptance | specforge) ;;
 *)
-    echo "tools/h200.sh: unknown part '$PART' (check, fidelity, perf, pipeline, live, regen, regen-acceptance, perf-scale, perf-scale-disk, regen-sweep, ingest, specforge)" >&2
+    echo "tools/h200.sh: unknown part '$PART' (check, fidelity, perf, pipeline, variants, live, regen, regen-acceptance, perf-scale, perf-scale-disk, regen-sweep, ingest, specforge)" >&2
     exit 2
     ;;
 esac
@@ -183,6 +188,23 @@ run_part() {
         pipeline)
             EAGLEPIPE_PIPELINE_LIMIT_S=$((left - 20)) timeout --signal=TERM --kill-after=20 \
                 "$left" bash benchmarks/sglang_pipeline_h200.sh "$OUT" "$@"
+            ;;
+        variants)
+            # The plain variant is the pipeline run's own drafter (same seed and data): its
+            # figures are in that run's eval.json and live.json.
+            run=$ROOT/pipeline-run
+            if [ ! -f "$run/drafter/eval.json" ]; then
+                say "variants: no finished pipeline run in $run: run the pipeline part first, on the same warm machine"
+                exit 1
+            fi
+            timeout --signal=TERM --kill-after=20 "$left" python3 -u \
+                benchmarks/bench_drafter_variants.py --run-dir "$run" \
+                --variants fc_norm,norm_output --out "$ROOT/variants" "$@"
+            rc=$?
+            cp "$ROOT/variants/summary.json" "$OUT/variants_summary.json" 2>/dev/null
+            tar -czf "$OUT/variants_results.tgz" -C "$ROOT" --exclude='*.safetensors' \
+                --exclude=checkpoints variants
+            exit $rc
             ;;
         live)
             timeout --signal=TERM --kill-after=20 "$left" python3 -u \
