@@ -146,6 +146,78 @@ def test_a_later_step_of_the_last_positions_sees_the_whole_step0_context():
     assert ttt_attention_mask(3, 2).equal(ttt_attention_mask(3, 2, context_len=3))
 
 
+def _ttt_unroll(q_steps, k_steps, v_steps, fused: bool, monkeypatch):
+    """Every step's ttt_attend output and the gradients of their sum, by one path."""
+    from eaglepipe.drafter import causal_plus_own
+    from eaglepipe.drafter.model import ttt_attend
+
+    with monkeypatch.context() as patch:
+        if not fused:
+            patch.setattr(causal_plus_own, "available", lambda *a: False)
+        leaves = [t.detach().clone().requires_grad_() for t in (*q_steps, *k_steps, *v_steps)]
+        n = len(q_steps)
+        qs, ks, vs = leaves[:n], leaves[n : 2 * n], leaves[2 * n :]
+        cache: list = []
+        # Queries as the model makes them: a transposed (non-contiguous) view.
+        outs = [ttt_attend(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, cache)
+                for q, k, v in zip(qs, ks, vs, strict=True)]  # fmt: skip
+        weights = [torch.randn_like(o, generator=torch.Generator().manual_seed(i))
+                   for i, o in enumerate(outs)]  # fmt: skip
+        sum((o * w).sum() for o, w in zip(outs, weights, strict=True)).backward()
+    return outs, [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
+def test_the_fused_cpu_ttt_attention_equals_the_mask_path(monkeypatch, dtype, tolerance):
+    """Seven TTT steps with grouped-query heads: outputs and every gradient of the fused path
+    (causal kernel plus own-position keys) equal the dense-mask path's."""
+    generator = torch.Generator().manual_seed(3)
+    batch, heads, kv_heads, length, dim = 2, 4, 2, 37, 8
+    steps = 7
+    q = [torch.randn(batch, heads, length, dim, generator=generator, dtype=dtype)
+         for _ in range(steps)]  # fmt: skip
+    k = [torch.randn(batch, kv_heads, length, dim, generator=generator, dtype=dtype)
+         for _ in range(steps)]  # fmt: skip
+    v = [torch.randn(batch, kv_heads, length, dim, generator=generator, dtype=dtype)
+         for _ in range(steps)]  # fmt: skip
+    fused, fused_grads = _ttt_unroll(q, k, v, True, monkeypatch)
+    masked, masked_grads = _ttt_unroll(q, k, v, False, monkeypatch)
+    for step, (a, b) in enumerate(zip(fused, masked, strict=True)):
+        assert torch.allclose(a.float(), b.float(), atol=tolerance), step
+    for i, (a, b) in enumerate(zip(fused_grads, masked_grads, strict=True)):
+        assert torch.allclose(a.float(), b.float(), atol=tolerance * 4), i
+
+
+def test_the_fused_path_is_what_cpu_training_takes_and_changes_nothing(monkeypatch):
+    """The drafter's TTT loss and gradients on the CPU are those of the mask path."""
+    from eaglepipe.drafter import causal_plus_own
+
+    calls = []
+    original = causal_plus_own.attend
+    monkeypatch.setattr(causal_plus_own, "attend", lambda *a: calls.append(1) or original(*a))
+
+    def loss_and_grads(fused: bool):
+        torch.manual_seed(0)
+        model = Eagle3Drafter(tiny_config())
+        generator = torch.Generator().manual_seed(1)
+        aux = torch.randn(2, 11, 48, generator=generator)
+        ids = [torch.randint(0, 40, (2, 11), generator=generator) for _ in range(3)]
+        with monkeypatch.context() as patch:
+            if not fused:
+                patch.setattr(causal_plus_own, "available", lambda *a: False)
+            loss = sum(step.square().mean() for step in model(aux, ids))
+            loss.backward()
+        return loss.item(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    fused_loss, fused_grads = loss_and_grads(True)
+    assert len(calls) == 3  # one fused call per TTT step
+    masked_loss, masked_grads = loss_and_grads(False)
+    assert len(calls) == 3
+    assert fused_loss == pytest.approx(masked_loss, rel=1e-6)
+    for a, b in zip(fused_grads, masked_grads, strict=True):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
 def test_the_live_draft_chain_equals_the_training_unrolls_last_position():
     from eaglepipe.drafter.live_transformers import draft_chain
 

@@ -44,6 +44,7 @@ from torch import nn
 
 from ..core.drafter_options import MLA_DIMS, NORM_FLAGS, default_options, drafter_options
 from ..core.errors import PipelineError
+from . import causal_plus_own
 
 # RoPE types the drafter carries from the target, with the scaling keys SGLang, vLLM and
 # transformers all read alike (`attention_factor` is transformers-only, `attn_factor`
@@ -292,13 +293,25 @@ def ttt_attend(q, k, v, kv_cache: list, scale: float | None = None) -> torch.Ten
     """
     kv_cache.append((k, v))
     step = len(kv_cache) - 1
+    repeat = q.shape[1] // k.shape[1]
+    b, _, length, _ = q.shape
+    if causal_plus_own.available(q, *kv_cache[0]):
+        # Training on the CPU: the same attention without the dense mask (about 10x less work
+        # at the 7th step).
+        repeated = [
+            (kk.repeat_interleave(repeat, dim=1), vv.repeat_interleave(repeat, dim=1))
+            if repeat > 1
+            else (kk, vv)
+            for kk, vv in kv_cache
+        ]
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        out = causal_plus_own.attend(q, repeated, scale)
+        return out.transpose(1, 2).reshape(b, length, -1)
     keys = torch.cat([kk for kk, _ in kv_cache], dim=2)
     values = torch.cat([vv for _, vv in kv_cache], dim=2)
-    repeat = q.shape[1] // keys.shape[1]
     if repeat > 1:
         keys = keys.repeat_interleave(repeat, dim=1)
         values = values.repeat_interleave(repeat, dim=1)
-    b, _, length, _ = q.shape
     context_len = kv_cache[0][0].shape[2]
     mask = ttt_attention_mask(length, step, device=q.device, context_len=context_len)
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
