@@ -125,7 +125,7 @@ cd "$RUN" || exit 1
 # With --fp32-live or --deterministic-live each extra live run gets its share of the end of the
 # budget: a second call on the warm machine (EAGLEPIPE_PIPELINE_RESUME=1) finishes whatever did
 # not fit.
-EXTRA_LIVE_LIMIT_S=${EAGLEPIPE_FP32_LIVE_LIMIT_S:-150}
+EXTRA_LIVE_LIMIT_S=${EAGLEPIPE_EXTRA_LIVE_LIMIT_S:-150}
 SNAKEMAKE_LIMIT_S=$((LIMIT_S - (FP32_LIVE + DETERMINISTIC_LIVE) * (EXTRA_LIVE_LIMIT_S + 20)))
 say "snakemake (limit ${SNAKEMAKE_LIMIT_S}s)"
 # The snakemake arguments and targets first: --configfile takes every word after it.

@@ -294,27 +294,24 @@ def ttt_attend(q, k, v, kv_cache: list, scale: float | None = None) -> torch.Ten
     kv_cache.append((k, v))
     step = len(kv_cache) - 1
     repeat = q.shape[1] // k.shape[1]
+    heads = [
+        (kk.repeat_interleave(repeat, dim=1), vv.repeat_interleave(repeat, dim=1))
+        if repeat > 1
+        else (kk, vv)
+        for kk, vv in kv_cache
+    ]
     b, _, length, _ = q.shape
-    if causal_plus_own.available(q, *kv_cache[0]):
+    if causal_plus_own.available(q, *heads[0]):
         # Training on the CPU: the same attention without the dense mask (about 10x less work
         # at the 7th step).
-        repeated = [
-            (kk.repeat_interleave(repeat, dim=1), vv.repeat_interleave(repeat, dim=1))
-            if repeat > 1
-            else (kk, vv)
-            for kk, vv in kv_cache
-        ]
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        out = causal_plus_own.attend(q, repeated, scale)
-        return out.transpose(1, 2).reshape(b, length, -1)
-    keys = torch.cat([kk for kk, _ in kv_cache], dim=2)
-    values = torch.cat([vv for _, vv in kv_cache], dim=2)
-    if repeat > 1:
-        keys = keys.repeat_interleave(repeat, dim=1)
-        values = values.repeat_interleave(repeat, dim=1)
-    context_len = kv_cache[0][0].shape[2]
-    mask = ttt_attention_mask(length, step, device=q.device, context_len=context_len)
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+        out = causal_plus_own.attend(q, heads, scale)
+    else:
+        keys = torch.cat([kk for kk, _ in heads], dim=2)
+        values = torch.cat([vv for _, vv in heads], dim=2)
+        context_len = heads[0][0].shape[2]
+        mask = ttt_attention_mask(length, step, device=q.device, context_len=context_len)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
     return out.transpose(1, 2).reshape(b, length, -1)
 
 
