@@ -33,10 +33,10 @@ from common import log, markdown_table, write_results  # noqa: E402
 def per_turn(live: dict, evaluation: dict) -> tuple[np.ndarray, np.ndarray]:
     """Per live turn: (completion tokens, rounds) live and (tokens, rounds) offline, at the
     live run's draft steps; turns the offline walk lacks are an error (another run's files)."""
-    steps = str(live["speculative"]["steps"]) if live.get("speculative") else None
+    # Without a speculative setting the harness drafted train.ttt_length tokens a round.
+    speculative = live.get("speculative") or {"steps": evaluation["ttt_length"]}
+    steps = str(speculative["steps"])
     walked = {(t["row_id"], t["turn"]): t for t in evaluation.get("turns", [])}
-    if steps is None:  # the reference harness drafts train.ttt_length tokens a round
-        steps = str(evaluation["ttt_length"])
     live_pairs, offline_pairs = [], []
     for prompt in live["per_prompt"]:
         key = (prompt["row_id"], prompt["turn"])
