@@ -10,11 +10,10 @@ Steps, in order; each is recorded in WORK/state.json when it ends, and a later c
 warm machine (the same WORK) skips what is done, so a comparison longer than one call's 10
 minutes continues where the last call stopped:
 
-1. pipeline (per seed, one after the other): benchmarks/sglang_pipeline_h200.sh, the
-   pipeline part's run (the 128-wide toy, engine sglang), through drafter/eval.json and the
-   SGLang export, with `train.epochs` and `train.seed` set; for a later seed the same run
-   directory retrains, evaluates and exports only (the train settings stamp changed). Its
-   export, eval.json and training log are kept under WORK/seeds/seed<S>-epochs<E>/eaglepipe/.
+1. pipeline (the first seed): benchmarks/sglang_pipeline_h200.sh, the pipeline part's run
+   (the 128-wide toy, engine sglang), through drafter/eval.json and the SGLang export, with
+   `train.epochs` and `train.seed` set. Its export, eval.json and training log are kept under
+   WORK/seeds/seed<S>-epochs<E>/eaglepipe/.
 2. specforge-inputs (once, after the first seed's pipeline): the run's train split as
    SpecForge JSONL (held-out rows and rows prepare skipped are left out;
    benchmarks/specforge_data.py), the target's chat template as SpecForge's template JSON,
@@ -27,14 +26,21 @@ minutes continues where the last call stopped:
    preprocessing (hf, benchmarks/specforge_hf_features.py); the first route of --features that
    succeeds is used. Every feature file's tokens and loss mask are then looked up in the
    prepared table.
-4. specforge-train (per seed, every seed's at once on the one GPU unless
-   --train-one-at-a-time: a toy's training leaves it mostly idle): `specforge train` with its
-   Llama-3.1-8B offline recipe (examples/configs/llama3.1-8b-eagle3-offline.yaml: batch 1, lr
-   1e-4, grad clip 0.5, TTT 7, sdpa) but --epochs and the seed, then `specforge export --to
-   sglang`; the export's config.json gets the `eaglepipe` block the live harness reads.
+4. the trainings, side by side on the one GPU (a toy's training leaves it mostly idle) unless
+   --train-one-at-a-time: specforge-train for every seed at once (`specforge train` with its
+   Llama-3.1-8B offline recipe, examples/configs/llama3.1-8b-eagle3-offline.yaml: batch 1, lr
+   1e-4, grad clip 0.5, TTT 7, sdpa, but --epochs and the seed, then `specforge export --to
+   sglang`; the export's config.json gets the `eaglepipe` block the live harness reads), and
+   meanwhile the pipeline for each later seed, one after the other (the same run directory
+   retrains, evaluates and exports only: the train settings stamp changed). Training times
+   measured side by side are marked so (`trained_at_once`); the solo figures are in
+   BENCHMARKS.md.
 5. live (per seed, setting and drafter): scripts/live_acceptance.py from the run directory,
    with the run's config, table and prompts, `--speculative S/K/D`, and one greedy reference
    for the target (`--greedy-reference`): the plain target is served once for all of them.
+   With --deterministic-live, one more for the first seed's eaglepipe drafter at the first
+   setting, both servers started with SGLang's `--enable-deterministic-inference` (its own
+   greedy reference): whether the bf16 differences from plain greedy decoding go away.
 
 A step starts only when the time left (--deadline-s) covers its usual length, and runs under
 a timeout inside it. --out gets the JSON (and a markdown table beside it) after every step:
@@ -54,6 +60,7 @@ import shutil
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -94,22 +101,28 @@ EXIT_LEFT_FOR_LATER = 3
 
 
 def plan_steps(args) -> list[Step]:
-    """Every seed's pipeline first (one run directory, retrained per seed), SpecForge's inputs
-    and features after the first; then SpecForge's trainings (run at once unless
-    --train-one-at-a-time); then the live runs, seed by seed."""
+    """The first seed's pipeline, SpecForge's inputs and features; SpecForge's trainings, then
+    the later seeds' pipelines (the two kinds side by side unless --train-one-at-a-time); then
+    the live runs, seed by seed."""
     steps, epochs = [], args.epochs
     tags = {seed: f"seed{seed}-epochs{epochs}" for seed in args.seeds}
-    for i, seed in enumerate(args.seeds):
-        needs = STEP_SECONDS["pipeline-first" if i == 0 else "pipeline-retrain"]
-        steps.append(Step(f"pipeline@{tags[seed]}", "pipeline", tags[seed], seed, needs_s=needs))
-        if i == 0:
-            for name, kind in (("specforge-inputs", "inputs"), ("specforge-features", "features")):
-                steps.append(Step(name, kind, needs_s=STEP_SECONDS[name]))
+    first, *later = args.seeds
+    steps.append(
+        Step(f"pipeline@{tags[first]}", "pipeline", tags[first], first,
+             needs_s=STEP_SECONDS["pipeline-first"])
+    )  # fmt: skip
+    for name, kind in (("specforge-inputs", "inputs"), ("specforge-features", "features")):
+        steps.append(Step(name, kind, needs_s=STEP_SECONDS[name]))
     train_s = STEP_SECONDS["specforge-train-base"]
     train_s += STEP_SECONDS["specforge-train-per-epoch"] * epochs
     for seed in args.seeds:
         name = f"specforge-train@{tags[seed]}"
         steps.append(Step(name, "train", tags[seed], seed, needs_s=train_s))
+    for seed in later:
+        steps.append(
+            Step(f"pipeline@{tags[seed]}", "pipeline", tags[seed], seed,
+                 needs_s=STEP_SECONDS["pipeline-retrain"])
+        )  # fmt: skip
     reference = "live-with-reference"  # the first live run also serves the plain target
     for seed in args.seeds:
         for setting in args.settings:
@@ -117,19 +130,34 @@ def plan_steps(args) -> list[Step]:
                 needs, reference = STEP_SECONDS[reference], "live"
                 name = f"live@{tags[seed]}@{drafter}@{setting.label.replace('/', '-')}"
                 steps.append(Step(name, "live", tags[seed], seed, drafter, setting, needs))
+    if args.deterministic_live:
+        setting = args.settings[0]
+        name = f"live-deterministic@{tags[first]}@eaglepipe@{setting.label.replace('/', '-')}"
+        needs = STEP_SECONDS["live-with-reference"]
+        steps.append(
+            Step(name, "live", tags[first], first, "eaglepipe", setting, needs, deterministic=True)
+        )
     return steps
 
 
 def next_group(ctx: Context, steps: list[Step], index: int) -> list[Step]:
-    """The steps to run together from `index`: SpecForge's trainings not done yet side by side
-    (unless --train-one-at-a-time), any other step alone."""
+    """The steps to run together from `index`: SpecForge's trainings with the later seeds'
+    pipelines (unless --train-one-at-a-time), any other step alone."""
     if steps[index].kind != "train" or ctx.args.train_one_at_a_time:
         return [steps[index]]
     group = []
-    while index < len(steps) and steps[index].kind == "train":
+    while index < len(steps) and steps[index].kind in ("train", "pipeline"):
         group.append(steps[index])
         index += 1
     return group
+
+
+def group_needs(group: list[Step]) -> float:
+    """Seconds a group usually takes: its trainings side by side (a fifth more per extra one),
+    its pipelines one after the other beside them."""
+    trains = [s.needs_s for s in group if s.kind == "train"]
+    side_by_side = max(trains, default=0) * (1 + 0.2 * max(len(trains) - 1, 0))
+    return max(side_by_side, sum(s.needs_s for s in group if s.kind != "train"))
 
 
 # ---------------------------------------------------------------- step 1: the pipeline
@@ -213,16 +241,39 @@ def prepared_split_sizes(run: Path) -> dict:
 # ---------------------------------------------------------------- step 5: live acceptance
 
 
+DETERMINISTIC_FLAG = "--enable-deterministic-inference"
+
+
+def deterministic_config(run: Path, out: Path) -> Path:
+    """The run's resolved config with SGLang's batch-invariant mode on every server it starts
+    (the triton attention backend the pipeline part sets is one that mode accepts)."""
+    config = json.loads((run / ".eaglepipe" / "config.json").read_text())
+    extra = config["server"]["sglang"]["extra_args"]
+    if DETERMINISTIC_FLAG not in extra:
+        extra.append(DETERMINISTIC_FLAG)
+    out.write_text(json.dumps(config, indent=1))
+    return out
+
+
 def step_live(ctx: Context, step: Step) -> dict:
     paths = ctx.paths
     keep = paths.kept(step, step.drafter)
     label = step.setting.label.replace("/", "-")
+    config, greedy = ".eaglepipe/config.json", paths.greedy
+    if step.deterministic:
+        # Its own greedy reference: the serving settings are part of the reference's key, and
+        # one file holds one key.
+        label += "-deterministic"
+        greedy = paths.work / "greedy-reference-deterministic.json"
+        config = paths.work / "config-deterministic.json"
+        if not ctx.args.dry_run:
+            deterministic_config(paths.run, config)
     out = keep / f"live-{label}.json"
     argv = [
         sys.executable, "-u", str(REPO_ROOT / "scripts" / "live_acceptance.py"),
-        "--config", ".eaglepipe/config.json", "--table", "prepared/tokenized.parquet",
+        "--config", str(config), "--table", "prepared/tokenized.parquet",
         "--export-dir", str(keep / "export"), "--out", str(out),
-        "--speculative", step.setting.label, "--greedy-reference", str(paths.greedy),
+        "--speculative", step.setting.label, "--greedy-reference", str(greedy),
     ]  # fmt: skip
     # SpecForge's drafter has no offline estimate: a path that does not exist says so (the
     # script's default would be the pipeline's own drafter/eval.json).
@@ -238,7 +289,9 @@ def step_live(ctx: Context, step: Step) -> dict:
     )  # fmt: skip
     lossless = live.get("lossless") or {}
     return {k: live.get(k) for k in kept} | {
-        "lossless": {k: lossless.get(k) for k in ("dtype", "prompts", "identical")},
+        "lossless": {
+            k: lossless.get(k) for k in ("dtype", "prompts", "identical", "first_differences")
+        },
         "per_prompt": [p["acceptance_length"] for p in live.get("per_prompt", [])],
     }
 
@@ -330,9 +383,11 @@ def is_done(ctx: Context, step: Step) -> bool:
 
 def run_group(ctx: Context, group: list[Step]) -> dict[str, dict]:
     """Each step's state entry: done with its result, failed or timed out with the error."""
-    if group[0].kind == "train":
-        return step_trainings(ctx, group)
+    if len(group) > 1:
+        return run_side_by_side(ctx, group)
     (step,) = group
+    if step.kind == "train":
+        return step_trainings(ctx, group)
     try:
         result = RUNNERS[step.kind](ctx, step)
     except StepFailed as exc:
@@ -344,6 +399,34 @@ def run_group(ctx: Context, group: list[Step]) -> dict[str, dict]:
         ctx.state["lm_head_key"] = result["target_view"]["lm_head_key"]
         ctx.state["aux_layer_ids"] = result["aux_layer_ids"]
     return {step.name: {"status": "done", "result": result}}
+
+
+def run_side_by_side(ctx: Context, group: list[Step]) -> dict[str, dict]:
+    """SpecForge's trainings in a thread (its processes at once), the group's pipelines one
+    after the other here; each step's entry with its own seconds."""
+    trains = [s for s in group if s.kind == "train"]
+    entries: dict[str, dict] = {}
+    if ctx.args.dry_run:  # the commands in a stable order
+        entries = step_trainings(ctx, trains) if trains else {}
+        for step in (s for s in group if s.kind != "train"):
+            entries |= run_group(ctx, [step])
+        return entries
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        started = time.monotonic()
+        training = pool.submit(step_trainings, ctx, trains) if trains else None
+        for step in (s for s in group if s.kind != "train"):
+            began = time.monotonic()
+            entry = run_group(ctx, [step])[step.name]
+            entry["seconds"] = round(time.monotonic() - began, 1)
+            entry["beside_trainings"] = len(trains)
+            entries[step.name] = entry
+        if training is not None:
+            trained = training.result()
+            seconds = round(time.monotonic() - started, 1)
+            for name, entry in trained.items():
+                entry.setdefault("seconds", seconds)
+                entries[name] = entry
+    return entries
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -370,7 +453,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--train-one-at-a-time",
         action="store_true",
-        help="SpecForge's trainings one after the other (default: all seeds' at once)",
+        help="every training alone, one after the other (default: SpecForge's for all seeds "
+        "at once, the later seeds' pipelines beside them)",
+    )
+    parser.add_argument(
+        "--deterministic-live",
+        action="store_true",
+        help="one more live run of the first seed's drafter on SGLang's deterministic mode",
     )
     parser.add_argument("--fresh", action="store_true", help="remove the work root first")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
@@ -413,8 +502,7 @@ def main(argv=None) -> int:
         if not group:
             continue
         names = ", ".join(s.name for s in group)
-        # Trainings side by side slow each other a little: a fifth more per extra one.
-        needs = max(s.needs_s for s in group) * (1 + 0.2 * (len(group) - 1))
+        needs = group_needs(group)
         if ctx.left() < needs and not args.dry_run:
             log(f"[{names}] not started: {ctx.left():.0f}s left, it needs ~{needs:.0f}s")
             code = EXIT_LEFT_FOR_LATER

@@ -102,6 +102,7 @@ class Step:
     drafter: str | None = None
     setting: SpeculativeSetting | None = None
     needs_s: float = 60.0
+    deterministic: bool = False  # a live run on SGLang's --enable-deterministic-inference
 
 
 @dataclass

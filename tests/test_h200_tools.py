@@ -362,7 +362,7 @@ def test_the_specforge_part_prints_its_commands_in_a_dry_run(tmp_path):
     out = tmp_path / "out"
     done = run_h200(
         ["specforge", str(out), "--dry-run", "--seeds", "0,1", "--epochs", "3",
-         "--settings", "3/1/4,7/1/8"],
+         "--settings", "3/1/4,7/1/8", "--deterministic-live"],
         REPO_ROOT, tmp_path / "root",
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -431,13 +431,27 @@ def test_the_specforge_part_prints_its_commands_in_a_dry_run(tmp_path):
         assert args[args.index("--eval") + 1].endswith(
             "eaglepipe/eval.json" if drafter == "eaglepipe" else "specforge/none.json"
         )
-    # The order of the whole call: every pipeline (SpecForge's inputs after the first), then
-    # SpecForge's trainings side by side, their exports, then the live runs.
+    # With --deterministic-live one more for the first seed's drafter at the first setting, on
+    # a config with SGLang's batch-invariant mode and its own greedy reference.
+    deterministic = argv("live-deterministic@seed0-epochs3@eaglepipe@3-1-4")
+    assert deterministic[deterministic.index("--config") + 1] == str(
+        work / "config-deterministic.json"
+    )
+    assert deterministic[deterministic.index("--greedy-reference") + 1] == str(
+        work / "greedy-reference-deterministic.json"
+    )
+    assert deterministic[deterministic.index("--out") + 1].endswith(
+        "seed0-epochs3/eaglepipe/live-3-1-4-deterministic.json"
+    )
+    # The order of the whole call: the first seed's pipeline, SpecForge's inputs and features,
+    # SpecForge's trainings (side by side with the later seeds' pipelines on the machine), their
+    # exports, then the live runs.
     order = [
         "pipeline@seed0-epochs3", "specforge-features:sglang", "specforge-features:hf",
-        "pipeline@seed1-epochs3", "specforge-train@seed0-epochs3:train",
-        "specforge-train@seed1-epochs3:train", "specforge-train@seed0-epochs3:export",
-        "specforge-train@seed1-epochs3:export", "live@seed0-epochs3@eaglepipe@3-1-4",
+        "specforge-train@seed0-epochs3:train", "specforge-train@seed1-epochs3:train",
+        "specforge-train@seed0-epochs3:export", "specforge-train@seed1-epochs3:export",
+        "pipeline@seed1-epochs3", "live@seed0-epochs3@eaglepipe@3-1-4",
+        "live-deterministic@seed0-epochs3@eaglepipe@3-1-4",
     ]  # fmt: skip
     assert [steps.index(name) for name in order] == sorted(steps.index(name) for name in order)
     assert not (tmp_path / "root" / "specforge").exists()  # a dry run makes nothing
@@ -502,9 +516,11 @@ def test_the_specforge_driver_continues_where_an_earlier_call_stopped(tmp_path):
         timeout=120,
     )  # fmt: skip
     assert done.returncode == 3, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "[pipeline@seed2-epochs8] not started" in done.stdout
+    # The new seed's two trainings go together; the done ones of their group are not redone.
+    assert "[specforge-train@seed2-epochs8, pipeline@seed2-epochs8] not started" in done.stdout
     results = json.loads(out.read_text())
-    assert results["remaining"][0] == "pipeline@seed2-epochs8" and len(results["remaining"]) == 4
+    assert results["remaining"][:2] == ["specforge-train@seed2-epochs8", "pipeline@seed2-epochs8"]
+    assert len(results["remaining"]) == 4
     assert json.loads((work / "state.json").read_text())["steps"] == steps  # nothing new ran
 
 
@@ -542,6 +558,80 @@ def test_the_specforge_driver_runs_commands_side_by_side_and_stops_them_at_its_d
     except psutil.NoSuchProcess:
         alive = []
     assert alive == []
+
+
+def test_the_specforge_driver_runs_the_later_pipelines_while_specforge_trains(
+    tmp_path, monkeypatch
+):
+    """The trainings group: SpecForge's trainings and the later seeds' pipelines at the same
+    time (a pipeline that waits for the trainings to have started would otherwise never see
+    them), each with its own entry; a failed pipeline does not hide the trainings' results."""
+    import threading
+    import time
+
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    try:
+        import bench_specforge as bench
+        from specforge_steps import Context, Paths
+    finally:
+        sys.path.pop(0)
+    trainings_running, pipelines_seen = threading.Event(), []
+
+    def fake_trainings(ctx, steps):
+        trainings_running.set()
+        time.sleep(0.5)
+        result = {"trained_at_once": len(steps)}
+        return {s.name: {"status": "done", "result": dict(result)} for s in steps}
+
+    def fake_pipeline(ctx, step):
+        pipelines_seen.append((step.name, trainings_running.wait(timeout=30)))
+        if step.seed == 2:
+            raise bench.StepFailed("pipeline@seed2: exit 1")
+        return {"seed": step.seed}
+
+    monkeypatch.setattr(bench, "step_trainings", fake_trainings)
+    monkeypatch.setitem(bench.RUNNERS, "pipeline", fake_pipeline)
+    args = bench.parse_args(["--seeds", "0,1,2", "--settings", "7/1/8"])
+    ctx = Context(args, Paths(tmp_path), time.monotonic() + 60)
+    steps = bench.plan_steps(args)
+    start = next(i for i, s in enumerate(steps) if s.kind == "train")
+    group = bench.next_group(ctx, steps, start)
+    assert [s.name for s in group] == [
+        "specforge-train@seed0-epochs8", "specforge-train@seed1-epochs8",
+        "specforge-train@seed2-epochs8", "pipeline@seed1-epochs8", "pipeline@seed2-epochs8",
+    ]  # fmt: skip
+    entries = bench.run_group(ctx, group)
+    assert pipelines_seen == [("pipeline@seed1-epochs8", True), ("pipeline@seed2-epochs8", True)]
+    assert entries["pipeline@seed1-epochs8"]["status"] == "done"
+    assert entries["pipeline@seed1-epochs8"]["beside_trainings"] == 3
+    assert entries["pipeline@seed2-epochs8"]["status"] == "failed"
+    for seed in (0, 1, 2):
+        entry = entries[f"specforge-train@seed{seed}-epochs8"]
+        assert entry["status"] == "done" and entry["result"]["trained_at_once"] == 3
+        assert entry["seconds"] >= 0.5
+    # One at a time: every training alone.
+    one = bench.parse_args(["--seeds", "0,1", "--train-one-at-a-time"])
+    steps = bench.plan_steps(one)
+    start = next(i for i, s in enumerate(steps) if s.kind == "train")
+    assert len(bench.next_group(Context(one, Paths(tmp_path), 0.0), steps, start)) == 1
+
+
+def test_the_deterministic_live_config_adds_sglangs_flag_once(tmp_path):
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    try:
+        from bench_specforge import DETERMINISTIC_FLAG, deterministic_config
+    finally:
+        sys.path.pop(0)
+    (tmp_path / ".eaglepipe").mkdir()
+    config = {"server": {"sglang": {"extra_args": ["--attention-backend", "triton"]}}}
+    (tmp_path / ".eaglepipe" / "config.json").write_text(json.dumps(config))
+    out = deterministic_config(tmp_path, tmp_path / "det.json")
+    written = json.loads(out.read_text())["server"]["sglang"]["extra_args"]
+    assert written == ["--attention-backend", "triton", DETERMINISTIC_FLAG]
+    assert json.loads((tmp_path / ".eaglepipe" / "config.json").read_text()) == config
+    (tmp_path / ".eaglepipe" / "config.json").write_text(out.read_text())
+    again = deterministic_config(tmp_path, tmp_path / "det2.json")
+    assert json.loads(again.read_text())["server"]["sglang"]["extra_args"] == written
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,8 @@
 #                                       benchmarks/bench_drafter_variants.py on the run the
 #                                       pipeline part left on this warm machine: each variant
 #                                       trained, evaluated, exported and served live through
-#                                       SGLang (~3.5 min each; a later call continues)
+#                                       SGLang (~3.5 min each; a later call continues;
+#                                       EAGLEPIPE_VARIANTS_RUN=DIR: another finished run)
 #   bash tools/h200.sh live     OUT --config C --export-dir D --table T --eval E
 #                                       scripts/live_acceptance.py on a carried run's files (an
 #                                       exported drafter served by SGLang's speculative decoding)
@@ -191,8 +192,9 @@ run_part() {
             ;;
         variants)
             # The plain variant is the pipeline run's own drafter (same seed and data): its
-            # figures are in that run's eval.json and live.json.
-            run=$ROOT/pipeline-run
+            # figures are in that run's eval.json and live.json. EAGLEPIPE_VARIANTS_RUN names
+            # another finished run on this machine (the specforge part's, for one).
+            run=${EAGLEPIPE_VARIANTS_RUN:-$ROOT/pipeline-run}
             if [ ! -f "$run/drafter/eval.json" ]; then
                 say "variants: no finished pipeline run in $run: run the pipeline part first, on the same warm machine"
                 exit 1
