@@ -35,12 +35,15 @@ minutes continues where the last call stopped:
    retrains, evaluates and exports only: the train settings stamp changed). Training times
    measured side by side are marked so (`trained_at_once`); the solo figures are in
    BENCHMARKS.md.
-5. live (per seed, setting and drafter): scripts/live_acceptance.py from the run directory,
+5. live (per setting, seed and drafter): scripts/live_acceptance.py from the run directory,
    with the run's config, table and prompts, `--speculative S/K/D`, and one greedy reference
    for the target (`--greedy-reference`): the plain target is served once for all of them.
-   With --deterministic-live, one more for the first seed's eaglepipe drafter at the first
-   setting, both servers started with SGLang's `--enable-deterministic-inference` (its own
-   greedy reference): whether the bf16 differences from plain greedy decoding go away.
+   With --live-at-once N, after the first (which serves the plain target) up to N at once,
+   each on its own server, started --live-stagger-s apart (their speed-ups are then not a
+   lone run's, and are marked `live_side_by_side`). With --deterministic-live, one more for
+   the first seed's eaglepipe drafter at the first setting, both servers started with SGLang's
+   `--enable-deterministic-inference` (its own greedy reference): whether the bf16
+   differences from plain greedy decoding go away.
 
 A step starts only when the time left (--deadline-s) covers its usual length, and runs under
 a timeout inside it. --out gets the JSON (and a markdown table beside it) after every step:
@@ -103,7 +106,7 @@ EXIT_LEFT_FOR_LATER = 3
 def plan_steps(args) -> list[Step]:
     """The first seed's pipeline, SpecForge's inputs and features; SpecForge's trainings, then
     the later seeds' pipelines (the two kinds side by side unless --train-one-at-a-time); then
-    the live runs, seed by seed."""
+    the live runs, setting by setting."""
     steps, epochs = [], args.epochs
     tags = {seed: f"seed{seed}-epochs{epochs}" for seed in args.seeds}
     first, *later = args.seeds
@@ -123,9 +126,11 @@ def plan_steps(args) -> list[Step]:
             Step(f"pipeline@{tags[seed]}", "pipeline", tags[seed], seed,
                  needs_s=STEP_SECONDS["pipeline-retrain"])
         )  # fmt: skip
-    reference = "live-with-reference"  # the first live run also serves the plain target
-    for seed in args.seeds:
-        for setting in args.settings:
+    # Setting by setting (the first setting's seeds are a table row even if a call runs out);
+    # the first live run also serves the plain target.
+    reference = "live-with-reference"
+    for setting in args.settings:
+        for seed in args.seeds:
             for drafter in ("eaglepipe", "specforge"):
                 needs, reference = STEP_SECONDS[reference], "live"
                 name = f"live@{tags[seed]}@{drafter}@{setting.label.replace('/', '-')}"
@@ -142,19 +147,29 @@ def plan_steps(args) -> list[Step]:
 
 def next_group(ctx: Context, steps: list[Step], index: int) -> list[Step]:
     """The steps to run together from `index`: SpecForge's trainings with the later seeds'
-    pipelines (unless --train-one-at-a-time), any other step alone."""
-    if steps[index].kind != "train" or ctx.args.train_one_at_a_time:
-        return [steps[index]]
+    pipelines (unless --train-one-at-a-time); up to --live-at-once live runs, but the first
+    live run of the plan alone (it serves the plain target for the shared greedy reference);
+    any other step alone."""
+    step = steps[index]
+    if step.kind == "train" and not ctx.args.train_one_at_a_time:
+        kinds, limit = ("train", "pipeline"), len(steps)
+    elif step.kind == "live" and step is not next(s for s in steps if s.kind == "live"):
+        kinds, limit = ("live",), ctx.args.live_at_once
+    else:
+        return [step]
     group = []
-    while index < len(steps) and steps[index].kind in ("train", "pipeline"):
+    while index < len(steps) and steps[index].kind in kinds and len(group) < limit:
         group.append(steps[index])
         index += 1
     return group
 
 
-def group_needs(group: list[Step]) -> float:
+def group_needs(ctx: Context, group: list[Step]) -> float:
     """Seconds a group usually takes: its trainings side by side (a fifth more per extra one),
-    its pipelines one after the other beside them."""
+    its pipelines one after the other beside them; live runs side by side, started apart."""
+    if group[0].kind == "live":
+        stagger = ctx.args.live_stagger_s * (len(group) - 1)
+        return max(s.needs_s for s in group) * (1 + 0.1 * (len(group) - 1)) + stagger
     trains = [s.needs_s for s in group if s.kind == "train"]
     side_by_side = max(trains, default=0) * (1 + 0.2 * max(len(trains) - 1, 0))
     return max(side_by_side, sum(s.needs_s for s in group if s.kind != "train"))
@@ -384,6 +399,8 @@ def is_done(ctx: Context, step: Step) -> bool:
 def run_group(ctx: Context, group: list[Step]) -> dict[str, dict]:
     """Each step's state entry: done with its result, failed or timed out with the error."""
     if len(group) > 1:
+        if group[0].kind == "live":
+            return run_lives_side_by_side(ctx, group)
         return run_side_by_side(ctx, group)
     (step,) = group
     if step.kind == "train":
@@ -399,6 +416,29 @@ def run_group(ctx: Context, group: list[Step]) -> dict[str, dict]:
         ctx.state["lm_head_key"] = result["target_view"]["lm_head_key"]
         ctx.state["aux_layer_ids"] = result["aux_layer_ids"]
     return {step.name: {"status": "done", "result": result}}
+
+
+def run_lives_side_by_side(ctx: Context, group: list[Step]) -> dict[str, dict]:
+    """Live runs at once, each on its own SGLang server (a free port each; each server takes
+    its static-memory fraction of what is free when it starts, so they are started
+    --live-stagger-s apart: two sizing up the memory at the same moment would both count the
+    other's share as free). The acceptance figures are the servers' own; the wall-clock
+    speed-ups are not comparable with a lone run's, and are marked so."""
+    stagger = 0.0 if ctx.args.dry_run else ctx.args.live_stagger_s
+
+    def one(position: int, step: Step) -> dict:
+        time.sleep(position * stagger)
+        began = time.monotonic()
+        entry = run_group(ctx, [step])[step.name]
+        entry["seconds"] = round(time.monotonic() - began, 1)
+        entry["live_side_by_side"] = len(group)
+        return entry
+
+    if ctx.args.dry_run:  # the commands in a stable order
+        return {step.name: one(i, step) for i, step in enumerate(group)}
+    with ThreadPoolExecutor(max_workers=len(group)) as pool:
+        futures = {step.name: pool.submit(one, i, step) for i, step in enumerate(group)}
+        return {name: future.result() for name, future in futures.items()}
 
 
 def run_side_by_side(ctx: Context, group: list[Step]) -> dict[str, dict]:
@@ -457,6 +497,19 @@ def parse_args(argv=None) -> argparse.Namespace:
         "at once, the later seeds' pipelines beside them)",
     )
     parser.add_argument(
+        "--live-at-once",
+        type=int,
+        default=1,
+        help="live runs side by side on the GPU, each its own server (after the first, which "
+        "serves the plain target alone); their speed-ups are then not comparable",
+    )
+    parser.add_argument(
+        "--live-stagger-s",
+        type=float,
+        default=12.0,
+        help="seconds between the starts of live runs side by side",
+    )
+    parser.add_argument(
         "--deterministic-live",
         action="store_true",
         help="one more live run of the first seed's drafter on SGLang's deterministic mode",
@@ -474,6 +527,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--seeds: distinct integers, e.g. 0,1,2 (got {args.seeds})")
     if args.epochs < 1:
         parser.error("--epochs must be >= 1")
+    if args.live_at_once < 1 or args.live_stagger_s < 0:
+        parser.error("--live-at-once must be >= 1 and --live-stagger-s >= 0")
     if not args.features or set(args.features) - {"sglang", "hf"}:
         parser.error(f"--features: sglang and/or hf, in the order to try (got {args.features})")
     return args
@@ -502,7 +557,7 @@ def main(argv=None) -> int:
         if not group:
             continue
         names = ", ".join(s.name for s in group)
-        needs = group_needs(group)
+        needs = group_needs(ctx, group)
         if ctx.left() < needs and not args.dry_run:
             log(f"[{names}] not started: {ctx.left():.0f}s left, it needs ~{needs:.0f}s")
             code = EXIT_LEFT_FOR_LATER

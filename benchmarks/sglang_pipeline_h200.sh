@@ -19,9 +19,10 @@
 # for a second attempt when the whole run does not fit one call. --overrides YAML is one more
 # config file after these (benchmarks/bench_specforge.py sets train.epochs and train.seed with
 # it). The other overrides: engine sglang with the flags
-# that ran live (../../shared/sglang-h200), bf16, half the GPU for SGLang's static memory (the
-# drafter trains on the same GPU), `--scheduler greedy` (the ilp scheduler needs pulp, which is
-# not staged).
+# that ran live (../../shared/sglang-h200), bf16, 0.15 for SGLang's static memory (SGLang takes
+# that fraction of the memory free when it starts, ~20 GB, plenty for the toy: the drafter's
+# training, and in bench_specforge.py several live servers, share the GPU), `--scheduler greedy`
+# (the ilp scheduler needs pulp, which is not staged).
 #
 # --fp32-live: after the run, live acceptance once more with the target served in fp32
 # (`--dtype float32`), into drafter/live_fp32.json: the lossless check (every output must equal
@@ -110,7 +111,7 @@ server:
   health_timeout_s: 420
   sglang:
     tp_size: 1
-    mem_fraction_static: 0.5
+    mem_fraction_static: 0.15
     extra_args: [--attention-backend, triton, --sampling-backend, pytorch, --grammar-backend, none]
 EOF
 } >"$RUN/h200-sglang.yaml"

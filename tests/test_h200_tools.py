@@ -417,7 +417,7 @@ def test_the_specforge_part_prints_its_commands_in_a_dry_run(tmp_path):
     lives = [c for c in commands if c["step"].startswith("live@")]
     assert [c["step"] for c in lives[:4]] == [
         "live@seed0-epochs3@eaglepipe@3-1-4", "live@seed0-epochs3@specforge@3-1-4",
-        "live@seed0-epochs3@eaglepipe@7-1-8", "live@seed0-epochs3@specforge@7-1-8",
+        "live@seed1-epochs3@eaglepipe@3-1-4", "live@seed1-epochs3@specforge@3-1-4",
     ]  # fmt: skip
     assert len(lives) == 8 and {c["cwd"] for c in lives} == {str(run)}
     for live in lives:
@@ -614,6 +614,44 @@ def test_the_specforge_driver_runs_the_later_pipelines_while_specforge_trains(
     steps = bench.plan_steps(one)
     start = next(i for i, s in enumerate(steps) if s.kind == "train")
     assert len(bench.next_group(Context(one, Paths(tmp_path), 0.0), steps, start)) == 1
+
+
+def test_the_specforge_driver_runs_live_runs_side_by_side_after_the_first(tmp_path, monkeypatch):
+    """--live-at-once N: the plan's first live run alone (it makes the shared greedy
+    reference), then up to N at once, each entry marked; a failed one is its own entry."""
+    import threading
+    import time
+
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    try:
+        import bench_specforge as bench
+        from specforge_steps import Context, Paths
+    finally:
+        sys.path.pop(0)
+    args = bench.parse_args(
+        ["--seeds", "0,1", "--settings", "7/1/8", "--live-at-once", "3", "--live-stagger-s", "0"]
+    )
+    ctx = Context(args, Paths(tmp_path), time.monotonic() + 60)
+    steps = bench.plan_steps(args)
+    first = next(i for i, s in enumerate(steps) if s.kind == "live")
+    assert [s.name for s in bench.next_group(ctx, steps, first)] == [steps[first].name]
+    group = bench.next_group(ctx, steps, first + 1)
+    assert [s.name for s in group] == [
+        "live@seed0-epochs8@specforge@7-1-8", "live@seed1-epochs8@eaglepipe@7-1-8",
+        "live@seed1-epochs8@specforge@7-1-8",
+    ]  # fmt: skip
+    all_running = threading.Barrier(3, timeout=30)  # broken unless all three run at once
+
+    def fake_live(ctx, step):
+        all_running.wait()
+        if step.seed == 1 and step.drafter == "specforge":
+            raise bench.StepFailed("live: exit 1")
+        return {"acceptance_length": 2.0}
+
+    monkeypatch.setitem(bench.RUNNERS, "live", fake_live)
+    entries = bench.run_group(ctx, group)
+    assert [entries[s.name]["status"] for s in group] == ["done", "done", "failed"]
+    assert {entries[s.name]["live_side_by_side"] for s in group} == {3}
 
 
 def test_the_deterministic_live_config_adds_sglangs_flag_once(tmp_path):
