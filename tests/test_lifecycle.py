@@ -752,3 +752,57 @@ def test_regeneration_and_extraction_servers_replace_each_other_with_sglang(run,
     stops = [e["reason"] for e in history if e["event"] == "stop"]
     assert stops == ["a capture server replaces this generation server"]
     lifecycle.stop_server()
+
+
+def test_extraction_jobs_starting_together_replace_the_generation_server(run, monkeypatch):
+    """Seen on the H200 (2026-12-03): after regeneration, two extraction jobs started at once;
+    each one's lease was taken for a user of the generation server, and both failed. A job
+    waiting for another server is not a user of the running one; a job that wants the running
+    server (or a lease that does not say what it wants) still is, and is named."""
+    from eaglepipe.server.identity import CAPTURE, GENERATION
+    from eaglepipe.server.leases import Lease
+
+    fake = run.workdir / "fake_sglang.py"
+    fake.write_text(FAKE_SGLANG)
+    monkeypatch.setattr(
+        lifecycle,
+        "engine_command",
+        lambda config, *, host, port, dump_dir, instance_id, purpose: (
+            [PYTHON, "-u", str(fake), host, str(port), instance_id, purpose],
+            {},
+        ),
+    )
+    spec = resolve(run.with_server(engine="sglang"))
+    ttl_s = spec.server.lease_ttl_s
+
+    def other_job(wants: str | None) -> Lease:
+        lease = Lease(run.paths, ttl_s=ttl_s, run_token="run-a", kind="shared", wants=wants)
+        lease.acquire()
+        return lease
+
+    with server_lease(spec, run_token="run-a", purpose=GENERATION):
+        pass  # the generation server stays up, idle
+    capture = lifecycle.wanted_fingerprint(spec, CAPTURE)
+    generation = lifecycle.wanted_fingerprint(spec, GENERATION)
+    assert capture != generation
+    # Another extraction job, waiting for the lock, wants the capture server too.
+    waiting = other_job(capture)
+    try:
+        with server_lease(spec, run_token="run-a", purpose=CAPTURE) as handle:
+            assert handle.info["capture"] is True
+    finally:
+        waiting.release()
+    # A regeneration job still on the capture server's predecessor would be a user; so is a
+    # lease that does not say what it wants.
+    for wants in (capture, None):
+        user = other_job(wants)
+        try:
+            with pytest.raises(PipelineError) as caught:
+                with server_lease(spec, run_token="run-a", purpose=GENERATION):
+                    pass
+        finally:
+            user.release()
+        message = str(caught.value)
+        assert "is a capture server, this job needs a generation one" in message
+        assert f"in use by PID {os.getpid()}" in message
+    lifecycle.stop_server()

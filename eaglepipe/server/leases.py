@@ -146,7 +146,15 @@ def read_history(paths: ServerPaths) -> list[dict]:
 class Lease:
     """A heartbeat file that keeps the server from idle-stopping while this process uses it."""
 
-    def __init__(self, paths: ServerPaths, *, ttl_s: float, run_token: str | None, kind: str):
+    def __init__(
+        self,
+        paths: ServerPaths,
+        *,
+        ttl_s: float,
+        run_token: str | None,
+        kind: str,
+        wants: str | None = None,
+    ):
         self.paths = paths
         self.ttl_s = ttl_s
         me = ProcessRef.current()
@@ -157,6 +165,9 @@ class Lease:
             "create_time": me.create_time,
             "run_token": run_token,
             "kind": kind,
+            # The fingerprint of the server this job needs: a job still waiting for another
+            # server than the running one is not one of its users.
+            "wants": wants,
             "since": now_iso(),
         }
         self._stop = threading.Event()

@@ -264,7 +264,7 @@ def _ensure_server(
             _stop_group(state, paths, "it does not answer its health check")
         else:
             running = (state.get("settings") or {}).get("purpose", CAPTURE)
-            others = live_leases(paths, ttl_s, exclude=lease.path)
+            others = users_of(state, live_leases(paths, ttl_s, exclude=lease.path))
             if others:
                 holders = ", ".join(f"PID {other['pid']}" for other in others)
                 what = (
@@ -283,6 +283,19 @@ def _ensure_server(
                 why = f"a {purpose} server replaces this {running} server"
             _stop_group(state, paths, why)
     return _start(run, paths, run_token, fingerprint, purpose)
+
+
+def users_of(state: dict, leases: list[dict]) -> list[dict]:
+    """The leases that may be using the server of `state`: those of jobs that want it (or say
+    nothing of what they want). Jobs that want another server are not its users: extraction
+    jobs that start together after regeneration all want the capture server, and none of them
+    keeps the generation server in use for the others."""
+    return [lease for lease in leases if lease.get("wants") in (None, state["fingerprint"])]
+
+
+def wanted_fingerprint(run: RunSpec, purpose: str) -> str:
+    """The fingerprint of the server a job of `purpose` needs (what its lease records)."""
+    return server_fingerprint(run, server_purpose(run, purpose))
 
 
 def _new_instance_id() -> str:
@@ -497,7 +510,13 @@ def server_lease(
     token = run_token or current_run_token()
     paths = paths or ServerPaths.for_this_host()
     ttl_s = run.server.lease_ttl_s
-    lease = Lease(paths, ttl_s=ttl_s, run_token=token, kind="exclusive" if exclusive else "shared")
+    lease = Lease(
+        paths,
+        ttl_s=ttl_s,
+        run_token=token,
+        kind="exclusive" if exclusive else "shared",
+        wants=wanted_fingerprint(run, purpose),
+    )
     gate = RequestGate(paths)
     handle: ServerHandle | None = None
     interrupted = False
@@ -582,7 +601,13 @@ def start_server(
 ) -> ServerHandle:
     """Start (or reuse) the server and pin it: it stays up until `stop_server`, never idles out."""
     paths = paths or ServerPaths.for_this_host()
-    lease = Lease(paths, ttl_s=run.server.lease_ttl_s, run_token=None, kind="manual")
+    lease = Lease(
+        paths,
+        ttl_s=run.server.lease_ttl_s,
+        run_token=None,
+        kind="manual",
+        wants=wanted_fingerprint(run, purpose),
+    )
     lease.acquire()
     try:
         with _locked(paths, _lock_wait_s(run)):
