@@ -200,3 +200,43 @@ def test_near_ties_are_decided_by_an_unbatched_forward(tiny_llama_dir):
         results = generator.generate(prompts, params)
         assert [r.output_ids for r in results] == expected
         assert generator.unbatched_decisions == unbatched
+
+
+def test_requests_join_a_running_decode_and_leave_it_when_they_end(tiny_llama_dir):
+    """Continuous batching, in-process: requests admitted while others decode, with other
+    prompt lengths and budgets, each still produce the unbatched greedy decode, with no near-tie
+    fallback (margin 0: the merged keys and values alone decide every token); each request
+    leaves the batch at the step it ends, and the padding only ended requests needed goes."""
+    from transformers import AutoModelForCausalLM
+
+    from eaglepipe.server.generate import BatchGenerator, DecodeSession, SamplingParams
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    generator = BatchGenerator(model, torch.device("cpu"), torch.float32)
+    generator.margin = 0.0
+    session = DecodeSession(generator)
+    waves = {0: [(40, 6), (3, 2)], 2: [(11, 9), (25, 4)], 5: [(7, 3)]}  # step: (length, budget)
+    ended_at, sequences, widths = {}, [], []
+    for step in range(40):
+        for length, budget in waves.get(step, []):
+            seq = generator.sequence(
+                len(sequences), token_ids(length, seed=length),
+                SamplingParams(max_new_tokens=budget, temperature=0.0, ignore_eos=True),
+            )  # fmt: skip
+            sequences.append(seq)
+            session.admit([seq])
+        if not session.active:
+            break
+        for seq in session.step():
+            ended_at[seq.index] = step
+        widths.append(session.width)
+    assert len(ended_at) == len(sequences) == 5
+    for seq in sequences:
+        prompt, budget = seq.prompt, seq.params.max_new_tokens
+        assert seq.result.output_ids == plain_greedy(tiny_llama_dir, prompt, budget)
+        assert seq.result.finish == "length"
+    # Each left at the step its budget ran out.
+    assert ended_at == {0: 5, 1: 1, 2: 10, 3: 5, 4: 7}
+    assert generator.unbatched_decisions == 0
+    # The 40-token prompt left at step 5: the 25-token one is the widest after it.
+    assert widths[5] < widths[4]

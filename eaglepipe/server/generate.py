@@ -174,42 +174,27 @@ class BatchGenerator:
         out = self.model(**kwargs)
         return out.logits[:, -1].float(), out.get(self._cache_arg)
 
-    @torch.inference_mode()
+    def sequence(self, index: int, prompt: Sequence[int], params: SamplingParams) -> _Sequence:
+        """A request to decode; `index` is the caller's handle for it."""
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.model_eos))
+        generator = None
+        if not params.greedy:
+            generator = torch.Generator(device="cpu")
+            generator.manual_seed(params.sampling_seed if params.sampling_seed is not None else 0)
+        return _Sequence(index, list(prompt), params, frozenset(stops), generator)
+
     def generate(
         self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]
     ) -> list[Generation]:
-        sequences = []
-        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.model_eos))
-            generator = None
-            if not p.greedy:
-                generator = torch.Generator(device="cpu")
-                generator.manual_seed(p.sampling_seed if p.sampling_seed is not None else 0)
-            sequences.append(_Sequence(i, list(prompt), p, frozenset(stops), generator))
-        logits, cache, mask = self._prefill(sequences)
-        active = list(sequences)
-        while active:
-            chosen = [self._choose(seq, logits[row]) for row, seq in enumerate(active)]
-            keep = []
-            for row, (seq, token) in enumerate(zip(active, chosen, strict=True)):
-                seq.result.output_ids.append(token)
-                if token in seq.stops:
-                    seq.result.finish, seq.result.matched = "stop", token
-                elif len(seq.result.output_ids) >= seq.params.max_new_tokens:
-                    seq.result.finish = "length"
-                else:
-                    keep.append(row)
-            if not keep:
-                break
-            if len(keep) < len(active):
-                index = torch.tensor(keep, device=self.device)
-                cache.reorder_cache(index)
-                mask = mask.index_select(0, index)
-                active = [active[row] for row in keep]
-            tokens = torch.tensor([[s.result.output_ids[-1]] for s in active], device=self.device)
-            positions = torch.tensor([[len(s.tokens) - 1] for s in active], device=self.device)
-            mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=1)
-            logits, cache = self._forward(tokens, mask, positions, cache)
+        """Decode the requests together until each has ended."""
+        session = DecodeSession(self)
+        sequences = [
+            self.sequence(i, prompt, p)
+            for i, (prompt, p) in enumerate(zip(prompts, params, strict=True))
+        ]
+        session.admit(sequences)
+        while session.active:
+            session.step()
         return [s.result for s in sequences]
 
     def _prefill(self, sequences: list[_Sequence]):
@@ -244,3 +229,116 @@ class BatchGenerator:
             probs = probs.clone()
             probs[order[outside]] = 0.0
         return int(torch.multinomial(probs, 1, generator=seq.generator))
+
+
+class DecodeSession:
+    """A running decode batch that requests join between steps (continuous batching).
+
+    Joining requests are prefilled together, then their keys and values are merged into the
+    running batch's (both left-padded to one width), so a request that arrives while others
+    decode starts at the next step instead of waiting for the longest of them; a request that
+    ends leaves the batch at once. What each request produces does not depend on its company
+    (see the module docstring)."""
+
+    def __init__(self, generator: BatchGenerator):
+        self.generator = generator
+        self.active: list[_Sequence] = []
+        self._logits = self._cache = self._mask = None
+
+    @property
+    def width(self) -> int:
+        """Positions (padding included) each active request's keys span."""
+        return 0 if self._mask is None else int(self._mask.shape[1])
+
+    @torch.inference_mode()
+    def admit(self, sequences: list[_Sequence]) -> None:
+        if not sequences:
+            return
+        logits, cache, mask = self.generator._prefill(sequences)
+        if self.active:
+            cache, mask = _merged(self._cache, self._mask, cache, mask)
+            logits = torch.cat([self._logits, logits])
+        self.active = self.active + list(sequences)
+        self._logits, self._cache, self._mask = logits, cache, mask
+
+    @torch.inference_mode()
+    def step(self) -> list[_Sequence]:
+        """Each active request's next token; returns the requests that ended with it. The
+        others get one forward pass for the token after."""
+        g = self.generator
+        chosen = [g._choose(seq, self._logits[row]) for row, seq in enumerate(self.active)]
+        keep, ended = [], []
+        for row, (seq, token) in enumerate(zip(self.active, chosen, strict=True)):
+            seq.result.output_ids.append(token)
+            if token in seq.stops:
+                seq.result.finish, seq.result.matched = "stop", token
+                ended.append(seq)
+            elif len(seq.result.output_ids) >= seq.params.max_new_tokens:
+                seq.result.finish = "length"
+                ended.append(seq)
+            else:
+                keep.append(row)
+        if not keep:
+            self.active = []
+            self._logits = self._cache = self._mask = None
+            return ended
+        cache, mask = self._cache, self._mask
+        if len(keep) < len(self.active):
+            index = torch.tensor(keep, device=g.device)
+            cache.reorder_cache(index)
+            mask = mask.index_select(0, index)
+            self.active = [self.active[row] for row in keep]
+            cache, mask = _trimmed(cache, mask)
+        tokens = torch.tensor([[s.result.output_ids[-1]] for s in self.active], device=g.device)
+        positions = torch.tensor([[len(s.tokens) - 1] for s in self.active], device=g.device)
+        mask = torch.cat([mask, mask.new_ones((len(self.active), 1))], dim=1)
+        self._logits, self._cache = g._forward(tokens, mask, positions, cache)
+        self._mask = mask
+        return ended
+
+
+def _layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def _rebuilt(layers: list[tuple[torch.Tensor, torch.Tensor]]):
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    for index, (keys, values) in enumerate(layers):
+        cache.update(keys, values, index)
+    return cache
+
+
+def _left_padded(tensor: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    missing = width - tensor.shape[dim]
+    if missing == 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = missing
+    return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
+
+
+def _merged(cache_a, mask_a: torch.Tensor, cache_b, mask_b: torch.Tensor):
+    """Two left-padded batches (cache layers [B, heads, T, D], mask [B, T]) as one."""
+    width = max(mask_a.shape[1], mask_b.shape[1])
+    layers = [
+        (
+            torch.cat([_left_padded(ka, width, 2), _left_padded(kb, width, 2)]),
+            torch.cat([_left_padded(va, width, 2), _left_padded(vb, width, 2)]),
+        )
+        for (ka, va), (kb, vb) in zip(_layers(cache_a), _layers(cache_b), strict=True)
+    ]
+    mask = torch.cat([_left_padded(mask_a, width, 1), _left_padded(mask_b, width, 1)])
+    return _rebuilt(layers), mask
+
+
+def _trimmed(cache, mask: torch.Tensor):
+    """Without the leading positions that are padding in every row (left by requests that
+    ended): later steps need not attend over them."""
+    used = mask.any(dim=0).nonzero()
+    first = int(used[0]) if len(used) else 0
+    if first == 0:
+        return cache, mask
+    layers = [(k[:, :, first:], v[:, :, first:]) for k, v in _layers(cache)]
+    return _rebuilt(layers), mask[:, first:]

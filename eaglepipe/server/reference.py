@@ -28,6 +28,7 @@ import errno
 import os
 import signal
 import sys
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -40,6 +41,7 @@ from ..core.errors import PipelineError
 from ..core.fingerprint import hash_json, model_config_hash
 from ..core.layers import CONVENTION, FINAL_CONVENTION
 from .batching import select_batch
+from .continuous_batching import JoinQueue, decode_continuously
 from .dump_writer import DEFAULT_MAX_PINNED_BYTES, DumpWriter
 from .faults import DIE_EXIT_CODE, Faults, faults_from_env
 from .generate import BadSamplingParams, Generation, SamplingParams
@@ -136,6 +138,7 @@ class ReferenceServer:
         self._waiting = 0
         self._in_flight: set[str] = set()
         self._generate_count = 0
+        self._joins = JoinQueue()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
         self._tasks: list[asyncio.Task] = []
 
@@ -308,7 +311,10 @@ class ReferenceServer:
             rid, input_ids, asyncio.get_running_loop().create_future(), ordinal, sampling=sampling
         )
         self._in_flight.add(rid)
-        if item.sampling is None or not self.faults.empty_reply_for(rid):
+        if item.sampling is None:
+            self._joins.hold()  # the running decode batch takes no one new (generation_joins)
+            self._queue.put_nowait(item)
+        elif not self.faults.empty_reply_for(rid) and not self._joins.offer(item):
             self._queue.put_nowait(item)
         return item
 
@@ -376,13 +382,31 @@ class ReferenceServer:
         self.writer.submit([r.rid for r in batch], counts, aux, final, on_done)
 
     def _run_generation(self, batch: list[_Request], loop: asyncio.AbstractEventLoop) -> None:
-        results = self.engine.generate([r.input_ids for r in batch], [r.sampling for r in batch])
+        """Forward thread: decode `batch`, with the generation requests that arrive meanwhile
+        joining it between steps (`continuous_batching`)."""
         self.stats.generation_batches += 1
-        for item, result in zip(batch, results, strict=True):
-            item.generation = result
-            self.stats.generated += 1
-            self.stats.generated_tokens += len(result.output_ids)
-            loop.call_soon_threadsafe(self._resolve, item, None)
+
+        def answered(item: _Request, error: BaseException | None) -> None:
+            if error is None:
+                self.stats.generated += 1
+                self.stats.generated_tokens += len(item.generation.output_ids)
+            loop.call_soon_threadsafe(self._resolve, item, error)
+
+        def stall_if_faulted(items: list[_Request]) -> None:
+            if any(r.generate_ordinal and self.faults.hangs_at(r.generate_ordinal) for r in items):
+                log(f"fault hang_after:{self.faults.hang_after}: worker stalls")
+                threading.Event().wait()
+
+        with self.engine.generating() as generator:
+            decode_continuously(
+                generator,
+                batch,
+                self._joins,
+                max_batch_tokens=self.max_batch_tokens,
+                answered=answered,
+                requeue=lambda item: loop.call_soon_threadsafe(self._queue.put_nowait, item),
+                before_admitting=stall_if_faulted,
+            )
 
     def _resolve(self, item: _Request, error: BaseException | None) -> None:
         if error is not None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -89,18 +91,25 @@ class ReferenceEngine:
         self.capture = HiddenStateCapture(self.model, hooked)
         self.generator = BatchGenerator(self.model, device, dtype)
 
-    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Generation]:
-        """Text generation for a batch of requests (`generate.BatchGenerator`)."""
+    @contextmanager
+    def generating(self) -> Iterator[BatchGenerator]:
+        """The text generator (`generate.BatchGenerator`), for the block."""
         if self.device.type != "cpu":
-            return self.generator.generate(prompts, params)
+            yield self.generator
+            return
         # One decode step of a small batch is too little work to share between CPU threads:
         # on a busy machine, threads spinning on contended cores made it ~30x slower.
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            return self.generator.generate(prompts, params)
+            yield self.generator
         finally:
             torch.set_num_threads(threads)
+
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Generation]:
+        """Text generation for a batch of requests, decoded together until each has ended."""
+        with self.generating() as generator:
+            return generator.generate(prompts, params)
 
     def forward(
         self,
