@@ -725,11 +725,8 @@ FAKE_SGLANG = textwrap.dedent(
 )
 
 
-def test_regeneration_and_extraction_servers_replace_each_other_with_sglang(run, monkeypatch):
-    """With SGLang, a generation lease starts a server without the capture; the first capture
-    lease after it replaces it (naming why), and further leases of a purpose reuse its server."""
-    from eaglepipe.server.identity import CAPTURE, GENERATION
-
+def serve_with_fake_sglang(run, monkeypatch) -> None:
+    """Servers started from here run FAKE_SGLANG for the purpose they are started for."""
     fake = run.workdir / "fake_sglang.py"
     fake.write_text(FAKE_SGLANG)
     monkeypatch.setattr(
@@ -740,6 +737,14 @@ def test_regeneration_and_extraction_servers_replace_each_other_with_sglang(run,
             {},
         ),
     )
+
+
+def test_regeneration_and_extraction_servers_replace_each_other_with_sglang(run, monkeypatch):
+    """With SGLang, a generation lease starts a server without the capture; the first capture
+    lease after it replaces it (naming why), and further leases of a purpose reuse its server."""
+    from eaglepipe.server.identity import CAPTURE, GENERATION
+
+    serve_with_fake_sglang(run, monkeypatch)
     config = run.with_server(engine="sglang")
     instances = {}
     for purpose in (GENERATION, GENERATION, CAPTURE, CAPTURE):
@@ -762,16 +767,7 @@ def test_extraction_jobs_starting_together_replace_the_generation_server(run, mo
     from eaglepipe.server.identity import CAPTURE, GENERATION
     from eaglepipe.server.leases import Lease
 
-    fake = run.workdir / "fake_sglang.py"
-    fake.write_text(FAKE_SGLANG)
-    monkeypatch.setattr(
-        lifecycle,
-        "engine_command",
-        lambda config, *, host, port, dump_dir, instance_id, purpose: (
-            [PYTHON, "-u", str(fake), host, str(port), instance_id, purpose],
-            {},
-        ),
-    )
+    serve_with_fake_sglang(run, monkeypatch)
     spec = resolve(run.with_server(engine="sglang"))
     ttl_s = spec.server.lease_ttl_s
 
@@ -792,14 +788,14 @@ def test_extraction_jobs_starting_together_replace_the_generation_server(run, mo
             assert handle.info["capture"] is True
     finally:
         waiting.release()
-    # A regeneration job still on the capture server's predecessor would be a user; so is a
-    # lease that does not say what it wants.
+    # A job that wants the running capture server is its user, and so is a lease that does not
+    # say what it wants: a generation job is refused while either holds it.
     for wants in (capture, None):
         user = other_job(wants)
         try:
             with pytest.raises(PipelineError) as caught:
                 with server_lease(spec, run_token="run-a", purpose=GENERATION):
-                    pass
+                    raise AssertionError("the generation lease should have been refused")
         finally:
             user.release()
         message = str(caught.value)
