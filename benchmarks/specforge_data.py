@@ -251,17 +251,26 @@ def compare_with_table(feature_dir, table) -> dict:
 # ---------------------------------------------------------------- the target and draft config
 
 
-def target_view(target_dir, view_dir) -> dict:
+def target_view(target_dir, view_dir, dtype: str | None = None) -> dict:
     """`view_dir` with a link to each of the target's files, plus the `*.index.json` SpecForge's
     target-head loader requires when the weights are one file (the target's own directory,
-    which the pipeline fingerprints, is left alone). Returns the index and the lm_head key."""
+    which the pipeline fingerprints, is left alone). Returns the index and the lm_head key.
+
+    `dtype` (e.g. "bfloat16") is written into the view's own config.json: SpecForge's
+    in-process SGLang target loads in the config's dtype, and a toy saved in float32 would
+    load in float32, which sgl_kernel's norms refuse (the pipeline's GPU server runs bf16)."""
     from safetensors import safe_open
 
     target_dir, view_dir = Path(target_dir).resolve(), Path(view_dir)
     view_dir.mkdir(parents=True, exist_ok=True)
     for path in target_dir.iterdir():
         link = view_dir / path.name
-        if not link.is_symlink() and not link.exists():
+        if path.name == "config.json" and dtype is not None:
+            config = json.loads(path.read_text())
+            config["dtype"] = config["torch_dtype"] = dtype
+            link.unlink(missing_ok=True)
+            atomic_write_json(link, config)
+        elif not link.is_symlink() and not link.exists():
             link.symlink_to(path)
     indexes = sorted(view_dir.glob("*.index.json"))
     if indexes:

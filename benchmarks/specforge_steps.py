@@ -33,6 +33,9 @@ from eaglepipe.drafter.live_run import SpeculativeSetting
 
 SPECFORGE_WHEELS = REPO_ROOT / ".whl-specforge"
 MARGIN_S = 15  # kept back from the deadline for writing the results
+# The dtype both ends run the target in on the GPU: the pipeline's server (server.dtype auto)
+# and SpecForge's trainer and feature generator, through the target view's config.
+SERVING_DTYPE = "bfloat16"
 RECIPE = {  # SpecForge's examples/configs/llama3.1-8b-eagle3-offline.yaml, less the epochs
     "batch_size": 1,
     "learning_rate": 1.0e-4,
@@ -271,7 +274,7 @@ def step_inputs(ctx: Context, step: Step) -> dict:
         agreement = template_agreement(
             tokenizer, rows, spec, table, run.dataset.max_length
         )  # fmt: skip
-        view = target_view(run.model.directory, paths.target)
+        view = target_view(run.model.directory, paths.target, dtype=SERVING_DTYPE)
         config = draft_config(
             run.model.directory, run.aux_layer_ids, run.train.draft_vocab_size
         )  # fmt: skip
@@ -417,7 +420,7 @@ def train_config(ctx: Context, seed: int, lm_head_key: str, output_dir: Path) ->
             "embedding_key": "model.embed_tokens.weight",
             "lm_head_key": lm_head_key,
             "vocab_mapping_path": str(paths.features / "vocab_mapping" / "vocab_mapping.pt"),
-            "torch_dtype": "bfloat16",
+            "torch_dtype": SERVING_DTYPE,
         },
         "data": {
             "hidden_states_path": str(paths.features),

@@ -235,6 +235,22 @@ def test_the_target_view_adds_the_index_and_leaves_the_target_alone(tmp_path):
     assert view == target_view(target, tmp_path / "view")  # a second call finds the index
 
 
+def test_the_target_view_can_name_the_dtype_spec_forge_loads_the_target_in(tmp_path):
+    # SpecForge's in-process SGLang loads the target in its config's dtype; sgl_kernel's
+    # norms refuse the float32 a CPU-built toy is saved in (seen on the H200, 2026-12-03).
+    target = build_tiny_llama(tmp_path / "target")
+    original = (target / "config.json").read_text()
+    target_view(target, tmp_path / "view", dtype="bfloat16")
+    config = json.loads((tmp_path / "view" / "config.json").read_text())
+    assert not (tmp_path / "view" / "config.json").is_symlink()
+    assert config["dtype"] == config["torch_dtype"] == "bfloat16"
+    assert (target / "config.json").read_text() == original
+    # the other files stay links to the target's own
+    assert (tmp_path / "view" / "model.safetensors").resolve() == target / "model.safetensors"
+    target_view(target, tmp_path / "view", dtype="bfloat16")  # a second call rewrites it
+    assert json.loads((tmp_path / "view" / "config.json").read_text()) == config
+
+
 def test_the_draft_config_has_the_runs_layers_and_vocabulary(tmp_path):
     target = build_tiny_llama(tmp_path / "target")
     config = draft_config(target, [1, 3, 4], 128)
