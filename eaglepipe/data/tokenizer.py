@@ -10,16 +10,43 @@ from ..core.errors import PipelineError
 from ..core.run import RunSpec
 from .chat_mask import end_of_turn_marker, require_chat_template
 
+# Tokenizer classes that are a tokenizer.json and nothing else (Llama 3's, the toy's): loaded by
+# their own class, transformers' AutoTokenizer gives the same tokenizer but first imports torch
+# through its config machinery, which is most of a shard job's start (issue 28).
+PLAIN_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+def tokenizer_loader(model_dir: Path):
+    """The class whose from_pretrained loads `model_dir`'s tokenizer: the plain class when the
+    tokenizer_config.json names one and brings no code of its own, else AutoTokenizer."""
+    import json
+
+    try:
+        settings = json.loads((model_dir / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        settings = {}
+    plain = (
+        isinstance(settings, dict)
+        and settings.get("tokenizer_class") in PLAIN_TOKENIZER_CLASSES
+        and "auto_map" not in settings
+        and (model_dir / "tokenizer.json").is_file()
+    )
+    if plain:
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer
+
 
 def load_target_tokenizer(run: RunSpec):
     """The target's tokenizer (with remote code only when model.trust_remote_code is set)."""
-    from transformers import AutoTokenizer
-
     model_dir = run.model.directory
     if not model_dir.is_dir():
         raise PipelineError(f"model.path: {model_dir} does not exist")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(
+        tokenizer = tokenizer_loader(model_dir).from_pretrained(
             model_dir, trust_remote_code=run.model.trust_remote_code
         )
     except (OSError, ValueError) as exc:

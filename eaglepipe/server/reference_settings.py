@@ -9,6 +9,7 @@ nothing in it needs torch or transformers, whose imports take seconds (issue 28)
 from __future__ import annotations
 
 import importlib.metadata
+import os
 
 from .. import __version__
 from ..core.errors import PipelineError
@@ -17,9 +18,25 @@ ATTENTION_LAYOUTS = ("auto", "packed", "padded")
 DTYPE_NAMES = ("bfloat16", "float16", "float32")
 
 
+# Device nodes of the drivers through which torch can see a GPU (NVIDIA, AMD's ROCm, WSL).
+# Without any of them torch.cuda.is_available() is False, and `auto` is the CPU.
+ACCELERATOR_NODES = (
+    "/dev/nvidiactl",
+    "/dev/nvidia0",
+    "/proc/driver/nvidia",
+    "/dev/kfd",
+    "/dev/dxg",
+)
+
+
+def accelerator_driver_present() -> bool:
+    return any(os.path.exists(node) for node in ACCELERATOR_NODES)
+
+
 def resolve_device_type(name: str) -> str:
-    """The device type (`cpu`, `cuda`) `reference_engine.resolve_device(name)` gives."""
-    if name == "cpu":
+    """The device type (`cpu`, `cuda`) `reference_engine.resolve_device(name)` gives; `auto`
+    on a machine with no GPU driver answers without importing torch (seconds per job)."""
+    if name == "cpu" or (name == "auto" and not accelerator_driver_present()):
         return "cpu"
     from .reference_engine import resolve_device
 

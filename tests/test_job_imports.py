@@ -1,0 +1,118 @@
+"""What a shard job loads before its first request (issue 28, item 2): on a machine without a
+GPU driver, the server it needs and the target's tokenizer come without importing torch, whose
+import alone takes seconds per job; and the tokenizer is the one AutoTokenizer gives."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO_ROOT, add_toy_tokenizer, build_tiny_llama
+from pipeline_run import SAMPLE, default_config
+
+from eaglepipe.core.config import validate_config
+from eaglepipe.core.run import resolve
+from eaglepipe.data.dataset import read_conversations
+from eaglepipe.data.tokenizer import load_target_tokenizer, tokenizer_loader
+from eaglepipe.server import reference_settings
+from eaglepipe.server.identity import engine_identity
+
+JOB_START = """
+import json, sys
+from eaglepipe.core.run import load_run
+from eaglepipe.data.tokenizer import load_target_tokenizer
+from eaglepipe.server.identity import engine_identity
+run = load_run(sys.argv[1])
+identity = engine_identity(run)
+tokenizer = load_target_tokenizer(run)
+print(json.dumps({"identity": identity, "tokenizer": type(tokenizer).__name__,
+                  "torch": "torch" in sys.modules}))
+"""
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return add_toy_tokenizer(build_tiny_llama(tmp_path_factory.mktemp("target")))
+
+
+def run_for(target, tmp_path, **server):
+    config = default_config()
+    config["model"]["path"] = str(target)
+    config["server"].update(server)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(validate_config(config)))
+    return path
+
+
+@pytest.mark.skipif(
+    reference_settings.accelerator_driver_present(), reason="this machine has a GPU driver"
+)
+def test_a_job_on_a_cpu_machine_knows_its_server_and_tokenizer_without_importing_torch(
+    target, tmp_path
+):
+    config = run_for(target, tmp_path, device="auto")
+    out = subprocess.run(
+        [sys.executable, "-c", JOB_START, str(config)],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        check=True,
+    ).stdout
+    job = json.loads(out.splitlines()[-1])
+    assert job["torch"] is False
+    assert job["identity"]["device"] == "cpu" and job["identity"]["dtype"] == "float32"
+    # the same identity the server computes with torch at hand
+    from eaglepipe.server.reference_engine import resolve_device
+
+    assert job["identity"] == engine_identity(
+        resolve(validate_config(json.loads(config.read_text())))
+    )
+    assert resolve_device("auto").type == "cpu"
+
+
+def test_with_a_gpu_driver_present_auto_asks_torch(monkeypatch, tmp_path):
+    # A driver node (here a stand-in) means torch decides; on this machine it finds no CUDA.
+    import torch
+
+    monkeypatch.setattr(reference_settings, "ACCELERATOR_NODES", (str(tmp_path),))
+    assert reference_settings.accelerator_driver_present()
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert reference_settings.resolve_device_type("auto") == expected
+    monkeypatch.setattr(reference_settings, "ACCELERATOR_NODES", (str(tmp_path / "absent"),))
+    assert reference_settings.resolve_device_type("auto") == "cpu"
+    assert reference_settings.resolve_device_type("cpu") == "cpu"
+
+
+def test_the_plain_tokenizer_class_gives_what_auto_tokenizer_gives(target, tmp_path):
+    from transformers import AutoTokenizer
+
+    run = resolve(validate_config(json.loads(run_for(target, tmp_path).read_text())))
+    assert tokenizer_loader(target) is not AutoTokenizer
+    fast, auto = load_target_tokenizer(run), AutoTokenizer.from_pretrained(target)
+    assert type(fast) is type(auto) and len(fast) == len(auto)
+    assert fast.chat_template == auto.chat_template
+    assert fast.special_tokens_map == auto.special_tokens_map
+    conversations, _ = read_conversations(SAMPLE, bad_rows="skip")
+    for conversation in conversations[:20]:
+        text = auto.apply_chat_template(conversation.messages, tokenize=False)
+        assert fast.apply_chat_template(conversation.messages, tokenize=False) == text
+        assert fast(text)["input_ids"] == auto(text)["input_ids"]
+
+
+def test_a_tokenizer_with_its_own_code_or_class_goes_through_auto_tokenizer(target, tmp_path):
+    from transformers import AutoTokenizer
+
+    settings = json.loads((target / "tokenizer_config.json").read_text())
+    for changed in (
+        {**settings, "auto_map": {"AutoTokenizer": ["tok.MyTokenizer", None]}},
+        {**settings, "tokenizer_class": "Qwen2Tokenizer"},
+    ):
+        other = tmp_path / f"other-{len(list(tmp_path.iterdir()))}"
+        other.mkdir()
+        (other / "tokenizer.json").write_text((target / "tokenizer.json").read_text())
+        (other / "tokenizer_config.json").write_text(json.dumps(changed))
+        assert tokenizer_loader(other) is AutoTokenizer
+    (tmp_path / "no-config").mkdir()
+    assert tokenizer_loader(tmp_path / "no-config") is AutoTokenizer
