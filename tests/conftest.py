@@ -47,6 +47,19 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order kept within
 
 
+@pytest.fixture(scope="session", autouse=True)
+def toy_cache_of_this_session(tmp_path_factory) -> Path:
+    """Toy targets built by this test session are reused by its later runs of the same toy
+    (eaglepipe/data/toy_cache.py), and never by another session: the suite proves each build
+    at least once, leaves the user's ~/.cache alone, and the xdist workers share one cache."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # pytest-N/, shared by popen-gw0, popen-gw1, ...
+    cache = base / "toy-cache"
+    os.environ.setdefault("EAGLEPIPE_TOY_CACHE", str(cache))
+    return cache
+
+
 _GREEDY_MODELS: dict = {}
 
 

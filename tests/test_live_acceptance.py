@@ -495,20 +495,33 @@ with served(argv, run=resolve(config), name="target", host="127.0.0.1", port=por
 """
 
 
+def start_serving_job(exported, stderr_path, attempts: int = 3):
+    """A job serving through `served` on a free port. Between `free_port` and the stand-in's
+    bind, another test's process can take the port: then the job fails with "address already
+    in use" and it starts again on another port."""
+    for _ in range(attempts):
+        port = free_port("127.0.0.1")
+        with stderr_path.open("w") as stderr:
+            job = subprocess.Popen(
+                [PYTHON, "-c", SERVE_AND_WAIT, json.dumps(sglang_config(exported)), str(port)],
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                text=True,
+            )
+        if any(line.strip() == "serving" for line in job.stdout):
+            return job, port
+        job.wait()
+        if "address already in use" not in stderr_path.read_text():
+            break
+    raise AssertionError(f"the job never served:\n{stderr_path.read_text()[-3000:]}")
+
+
 def test_a_terminated_job_stops_its_server_group(exported, fake_sglang, monkeypatch):
     """Snakemake cancels a job with SIGTERM: the server's whole group goes with it."""
     pid_file = fake_sglang / "child.pid"
     monkeypatch.setenv("FAKE_SGLANG_CHILD_PID_FILE", str(pid_file))
-    port = free_port("127.0.0.1")
-    job = subprocess.Popen(
-        [PYTHON, "-c", SERVE_AND_WAIT, json.dumps(sglang_config(exported)), str(port)],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    job, port = start_serving_job(exported, fake_sglang / "job.err")
     try:
-        for line in job.stdout:
-            if line.strip() == "serving":
-                break
         child = psutil.Process(int(pid_file.read_text()))
         assert not port_is_free("127.0.0.1", port)
         job.send_signal(signal.SIGTERM)

@@ -1,4 +1,5 @@
-"""The embedded toy target: builds locally, deterministic, loads as a Hugging Face model."""
+"""The embedded toy target: builds locally, deterministic, loads as a Hugging Face model; the
+machine's cache of builds (`toy_cache.py`) copies a build only where a new one would be equal."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from conftest import PYTHON, REPO_ROOT
 
 from eaglepipe.core.config import load_config
 from eaglepipe.core.errors import PipelineError
+from eaglepipe.data import toy_cache
 from eaglepipe.data.chat_mask import tokenize_conversation
 from eaglepipe.data.dataset import read_conversations
 from eaglepipe.data.toy_target import CHAT_TEMPLATE, build_toy_target, read_build_info
@@ -24,8 +26,16 @@ def _toy(**overrides):
     return toy
 
 
+@pytest.fixture(scope="module", autouse=True)
+def no_cache():
+    # These tests are about the build itself: every build here trains.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(toy_cache.CACHE_ENV, "off")
+        yield
+
+
 @pytest.fixture(scope="module")
-def toy_dir(tmp_path_factory):
+def toy_dir(tmp_path_factory, no_cache):
     return build_toy_target(tmp_path_factory.mktemp("toy") / "toy-target", _toy(), SAMPLE, 1)
 
 
@@ -136,3 +146,83 @@ def test_script_builds_from_a_config_file(tmp_path):
     assert result.stderr.strip().splitlines()[-1] == (
         f"error: dataset.path {tmp_path / 'missing.jsonl'} does not exist"
     )
+
+
+# ---------------------------------------------------------------- the machine's cache of builds
+
+
+def build_files(directory):
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+def test_a_second_build_of_the_same_toy_is_copied_from_the_cache(
+    tmp_path, monkeypatch, capsys, toy_dir
+):
+    monkeypatch.setenv(toy_cache.CACHE_ENV, str(tmp_path / "cache"))
+    first = build_toy_target(tmp_path / "a" / "toy-target", _toy(), SAMPLE)
+    assert "toy target: step 20/20" in capsys.readouterr().out
+    # what it built equals a build without the cache, and the cache holds one entry
+    assert build_files(first) == build_files(toy_dir)
+    (entry,) = (tmp_path / "cache").iterdir()
+    second = build_toy_target(tmp_path / "b" / "toy-target", _toy(), SAMPLE)
+    out = capsys.readouterr().out
+    assert "step" not in out and f"from the cache ({entry})" in out
+    assert build_files(second) == build_files(first)
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["toy-target"]
+
+
+def test_a_changed_setting_or_corpus_row_builds_anew(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(toy_cache.CACHE_ENV, str(tmp_path / "cache"))
+    build_toy_target(tmp_path / "a", _toy(train_steps=2), SAMPLE)
+    build_toy_target(tmp_path / "b", _toy(train_steps=3), SAMPLE)
+    edited = tmp_path / "edited.jsonl"
+    lines = SAMPLE.read_text().splitlines(keepends=True)
+    edited.write_text(
+        lines[0].replace('"content": "', '"content": "Well, ', 1) + "".join(lines[1:])
+    )
+    assert edited.read_text() != SAMPLE.read_text()
+    build_toy_target(tmp_path / "c", _toy(train_steps=2), edited)
+    out = capsys.readouterr().out
+    assert out.count("step 2/2") == 2 and out.count("step 3/3") == 1
+    assert "from the cache" not in out
+    assert len(list((tmp_path / "cache").iterdir())) == 3
+    # more threads: not reproducible, so neither read nor written
+    build_toy_target(tmp_path / "d", _toy(train_steps=2), SAMPLE, num_threads=2)
+    assert "step 2/2" in capsys.readouterr().out
+    assert len(list((tmp_path / "cache").iterdir())) == 3
+
+
+def test_a_half_written_entry_is_never_used(tmp_path, monkeypatch, capsys):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv(toy_cache.CACHE_ENV, str(cache))
+    build_toy_target(tmp_path / "a", _toy(train_steps=2), SAMPLE)
+    (entry,) = cache.iterdir()
+    (entry / "eaglepipe_toy.json").unlink()  # as a copy killed before its last file
+    (entry / "model.safetensors").write_bytes(b"partial")
+    capsys.readouterr()
+    built = build_toy_target(tmp_path / "b", _toy(train_steps=2), SAMPLE)
+    assert "step 2/2" in capsys.readouterr().out
+    assert (built / "model.safetensors").read_bytes() == (
+        tmp_path / "a" / "model.safetensors"
+    ).read_bytes()
+
+
+def test_an_unwritable_cache_warns_and_the_build_goes_on(tmp_path, monkeypatch, capsys):
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("a file where the cache would be")
+    monkeypatch.setenv(toy_cache.CACHE_ENV, str(blocker / "cache"))
+    built = build_toy_target(tmp_path / "a", _toy(train_steps=2), SAMPLE)
+    out = capsys.readouterr().out
+    assert f"not kept in the cache {blocker / 'cache'}" in out
+    assert (built / "eaglepipe_toy.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "not-a-directory"]
+
+
+def test_the_cache_is_off_or_under_the_users_cache_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv(toy_cache.CACHE_ENV, "off")
+    assert toy_cache.cache_root() is None
+    build_toy_target(tmp_path / "a", _toy(train_steps=2), SAMPLE)
+    monkeypatch.delenv(toy_cache.CACHE_ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert toy_cache.cache_root() == tmp_path / "xdg" / "eaglepipe" / "toy-targets"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from ..core.atomic import atomic_write_json, fsync_dir
 from ..core.errors import PipelineError
+from . import toy_cache
 from .dataset import Conversation, read_conversations
 
 BOS, EOS, PAD = "<|bos|>", "<|end|>", "<|pad|>"
@@ -205,21 +206,41 @@ def _replace_dir(tmp_dir: Path, out_dir: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _copy_in(source: Path, out_dir: Path) -> None:
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    shutil.copytree(source, tmp_dir)
+    _replace_dir(tmp_dir, out_dir)
+
+
 def build_toy_target(
     out_dir: str | os.PathLike,
     toy_cfg: dict,
     corpus_path: str | os.PathLike,
     num_threads: int | None = None,
 ) -> Path:
-    """Build the toy target into `out_dir`; returns it. Prints progress."""
-    import torch
-
+    """Build the toy target into `out_dir`; returns it. Prints progress. With one thread (the
+    default) a build of the same settings and corpus is copied from the machine's cache
+    (`toy_cache.py`) when there is one, and a new build is kept there."""
     _check_toy_config(toy_cfg)
     out_dir = Path(out_dir)
     conversations, _ = read_conversations(corpus_path, bad_rows="skip")
     conversations = conversations[:MAX_CORPUS_ROWS]
     if not conversations:
         raise PipelineError(f"toy target corpus {corpus_path} holds no usable conversations")
+    cache_key = None
+    if (num_threads or 1) == 1:  # the build is reproducible with one thread only
+        settings = {k: toy_cfg[k] for k in TOY_KEYS}
+        cache_key = toy_cache.build_key(settings, [c.messages for c in conversations])
+        cached = toy_cache.cached_build(cache_key, BUILD_INFO)
+        if cached is not None:
+            _copy_in(cached, out_dir)
+            print(f"toy target: copied to {out_dir} from the cache ({cached})", flush=True)
+            return out_dir
+
+    import torch
+
     previous_threads = torch.get_num_threads()
     # One thread by default: the toy's matrices are so small that threading only adds
     # synchronisation, and on a busy machine OpenMP threads spinning on contended cores made
@@ -258,6 +279,10 @@ def build_toy_target(
                 "train_log": log,
             },
         )
+        if cache_key is not None:
+            warning = toy_cache.store_build(cache_key, tmp_dir)
+            if warning:
+                print(warning, flush=True)
         _replace_dir(tmp_dir, out_dir)
         print(
             f"toy target: saved to {out_dir} in {time.monotonic() - started:.1f}s",

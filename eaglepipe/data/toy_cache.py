@@ -1,0 +1,93 @@
+"""Built toy targets kept per machine, so a second working directory copies the first one's build.
+
+The toy's build is deterministic given its settings, its corpus, one torch thread, the code and
+the library releases that train it, and all of those make the key: a changed setting, corpus
+row, release or line of `toy_target.py` builds anew. Building the embedded default's toy takes
+minutes on a 2-core machine; a copy takes a fraction of a second. An entry appears by rename
+once complete, so a build killed half-way is never found. The cache only saves time: when it
+cannot be written (read-only, full), the build goes on without it.
+
+Where: `$EAGLEPIPE_TOY_CACHE`, or `$XDG_CACHE_HOME/eaglepipe/toy-targets` (`~/.cache/...`);
+`EAGLEPIPE_TOY_CACHE=off` turns it off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import platform
+import shutil
+from pathlib import Path
+
+from .. import __version__
+
+CACHE_ENV = "EAGLEPIPE_TOY_CACHE"
+LIBRARIES = ("torch", "transformers", "tokenizers")
+
+
+def cache_root() -> Path | None:
+    """The cache directory, or None when `EAGLEPIPE_TOY_CACHE=off`."""
+    value = os.environ.get(CACHE_ENV, "")
+    if value == "off":
+        return None
+    if value:
+        return Path(value)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "eaglepipe" / "toy-targets"
+
+
+def _library_version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def build_key(toy_settings: dict, corpus: list[list[dict]]) -> str:
+    """What decides the build's bytes, hashed: settings, corpus messages, code, releases."""
+    code = Path(__file__).with_name("toy_target.py").read_bytes()
+    described = {
+        "toy": toy_settings,
+        "eaglepipe": __version__,
+        "code": hashlib.sha256(code).hexdigest(),
+        "libraries": {name: _library_version(name) for name in LIBRARIES},
+        "machine": platform.machine(),
+    }
+    digest = hashlib.sha256(json.dumps(described, sort_keys=True).encode())
+    for messages in corpus:
+        digest.update(json.dumps(messages, sort_keys=True, ensure_ascii=False).encode())
+        digest.update(b"\n")
+    return digest.hexdigest()[:32]
+
+
+def cached_build(key: str, complete_marker: str) -> Path | None:
+    """The cached build for `key`, if one was completed."""
+    root = cache_root()
+    if root is None:
+        return None
+    entry = root / key
+    return entry if (entry / complete_marker).is_file() else None
+
+
+def store_build(key: str, build_dir: Path) -> str | None:
+    """Copy a finished build into the cache; returns a warning instead of raising."""
+    root = cache_root()
+    if root is None or (root / key).is_dir():
+        return None
+    staging = root / f".{key}.tmp-{os.getpid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)
+        shutil.copytree(build_dir, staging)
+        try:
+            os.rename(staging, root / key)
+        except OSError:
+            if not (root / key).is_dir():  # not a concurrent build of the same key
+                raise
+    except OSError as exc:
+        return f"toy target: not kept in the cache {root} ({exc}); set {CACHE_ENV}=off to silence"
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return None
