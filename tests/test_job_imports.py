@@ -5,6 +5,7 @@ import alone takes seconds per job; and the tokenizer is the one AutoTokenizer g
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -76,6 +77,7 @@ def test_with_a_gpu_driver_present_auto_asks_torch(monkeypatch, tmp_path):
     # A driver node (here a stand-in) means torch decides; on this machine it finds no CUDA.
     import torch
 
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setattr(reference_settings, "ACCELERATOR_NODES", (str(tmp_path),))
     assert reference_settings.accelerator_driver_present()
     expected = "cuda" if torch.cuda.is_available() else "cpu"
@@ -83,6 +85,43 @@ def test_with_a_gpu_driver_present_auto_asks_torch(monkeypatch, tmp_path):
     monkeypatch.setattr(reference_settings, "ACCELERATOR_NODES", (str(tmp_path / "absent"),))
     assert reference_settings.resolve_device_type("auto") == "cpu"
     assert reference_settings.resolve_device_type("cpu") == "cpu"
+
+
+ASK_AUTO = """
+import json, sys
+from eaglepipe.server import reference_settings
+reference_settings.ACCELERATOR_NODES = (sys.argv[1],)
+answer = reference_settings.resolve_device_type("auto")
+print(json.dumps({"answer": answer, "torch": "torch" in sys.modules}))
+"""
+
+
+def ask_auto(tmp_path, **env) -> dict:
+    # A stand-in driver node: the machine looks like one with a GPU driver.
+    out = subprocess.run(
+        [sys.executable, "-c", ASK_AUTO, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), **env},
+    ).stdout
+    return json.loads(out.splitlines()[-1])
+
+
+def test_with_a_gpu_driver_the_first_job_asks_torch_and_the_next_ones_read_its_answer(tmp_path):
+    import torch
+
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert ask_auto(tmp_path) == {"answer": expected, "torch": True}
+    (kept,) = (tmp_path / "cache" / "eaglepipe" / "devices").iterdir()
+    assert json.loads(kept.read_text()) == {"cuda_available": expected == "cuda"}
+    assert ask_auto(tmp_path) == {"answer": expected, "torch": False}
+    # other visible devices: torch is asked again
+    assert ask_auto(tmp_path, CUDA_VISIBLE_DEVICES="") == {"answer": "cpu", "torch": True}
+    assert len(list(kept.parent.iterdir())) == 2
+    # a damaged answer is asked again, not trusted
+    kept.write_text("{")
+    assert ask_auto(tmp_path) == {"answer": expected, "torch": True}
 
 
 def test_the_plain_tokenizer_class_gives_what_auto_tokenizer_gives(target, tmp_path):

@@ -22,6 +22,7 @@ import shutil
 from pathlib import Path
 
 from .. import __version__
+from ..core.user_cache import user_cache_dir
 
 CACHE_ENV = "EAGLEPIPE_TOY_CACHE"
 LIBRARIES = ("torch", "transformers", "tokenizers")
@@ -34,8 +35,7 @@ def cache_root() -> Path | None:
         return None
     if value:
         return Path(value)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "eaglepipe" / "toy-targets"
+    return user_cache_dir("toy-targets")
 
 
 def _library_version(name: str) -> str:

@@ -8,11 +8,18 @@ nothing in it needs torch or transformers, whose imports take seconds (issue 28)
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
+import json
 import os
+import socket
+import sys
+from pathlib import Path
 
 from .. import __version__
+from ..core.atomic import atomic_write_json
 from ..core.errors import PipelineError
+from ..core.user_cache import user_cache_dir
 
 ATTENTION_LAYOUTS = ("auto", "packed", "padded")
 DTYPE_NAMES = ("bfloat16", "float16", "float32")
@@ -34,13 +41,57 @@ def accelerator_driver_present() -> bool:
 
 
 def resolve_device_type(name: str) -> str:
-    """The device type (`cpu`, `cuda`) `reference_engine.resolve_device(name)` gives; `auto`
-    on a machine with no GPU driver answers without importing torch (seconds per job)."""
+    """The device type (`cpu`, `cuda`) `reference_engine.resolve_device(name)` gives. `auto`
+    answers without importing torch (seconds per job) on a machine with no GPU driver, and
+    elsewhere from torch's answer kept for this boot of this machine (`cuda_answer_cached`)."""
     if name == "cpu" or (name == "auto" and not accelerator_driver_present()):
         return "cpu"
+    if name == "auto":
+        return "cuda" if cuda_answer_cached() else "cpu"
     from .reference_engine import resolve_device
 
     return resolve_device(name).type
+
+
+def _answer_key() -> str:
+    """What torch's CUDA answer depends on: the machine and its boot, the devices made visible,
+    and the interpreter with its torch."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = "unknown"
+    try:
+        torch_version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        torch_version = "unknown"
+    described = [
+        socket.gethostname(),
+        boot,
+        os.environ.get("CUDA_VISIBLE_DEVICES"),
+        os.environ.get("HIP_VISIBLE_DEVICES"),
+        os.environ.get("ROCR_VISIBLE_DEVICES"),
+        sys.executable,
+        torch_version,
+    ]
+    return hashlib.sha256(json.dumps(described).encode()).hexdigest()[:24]
+
+
+def cuda_answer_cached() -> bool:
+    """torch.cuda.is_available(), asked once per key (`_answer_key`) and kept in the user's
+    cache: the server asks torch itself, and both answers agree while the key does."""
+    path = user_cache_dir("devices", f"{_answer_key()}.json")
+    try:
+        return bool(json.loads(path.read_text())["cuda_available"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    import torch
+
+    available = bool(torch.cuda.is_available())
+    try:
+        atomic_write_json(path, {"cuda_available": available})
+    except OSError:
+        pass  # only a saving: the next job asks torch again
+    return available
 
 
 def resolve_dtype_name(name: str, device_type: str) -> str:
