@@ -69,6 +69,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import REPO_ROOT, log, markdown_table, write_results  # noqa: E402
+from specforge_resume import restore_kit, write_kit  # noqa: E402
 from specforge_steps import (  # noqa: E402
     MARGIN_S,
     RECIPE,
@@ -514,6 +515,19 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="one more live run of the first seed's drafter on SGLang's deterministic mode",
     )
+    parser.add_argument(
+        "--kit-out",
+        type=Path,
+        default=None,
+        help="after each group, write what a call on another machine needs to go on "
+        "(benchmarks/specforge_resume.py)",
+    )
+    parser.add_argument(
+        "--resume-kit",
+        type=Path,
+        default=None,
+        help="a kit an earlier call wrote: used when this machine has no state of its own",
+    )
     parser.add_argument("--fresh", action="store_true", help="remove the work root first")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     args = parser.parse_args(argv)
@@ -542,10 +556,20 @@ def main(argv=None) -> int:
     ctx = Context(args, paths, time.monotonic() + args.deadline_s)
     if paths.state.is_file() and not args.dry_run:
         ctx.state = json.loads(paths.state.read_text())
+    steps = plan_steps(args)
+    if args.resume_kit and args.resume_kit.is_file():
+        restored = restore_kit(paths, args.resume_kit, steps, dry_run=args.dry_run)
+        if restored is None:
+            log(f"[resume] {args.resume_kit} not used: the state is here, or a pipeline is left")
+        else:
+            ctx.state = restored
+            done = sorted(restored["steps"])
+            log(f"[resume] from {args.resume_kit}: {len(done)} steps done ({', '.join(done)})")
+            if not args.dry_run:
+                paths.state.write_text(json.dumps(ctx.state, indent=1))
     ctx.state.setdefault("steps", {})
     if not args.dry_run:
         paths.work.mkdir(parents=True, exist_ok=True)
-    steps = plan_steps(args)
     code, index = 0, 0
     while index < len(steps) and not code:
         group = next_group(ctx, steps, index)
@@ -577,6 +601,8 @@ def main(argv=None) -> int:
         if not args.dry_run:
             paths.state.write_text(json.dumps(ctx.state, indent=1))
             write(ctx, [s.name for s in steps if not is_done(ctx, s)])
+            if args.kit_out and write_kit(paths, ctx.state, steps, args.kit_out):
+                log(f"[resume] kit for a later call on another machine: {args.kit_out}")
     remaining = [s.name for s in steps if not is_done(ctx, s)]
     write(ctx, [] if args.dry_run else remaining)
     if not args.dry_run:

@@ -937,3 +937,97 @@ def test_the_extraction_benchmark_end_to_end_on_the_reference_server(tmp_path):
         "budget_wait_s", "dump_wait_s", "read_dump_s", "lookahead_wait_s", "chunk_write_s",
     }  # fmt: skip
     assert results["bare"] == {"skipped": "the reference engine has no bare server"}
+
+
+def test_a_kit_carries_the_comparison_to_a_fresh_machine_after_the_trainings(tmp_path, monkeypatch):
+    """The machine was lost after the pipelines and trainings (H200, 2026-12-03): the kit of
+    the last call restores their state and drafters on a new work root, rebuilds the toy target
+    byte for byte, and leaves out what the new machine has to redo."""
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    try:
+        from bench_specforge import parse_args, plan_steps
+        from specforge_resume import restore_kit, write_kit
+        from specforge_steps import Paths
+    finally:
+        sys.path.pop(0)
+    from pipeline_run import SAMPLE, default_config
+
+    from eaglepipe.core.config import validate_config
+    from eaglepipe.core.errors import PipelineError
+
+    monkeypatch.setenv("EAGLEPIPE_TOY_CACHE", "off")  # the rebuild must really build
+    plan = plan_steps(parse_args(["--seeds", "0,1", "--settings", "7/1/8"]))
+    old = Paths(tmp_path / "old")
+    run = old.run
+    config = default_config()
+    config["dataset"]["path"] = str(SAMPLE)
+    config["model"]["toy"].update(train_steps=2, train_seq_len=16, train_batch_size=2)
+    (run / ".eaglepipe").mkdir(parents=True)
+    (run / ".eaglepipe" / "config.json").write_text(json.dumps(validate_config(config)))
+    (run / "prepared").mkdir()
+    (run / "prepared" / "tokenized.parquet").write_bytes(b"the table")
+    (run / "hidden_states").mkdir()  # large, never carried
+    built = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "scripts" / "build_toy_target.py"), "--config",
+         ".eaglepipe/config.json", "--out", "models/toy-target"],
+        cwd=run, capture_output=True, text=True,
+    )  # fmt: skip
+    assert built.returncode == 0, built.stderr
+    for drafter in ("eaglepipe", "specforge"):
+        (old.work / "seeds" / "seed0-epochs8" / drafter / "export").mkdir(parents=True)
+        (
+            old.work / "seeds" / "seed0-epochs8" / drafter / "export" / "model.safetensors"
+        ).write_bytes(drafter.encode())
+    (old.work / "greedy-reference.json").write_text('{"key": 1}')
+    (old.work / "specforge-files").mkdir()  # features: redone if ever needed
+    state = {"steps": {}, "max_length": 1024}
+    kit = tmp_path / "out" / "specforge_resume.tgz"
+    assert write_kit(old, state, plan, kit) is False  # nothing a later call could use yet
+    for step in plan:
+        if step.kind != "live" or step.seed == 0:
+            state["steps"][step.name] = {"status": "done", "result": {"step": step.name}}
+    state["steps"]["live@seed1-epochs8@specforge@7-1-8"] = {"status": "failed", "error": "x"}
+    assert write_kit(old, state, plan, kit) is True
+    assert not list(kit.parent.glob(".*tmp*"))
+
+    new = Paths(tmp_path / "new")
+    restored = restore_kit(new, kit, plan)
+    kinds = {step.name: step.kind for step in plan}
+    assert set(restored["steps"]) == {
+        name for name, entry in state["steps"].items()
+        if entry["status"] == "done" and kinds[name] != "inputs" and kinds[name] != "features"
+    }  # fmt: skip
+    assert restored["max_length"] == 1024
+    carried = (
+        "greedy-reference.json",
+        "seeds/seed0-epochs8/specforge/export/model.safetensors",
+        "pipeline-run/prepared/tokenized.parquet",
+        "pipeline-run/.eaglepipe/config.json",
+    )
+    for name in carried:
+        assert (new.work / name).read_bytes() == (old.work / name).read_bytes(), name
+    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+        assert (new.run / "models/toy-target" / name).read_bytes() == (
+            run / "models/toy-target" / name
+        ).read_bytes()
+    assert not (new.run / "hidden_states").exists() and not (new.work / "specforge-files").exists()
+    assert not (new.work / "kit-state.json").exists()
+
+    # A machine with the comparison's own state keeps it.
+    new.state.write_text(json.dumps({"steps": {}}))
+    assert restore_kit(new, kit, plan) is None
+    # A pipeline left to run: the kit does not apply.
+    partial = {"steps": {k: v for k, v in state["steps"].items() if k != "pipeline@seed1-epochs8"}}
+    write_kit(old, partial, plan, kit)
+    assert restore_kit(Paths(tmp_path / "other"), kit, plan) is None
+    # A toy that rebuilds differently is refused by name: here the kit's config names another
+    # toy seed than the toy the drafters were trained on.
+    config["model"]["toy"]["seed"] = 1
+    (run / ".eaglepipe" / "config.json").write_text(json.dumps(validate_config(config)))
+    write_kit(old, state, plan, tmp_path / "kit-seed1.tgz")
+    with pytest.raises(
+        PipelineError,
+        match=r"differs from the one the drafters were trained on "
+        r"\(eaglepipe_toy.json, model.safetensors\)",
+    ):
+        restore_kit(Paths(tmp_path / "third"), tmp_path / "kit-seed1.tgz", plan)

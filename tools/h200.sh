@@ -241,9 +241,15 @@ run_part() {
             exit $rc
             ;;
         specforge)
+            # A kit carried from an earlier call (.specforge-resume/, see
+            # benchmarks/specforge_resume.py) lets a fresh machine go on where a lost one stopped.
+            resume=()
+            kit=$REPO/.specforge-resume/specforge_resume.tgz
+            [ -f "$kit" ] && resume=(--resume-kit "$kit")
             timeout --signal=TERM --kill-after=20 "$left" python3 -u \
                 benchmarks/bench_specforge.py --out "$OUT/specforge.json" \
-                --work-root "$ROOT/specforge" --deadline-s $((left - 25)) "$@"
+                --work-root "$ROOT/specforge" --deadline-s $((left - 25)) \
+                --kit-out "$OUT/specforge_resume.tgz" "${resume[@]}" "$@"
             rc=$?
             keep_specforge_results "$ROOT/specforge" "$OUT"
             exit $rc
