@@ -24,21 +24,22 @@ for _variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
     os.environ.setdefault(_variable, "1")
 
 
-# The longest modules first (measured with `pytest -n 2 --durations=60`, docs/testing.md):
+# The longest modules first (measured with `pytest --durations=0`, docs/testing.md):
 # pytest-xdist (`--dist loadfile --no-loadscope-reorder`) hands out whole modules in this
 # order, so the last module to start decides when the suite ends.
 LONGEST_FIRST = [
     "test_embedded_default.py",
     "test_slurm.py",
     "test_finished_run.py",
-    "test_workflow_faults.py",
     "test_regenerate.py",
-    "test_workflow.py",
     "test_h200_tools.py",
-    "test_lifecycle.py",
+    "test_workflow.py",
+    "test_workflow_faults.py",
     "test_benchmarks.py",
-    "test_live_acceptance.py",
+    "test_lifecycle.py",
     "test_drafter_train.py",
+    "test_live_acceptance.py",
+    "test_extract.py",
 ]
 
 
