@@ -7,7 +7,7 @@ every running job is starting or finishing at once (BENCHMARKS.md, "job turnover
 (`--parts`, all by default), each in the same run:
 
 - imports: fresh interpreters; `import` of each job's entry module, `scripts/<job>.py --help`,
-  the tokenizer's load (transformers and the target's tokenizer), and whether torch was
+  the tokenizer's load (as the jobs load it, and through AutoTokenizer), and whether torch was
   imported (best of `--repeat`);
 - jobs: real `scripts/extract.py` and `scripts/regenerate.py` processes against a running
   reference server (a tiny random Llama on CPU, started once through the lifecycle, as
@@ -116,17 +116,25 @@ def measure_imports(args, model_dir: Path | None) -> dict:
         log(f"{job}: import {imported['seconds']}s (torch: {imported['printed']}), "
             f"--help {helped['seconds']}s")  # fmt: skip
     if model_dir is not None:
-        code = (
-            "import sys, time; t = time.perf_counter()\n"
-            "from transformers import AutoTokenizer\n"
-            f"AutoTokenizer.from_pretrained({str(model_dir)!r})\n"
-            "print(round(time.perf_counter() - t, 3), 'torch' in sys.modules)"
-        )
-        loaded = fresh_python(code, args.repeat)
-        seconds, torch_loaded = loaded["printed"].split()
-        result["tokenizer_load_s"] = float(seconds)
-        result["tokenizer_imports_torch"] = torch_loaded == "True"
-        log(f"tokenizer: {seconds}s in a fresh interpreter (transformers included)")
+        # The loader every stage uses (the plain class where the config names it), and
+        # AutoTokenizer, which imports torch through transformers' config machinery.
+        loaders = {
+            "tokenizer": "from eaglepipe.data.tokenizer import tokenizer_loader\n"
+            f"tokenizer_loader(Path({str(model_dir)!r})).from_pretrained({str(model_dir)!r})\n",
+            "auto_tokenizer": "from transformers import AutoTokenizer\n"
+            f"AutoTokenizer.from_pretrained({str(model_dir)!r})\n",
+        }
+        for name, load in loaders.items():
+            code = (
+                "import sys, time; from pathlib import Path; t = time.perf_counter()\n"
+                + load
+                + "print(round(time.perf_counter() - t, 3), 'torch' in sys.modules)"
+            )
+            loaded = fresh_python(code, args.repeat)
+            seconds, torch_loaded = loaded["printed"].split()
+            result[f"{name}_load_s"] = float(seconds)
+            result[f"{name}_imports_torch"] = torch_loaded == "True"
+            log(f"{name}: {seconds}s in a fresh interpreter (transformers included)")
     return result
 
 
@@ -349,9 +357,12 @@ def markdown_of(results: dict, repeat: int) -> str:
                          "yes" if entry["imports_torch"] else "no"])  # fmt: skip
             rows.append([f"`scripts/{job}.py --help`", entry["help_s"], ""])
         if "tokenizer_load_s" in imports:
-            rows.append(["the tokenizer's load (transformers import + from_pretrained)",
+            rows.append(["the tokenizer's load as the jobs do it (`eaglepipe.data.tokenizer`)",
                          imports["tokenizer_load_s"],
                          "yes" if imports["tokenizer_imports_torch"] else "no"])  # fmt: skip
+            rows.append(["the same through `AutoTokenizer`",
+                         imports["auto_tokenizer_load_s"],
+                         "yes" if imports["auto_tokenizer_imports_torch"] else "no"])  # fmt: skip
         parts.append(
             f"### Imports (fresh interpreters, best of {repeat})\n\n"
             + markdown_table(["what", "s", "torch imported"], rows)

@@ -154,6 +154,9 @@ def test_job_start_times_real_jobs_to_their_first_request(tmp_path):
     results = json.loads(out.read_text())
     assert results["imports"]["extract"]["imports_torch"] is False
     assert results["imports"]["tokenizer_load_s"] > 0
+    # the jobs' loader needs no torch for the benchmark's plain tokenizer; AutoTokenizer does
+    assert results["imports"]["tokenizer_imports_torch"] is False
+    assert results["imports"]["auto_tokenizer_imports_torch"] is True
     for stage in ("extract", "regenerate"):
         (job,) = results["jobs"][stage]["runs"]
         assert job["shard"] == "rows_0-4"
