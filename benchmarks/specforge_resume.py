@@ -6,8 +6,8 @@ group of steps `write_kit` packs what the remaining live runs need into one smal
 the call's results: the state of the steps whose products it holds (the pipelines', the
 trainings' and the finished live runs'), the drafters (`seeds/`), the greedy references, and
 the run's resolved config and prepared table. The toy target (6 MB, over what a call can carry
-beside the wheels) is not in it: its sha256 per file is, and `restore_kit` rebuilds it on the
-new machine (the build is deterministic) and refuses to go on if a byte differs.
+beside the wheels) is not in it: a hash of each of its files is, and `restore_kit` rebuilds
+it on the new machine (the build is deterministic) and refuses to go on if a byte differs.
 
 A kit is restored only on a machine without the comparison's state (a warm machine has it all)
 and only when every pipeline step is done: a pipeline still to run rebuilds the run directory
@@ -20,7 +20,6 @@ from the start, and live runs on its new regenerated rows would not be the same 
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -32,6 +31,7 @@ from pathlib import Path
 from specforge_steps import REPO_ROOT, Paths, Step
 
 from eaglepipe.core.errors import PipelineError
+from eaglepipe.core.fingerprint import hash_file
 
 KIT_STATE = "kit-state.json"
 RESTORABLE_KINDS = ("pipeline", "train", "live")
@@ -39,17 +39,9 @@ RUN_FILES = (".eaglepipe/config.json", "prepared/tokenized.parquet")
 TOY_DIR = "models/toy-target"
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def toy_fingerprint(run: Path) -> dict[str, str]:
     toy = run / TOY_DIR
-    return {p.name: _sha256(p) for p in sorted(toy.iterdir()) if p.is_file()}
+    return {p.name: hash_file(p) for p in sorted(toy.iterdir()) if p.is_file()}
 
 
 def write_kit(paths: Paths, state: dict, plan: list[Step], kit: Path) -> bool:
@@ -64,7 +56,7 @@ def write_kit(paths: Paths, state: dict, plan: list[Step], kit: Path) -> bool:
     run = paths.run
     if not any(kinds[name] == "pipeline" for name in steps) or not (run / TOY_DIR).is_dir():
         return False
-    kit_state = {"state": {**state, "steps": steps}, "toy_sha256": toy_fingerprint(run)}
+    kit_state = {"state": {**state, "steps": steps}, "toy_hashes": toy_fingerprint(run)}
     members = [paths.work / "seeds", *sorted(paths.work.glob("greedy-reference*.json"))]
     members += [run / name for name in RUN_FILES]
     kit.parent.mkdir(parents=True, exist_ok=True)
@@ -97,7 +89,7 @@ def restore_kit(paths: Paths, kit: Path, plan: list[Step], dry_run: bool = False
         paths.work.mkdir(parents=True, exist_ok=True)
         tar.extractall(paths.work, filter="data")
     (paths.work / KIT_STATE).unlink()
-    rebuild_toy(paths.run, kit_state["toy_sha256"])
+    rebuild_toy(paths.run, kit_state["toy_hashes"])
     return kit_state["state"]
 
 

@@ -13,15 +13,14 @@ Where: `$EAGLEPIPE_TOY_CACHE`, or `$XDG_CACHE_HOME/eaglepipe/toy-targets` (`~/.c
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
-import json
 import os
 import platform
 import shutil
 from pathlib import Path
 
 from .. import __version__
+from ..core.fingerprint import hash_file, hash_json
 from ..core.user_cache import user_cache_dir
 
 CACHE_ENV = "EAGLEPIPE_TOY_CACHE"
@@ -47,19 +46,16 @@ def _library_version(name: str) -> str:
 
 def build_key(toy_settings: dict, corpus: list[list[dict]]) -> str:
     """What decides the build's bytes, hashed: settings, corpus messages, code, releases."""
-    code = Path(__file__).with_name("toy_target.py").read_bytes()
-    described = {
-        "toy": toy_settings,
-        "eaglepipe": __version__,
-        "code": hashlib.sha256(code).hexdigest(),
-        "libraries": {name: _library_version(name) for name in LIBRARIES},
-        "machine": platform.machine(),
-    }
-    digest = hashlib.sha256(json.dumps(described, sort_keys=True).encode())
-    for messages in corpus:
-        digest.update(json.dumps(messages, sort_keys=True, ensure_ascii=False).encode())
-        digest.update(b"\n")
-    return digest.hexdigest()[:32]
+    return hash_json(
+        {
+            "toy": toy_settings,
+            "eaglepipe": __version__,
+            "code": hash_file(Path(__file__).with_name("toy_target.py")),
+            "libraries": {name: _library_version(name) for name in LIBRARIES},
+            "machine": platform.machine(),
+            "corpus": corpus,
+        }
+    )
 
 
 def cached_build(key: str, complete_marker: str) -> Path | None:

@@ -8,7 +8,7 @@ nothing in it needs torch or transformers, whose imports take seconds (issue 28)
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -19,6 +19,7 @@ from pathlib import Path
 from .. import __version__
 from ..core.atomic import atomic_write_json
 from ..core.errors import PipelineError
+from ..core.fingerprint import hash_json
 from ..core.user_cache import user_cache_dir
 
 ATTENTION_LAYOUTS = ("auto", "packed", "padded")
@@ -64,33 +65,30 @@ def _answer_key() -> str:
         torch_version = importlib.metadata.version("torch")
     except importlib.metadata.PackageNotFoundError:
         torch_version = "unknown"
-    described = [
-        socket.gethostname(),
-        boot,
-        os.environ.get("CUDA_VISIBLE_DEVICES"),
-        os.environ.get("HIP_VISIBLE_DEVICES"),
-        os.environ.get("ROCR_VISIBLE_DEVICES"),
-        sys.executable,
-        torch_version,
-    ]
-    return hashlib.sha256(json.dumps(described).encode()).hexdigest()[:24]
+    visible = [os.environ.get(v) for v in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES",
+                                           "ROCR_VISIBLE_DEVICES")]  # fmt: skip
+    return hash_json([socket.gethostname(), boot, *visible, sys.executable, torch_version])
+
+
+def _kept_answer(path: Path) -> bool | None:
+    try:
+        return bool(json.loads(path.read_text())["cuda_available"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # none kept yet, or a damaged file: torch is asked again
 
 
 def cuda_answer_cached() -> bool:
     """torch.cuda.is_available(), asked once per key (`_answer_key`) and kept in the user's
     cache: the server asks torch itself, and both answers agree while the key does."""
     path = user_cache_dir("devices", f"{_answer_key()}.json")
-    try:
-        return bool(json.loads(path.read_text())["cuda_available"])
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
+    kept = _kept_answer(path)
+    if kept is not None:
+        return kept
     import torch
 
     available = bool(torch.cuda.is_available())
-    try:
+    with contextlib.suppress(OSError):  # only a saving: the next job asks torch again
         atomic_write_json(path, {"cuda_available": available})
-    except OSError:
-        pass  # only a saving: the next job asks torch again
     return available
 
 
