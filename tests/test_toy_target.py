@@ -207,6 +207,21 @@ def test_a_half_written_entry_is_never_used(tmp_path, monkeypatch, capsys):
     ).read_bytes()
 
 
+def test_a_damaged_entry_is_passed_over_and_built_again(tmp_path, monkeypatch, capsys):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv(toy_cache.CACHE_ENV, str(cache))
+    first = build_toy_target(tmp_path / "a", _toy(train_steps=2), SAMPLE)
+    (entry,) = cache.iterdir()
+    weights = bytearray((entry / "model.safetensors").read_bytes())
+    weights[-1] ^= 0xFF  # a flipped byte, the entry otherwise complete
+    (entry / "model.safetensors").write_bytes(bytes(weights))
+    capsys.readouterr()
+    again = build_toy_target(tmp_path / "b", _toy(train_steps=2), SAMPLE)
+    out = capsys.readouterr().out
+    assert "step 2/2" in out and "from the cache" not in out
+    assert build_files(again) == build_files(first)
+
+
 def test_an_unwritable_cache_warns_and_the_build_goes_on(tmp_path, monkeypatch, capsys):
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("a file where the cache would be")

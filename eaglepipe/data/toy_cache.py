@@ -4,7 +4,8 @@ The toy's build is deterministic given its settings, its corpus, one torch threa
 the library releases that train it, and all of those make the key: a changed setting, corpus
 row, release or line of `toy_target.py` builds anew. Building the embedded default's toy takes
 minutes on a 2-core machine; a copy takes a fraction of a second. An entry appears by rename
-once complete, so a build killed half-way is never found. The cache only saves time: when it
+once complete, so a build killed half-way is never found, and an entry whose files no longer
+match the hashes stored with them is passed over. The cache only saves time: when it
 cannot be written (read-only, full), the build goes on without it.
 
 Where: `$EAGLEPIPE_TOY_CACHE`, or `$XDG_CACHE_HOME/eaglepipe/toy-targets` (`~/.cache/...`);
@@ -14,6 +15,7 @@ Where: `$EAGLEPIPE_TOY_CACHE`, or `$XDG_CACHE_HOME/eaglepipe/toy-targets` (`~/.c
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import platform
 import shutil
@@ -58,13 +60,32 @@ def build_key(toy_settings: dict, corpus: list[list[dict]]) -> str:
     )
 
 
+MANIFEST = "cache-manifest.json"
+
+
+def _file_hashes(directory: Path) -> dict[str, str]:
+    return {p.name: hash_file(p) for p in sorted(directory.iterdir()) if p.name != MANIFEST}
+
+
 def cached_build(key: str, complete_marker: str) -> Path | None:
-    """The cached build for `key`, if one was completed."""
+    """The cached build for `key`, if one was completed and its files are still the ones
+    stored (a damaged entry is passed over: the build runs again)."""
     root = cache_root()
     if root is None:
         return None
     entry = root / key
-    return entry if (entry / complete_marker).is_file() else None
+    if not (entry / complete_marker).is_file():
+        return None
+    try:
+        stored = json.loads((entry / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    return entry if stored == _file_hashes(entry) else None
+
+
+def copy_build(entry: Path, destination: Path) -> None:
+    """Copy a cached build's files (not its manifest) into a new directory."""
+    shutil.copytree(entry, destination, ignore=shutil.ignore_patterns(MANIFEST))
 
 
 def store_build(key: str, build_dir: Path) -> str | None:
@@ -77,6 +98,7 @@ def store_build(key: str, build_dir: Path) -> str | None:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(staging, ignore_errors=True)
         shutil.copytree(build_dir, staging)
+        (staging / MANIFEST).write_text(json.dumps(_file_hashes(staging)))
         try:
             os.rename(staging, root / key)
         except OSError:

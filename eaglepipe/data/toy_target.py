@@ -210,7 +210,7 @@ def _copy_in(source: Path, out_dir: Path) -> None:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp_dir, ignore_errors=True)
-    shutil.copytree(source, tmp_dir)
+    toy_cache.copy_build(source, tmp_dir)
     _replace_dir(tmp_dir, out_dir)
 
 
