@@ -43,6 +43,10 @@ def small_config(workdir: Path, *, rows: int = 40, rows_per_shard: int = 10) -> 
     config["evaluate"]["live_prompts"] = 2
     config["evaluate"]["live_new_tokens"] = 8
     config["validate"]["spot_check_rows"] = 1
+    # The spot check still re-extracts through the server; the independent transformers forward
+    # (about 5 s of imports per validate job) has its own tests (test_validate.py) and runs in
+    # the embedded default's (test_embedded_default.py).
+    config["validate"]["independent_forward"] = False
     # The regenerate stage has its own runs (test_regenerate.py, test_embedded_default.py); these
     # test the stages after it, on the dataset's replies.
     config["dataset"]["regenerate"]["enabled"] = False
