@@ -125,7 +125,7 @@ def merged(cache_a, mask_a: torch.Tensor, cache_b, mask_b: torch.Tensor):
             buffer = a.new_empty(shape)
             for rows, part in ((slice(0, rows_a), a), (slice(rows_a, None), b)):
                 start = width - part.shape[-2]
-                buffer[rows, ..., :start, :] = 0  # left padding (masked, but never garbage)
+                buffer[rows, ..., :start, :] = 0  # masked, but a NaN there would still leak
                 buffer[rows, ..., start:width, :] = part
             pair.append(buffer)
         buffers.append((pair[0], pair[1]))
