@@ -242,6 +242,23 @@ def test_the_live_draft_chain_equals_the_training_unrolls_last_position():
     assert len(set(expected)) > 1
 
 
+def test_the_draft_context_runs_step_zero_on_new_positions_only_with_the_same_drafts():
+    from eaglepipe.drafter.live_transformers import DraftContext, draft_chain
+
+    torch.manual_seed(3)
+    model = Eagle3Drafter(tiny_config()).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8)  # sharper logits: argmax ties would make this vacuous
+    tokens, aux, k = torch.randint(0, 20, (20,)).tolist(), torch.randn(20, 48), 4
+    context, seen = DraftContext(), []
+    for n in (6, 7, 10, 15, 19):  # committed grows by accepted + 1 per round
+        with_context = draft_chain(model, tokens[:n], tokens[n], aux[:n], k, context)
+        assert context.positions == n and context.step_zero[0].shape[2] == n
+        assert with_context == draft_chain(model, tokens[:n], tokens[n], aux[:n], k)
+        seen += with_context
+    assert len(set(seen)) > 1
+
+
 def hand_built_batch():
     """Two rows over an 8-id vocab whose target argmax at position q is q (lm_head = 10 * I)."""
     final = torch.zeros(2, 6, 8)

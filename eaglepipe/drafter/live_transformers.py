@@ -97,21 +97,53 @@ class Target:
         return float(top[0] - top[1])
 
 
+class _ContinuedStepZero(list):
+    """A draft chain's TTT kv_cache whose step-0 entry continues `earlier`, the step-0 keys and
+    values of the positions drafted over in earlier rounds (`ttt_attend` appends one entry per
+    step; the step-0 queries are then the entry's last positions)."""
+
+    def __init__(self, earlier: tuple[torch.Tensor, torch.Tensor] | None):
+        super().__init__()
+        self.earlier = earlier
+
+    def append(self, entry) -> None:
+        if not self and self.earlier is not None:
+            entry = tuple(torch.cat(pair, dim=2) for pair in zip(self.earlier, entry, strict=True))
+        super().append(entry)
+
+
+class DraftContext:
+    """Step 0 of the positions one decode has drafted over so far. Position t's step-0 input
+    (committed[t+1], or the pending token at the last position, which becomes committed[t+1])
+    and aux never change, so a round runs step 0 only for the positions committed since."""
+
+    def __init__(self):
+        self.positions = 0
+        self.step_zero: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
 @torch.no_grad()
 def draft_chain(
-    drafter: Eagle3Drafter, committed: list[int], pending: int, aux: torch.Tensor, k: int
+    drafter: Eagle3Drafter,
+    committed: list[int],
+    pending: int,
+    aux: torch.Tensor,
+    k: int,
+    context: DraftContext | None = None,
 ) -> list[int]:
     """k draft tokens continuing committed + [pending], from the aux states of `committed`.
 
-    Step 0 runs over the whole context (its keys are what every later step attends to); the
-    later steps only for the last position, the one whose chain is drafted: the same keys
-    and the same result as the training unroll's last position, without its other chains."""
+    Step 0 runs over the whole context (its keys are what every later step attends to), or,
+    with `context`, over the positions it has not seen; the later steps only for the last
+    position, the one whose chain is drafted: the same keys and the same result as the
+    training unroll's last position, without its other chains."""
     device = aux.device
     n = len(committed)
-    inputs = torch.tensor([committed[1:] + [pending]], device=device)
-    positions = torch.arange(n, device=device)[None]
-    hidden = drafter.project(aux[None, :n])
-    kv_cache: list = []
+    start = context.positions if context is not None else 0
+    inputs = torch.tensor([(committed[1:] + [pending])[start:]], device=device)
+    positions = torch.arange(start, n, device=device)[None]
+    hidden = drafter.project(aux[None, start:n])
+    kv_cache = _ContinuedStepZero(context.step_zero if context is not None else None)
     drafted: list[int] = []
     for step in range(k):
         hidden, logits = drafter.step(inputs, hidden, positions + step, kv_cache)
@@ -120,6 +152,8 @@ def draft_chain(
         inputs = torch.tensor([[token]], device=device)
         hidden = hidden[:, -1:]
         positions = positions[:, -1:]
+    if context is not None:
+        context.positions, context.step_zero = n, kv_cache[0]
     return drafted
 
 
@@ -137,8 +171,9 @@ def speculative_decode(
     pending = int(greedy[-1])
     produced = [pending]  # the prefill's token
     rounds: list[int] = []
+    context = DraftContext()
     while produced[-1] not in stops and len(produced) < new_tokens:
-        drafted = draft_chain(drafter, committed, pending, aux, k)
+        drafted = draft_chain(drafter, committed, pending, aux, k, context)
         # One verification forward over the pending token and the drafts: greedy[i] is the
         # target's token after ([pending] + drafted)[i].
         greedy, new_aux = target.extend([pending] + drafted)

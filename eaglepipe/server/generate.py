@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import decode_cache
+
 # Top-two logit gaps below this are decided by an unbatched forward (see the module docstring).
 TIE_MARGIN = {torch.float32: 1e-3, torch.float64: 1e-6}
 LOW_PRECISION_TIE_MARGIN = 0.25  # bf16 / fp16: batching noise is ~1e-2 there
@@ -145,6 +147,10 @@ class _Sequence:
     def tokens(self) -> list[int]:
         return self.prompt + self.result.output_ids
 
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.result.output_ids)
+
 
 class BatchGenerator:
     """Decodes a batch of requests with one model (called from the server's forward thread)."""
@@ -207,20 +213,29 @@ class BatchGenerator:
             mask[row, width - len(seq.prompt) :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         ids, mask, positions = (t.to(self.device) for t in (ids, mask, positions))
-        from transformers import DynamicCache
-
-        logits, cache = self._forward(ids, mask, positions, DynamicCache())
+        logits, cache = self._forward(ids, mask, positions, decode_cache.new_cache())
         return logits, cache, mask
 
-    def _choose(self, seq: _Sequence, logits: torch.Tensor) -> int:
-        if seq.params.greedy:
-            top = logits.topk(2) if logits.numel() > 1 else logits.topk(1)
-            values = top.values.tolist()
-            if len(values) == 1 or values[0] - values[1] >= self.margin:
-                return int(top.indices[0])
-            self.unbatched_decisions += 1
-            alone, _ = self._forward(torch.tensor([seq.tokens], device=self.device), cache=False)
-            return int(alone[0].argmax())
+    def choose(self, sequences: list[_Sequence], logits: torch.Tensor) -> list[int]:
+        """Each request's next token from its row of `logits` [B, V]. The greedy rows' top two
+        come from one topk over the batch (a topk per row was ~4 % of the toy's decoding)."""
+        top = logits.topk(min(2, logits.shape[-1]), dim=-1)
+        values, indices = top.values.tolist(), top.indices[:, 0].tolist()
+        return [
+            self._greedy(seq, values[row], indices[row])
+            if seq.params.greedy
+            else self._sample(seq, logits[row])
+            for row, seq in enumerate(sequences)
+        ]
+
+    def _greedy(self, seq: _Sequence, top_two: list[float], index: int) -> int:
+        if len(top_two) == 1 or top_two[0] - top_two[1] >= self.margin:
+            return index
+        self.unbatched_decisions += 1
+        alone, _ = self._forward(torch.tensor([seq.tokens], device=self.device), cache=False)
+        return int(alone[0].argmax())
+
+    def _sample(self, seq: _Sequence, logits: torch.Tensor) -> int:
         probs = torch.softmax(logits.double() / seq.params.temperature, dim=-1).cpu()
         if seq.params.top_p < 1.0:
             ordered, order = probs.sort(descending=True)
@@ -256,7 +271,7 @@ class DecodeSession:
             return
         logits, cache, mask = self.generator._prefill(sequences)
         if self.active:
-            cache, mask = _merged(self._cache, self._mask, cache, mask)
+            cache, mask = decode_cache.merged(self._cache, self._mask, cache, mask)
             logits = torch.cat([self._logits, logits])
         self.active = self.active + list(sequences)
         self._logits, self._cache, self._mask = logits, cache, mask
@@ -266,7 +281,7 @@ class DecodeSession:
         """Each active request's next token; returns the requests that ended with it. The
         others get one forward pass for the token after."""
         g = self.generator
-        chosen = [g._choose(seq, self._logits[row]) for row, seq in enumerate(self.active)]
+        chosen = g.choose(self.active, self._logits)
         keep, ended = [], []
         for row, (seq, token) in enumerate(zip(self.active, chosen, strict=True)):
             seq.result.output_ids.append(token)
@@ -285,60 +300,13 @@ class DecodeSession:
         cache, mask = self._cache, self._mask
         if len(keep) < len(self.active):
             index = torch.tensor(keep, device=g.device)
-            cache.reorder_cache(index)
+            cache = decode_cache.select(cache, index)
             mask = mask.index_select(0, index)
             self.active = [self.active[row] for row in keep]
-            cache, mask = _trimmed(cache, mask)
+            cache, mask = decode_cache.trimmed(cache, mask)
         tokens = torch.tensor([[s.result.output_ids[-1]] for s in self.active], device=g.device)
-        positions = torch.tensor([[len(s.tokens) - 1] for s in self.active], device=g.device)
+        positions = torch.tensor([[s.length - 1] for s in self.active], device=g.device)
         mask = torch.cat([mask, mask.new_ones((len(self.active), 1))], dim=1)
         self._logits, self._cache = g._forward(tokens, mask, positions, cache)
         self._mask = mask
         return ended
-
-
-def _layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(layer.keys, layer.values) for layer in cache.layers]
-
-
-def _rebuilt(layers: list[tuple[torch.Tensor, torch.Tensor]]):
-    from transformers import DynamicCache
-
-    cache = DynamicCache()
-    for index, (keys, values) in enumerate(layers):
-        cache.update(keys, values, index)
-    return cache
-
-
-def _left_padded(tensor: torch.Tensor, width: int, dim: int) -> torch.Tensor:
-    missing = width - tensor.shape[dim]
-    if missing == 0:
-        return tensor
-    shape = list(tensor.shape)
-    shape[dim] = missing
-    return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
-
-
-def _merged(cache_a, mask_a: torch.Tensor, cache_b, mask_b: torch.Tensor):
-    """Two left-padded batches (cache layers [B, heads, T, D], mask [B, T]) as one."""
-    width = max(mask_a.shape[1], mask_b.shape[1])
-    layers = [
-        (
-            torch.cat([_left_padded(ka, width, 2), _left_padded(kb, width, 2)]),
-            torch.cat([_left_padded(va, width, 2), _left_padded(vb, width, 2)]),
-        )
-        for (ka, va), (kb, vb) in zip(_layers(cache_a), _layers(cache_b), strict=True)
-    ]
-    mask = torch.cat([_left_padded(mask_a, width, 1), _left_padded(mask_b, width, 1)])
-    return _rebuilt(layers), mask
-
-
-def _trimmed(cache, mask: torch.Tensor):
-    """Without the leading positions that are padding in every row (left by requests that
-    ended): later steps need not attend over them."""
-    used = mask.any(dim=0).nonzero()
-    first = int(used[0]) if len(used) else 0
-    if first == 0:
-        return cache, mask
-    layers = [(k[:, :, first:], v[:, :, first:]) for k, v in _layers(cache)]
-    return _rebuilt(layers), mask[:, first:]
