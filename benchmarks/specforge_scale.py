@@ -799,6 +799,7 @@ def step_specforge_kill(ctx: Context, step: Step) -> dict:
         "snapshot": at_kill,
         "rate": steady_rate(specforge_completions(at_kill, complete, args.row_tokens)),
         "first_file_s": first_after(at_kill, complete, run["started_at"]),
+        "complete_at_kill": len(complete),
     }
 
 
@@ -1179,13 +1180,17 @@ def generation_summary(ctx: Context) -> dict:
     specforge = {}
     if kill:
         specforge["kill_run"] = {k: kill.get(k) for k in (
-            "killed_after_s", "rows_stored_at_kill", "write_in_flight_at_kill", "first_file_s",
-            "rate")}  # fmt: skip
+            "killed_after_s", "rows_stored_at_kill", "complete_at_kill",
+            "write_in_flight_at_kill", "first_file_s", "rate")}  # fmt: skip
     if resume:
         accounting = resume["accounting"]
         specforge.update(
             rerun={k: resume.get(k) for k in ("wall_s", "first_file_s", "rate")},
             tokens_per_s=combined_rate([kill.get("rate", {}), resume["rate"]]),
+            # what a user waits for, the kill's lost work and both start-ups included
+            end_to_end_tokens_per_s=end_to_end(
+                tokens, kill.get("killed_after_s"), resume["wall_s"]
+            ),  # fmt: skip
             bytes_per_token=round(resume["feature_bytes"] / tokens, 1),
             dir_bytes_per_token=round(resume["dir_bytes"] / tokens, 1),
             after_kill_and_rerun=accounting,
@@ -1210,6 +1215,12 @@ def generation_summary(ctx: Context) -> dict:
             },  # fmt: skip
             "rerun": pipeline["resume"],
             "tokens_per_s": combined_rate([pipeline["kill"]["rate"], pipeline["resume"]["rate"]]),
+            "end_to_end_tokens_per_s": end_to_end(
+                tokens,
+                pipeline["server_start_s"],
+                pipeline["kill"].get("killed_after_s"),
+                pipeline["resume"]["wall_s"],
+            ),
             "bytes_per_token": round(verify["chunk_bytes"] / tokens, 1),
             "dir_bytes_per_token": round(verify["dir_bytes"] / tokens, 1),
             "after_kill_and_rerun": pipeline["accounting"],
@@ -1217,6 +1228,13 @@ def generation_summary(ctx: Context) -> dict:
             "handoff_files_left": pipeline.get("handoff_files_left"),
         }
     return {"rows": args.rows, "tokens": tokens, "specforge": specforge, "eaglepipe": eaglepipe}
+
+
+def end_to_end(tokens: int, *seconds) -> float | None:
+    """Tokens over the whole wall time of the runs (start-ups, the killed run, the rerun)."""
+    if any(s is None for s in seconds) or not sum(seconds):
+        return None
+    return round(tokens / sum(seconds), 1)
 
 
 def training_summary(ctx: Context) -> dict:
@@ -1264,7 +1282,8 @@ def write(ctx: Context) -> None:
         "setup": {
             **ctx.state.get("setup", {}),
             "shape": "8b (Llama-3.1-8B: hidden 4096, 32 layers, 32/8 heads, vocab 128256), bf16",
-            "aux_layer_ids": ctx.state.get("aux_layer_ids"),
+            "aux_layer_ids": ctx.state.get("aux_layer_ids")
+            or result_of(ctx, "inputs").get("aux_layer_ids"),
             "specforge_capture_batch": 1,
             "specforge_steps": args.specforge_steps,
             "eaglepipe_steps": args.eaglepipe_steps,
@@ -1272,9 +1291,10 @@ def write(ctx: Context) -> None:
             "work": str(ctx.paths.work),
             "dry_run": args.dry_run,
         },
-        "steps": {
-            n: {k: v for k, v in e.items() if k != "result"}
-            for n, e in ctx.state.get("steps", {}).items()
+        "steps": {  # in the plan's order
+            step.name: {k: v for k, v in ctx.state["steps"][step.name].items() if k != "result"}
+            for step in plan_steps()
+            if step.name in ctx.state.get("steps", {})
         },
         "generation": generation_summary(ctx),
         "fidelity": {
@@ -1304,6 +1324,8 @@ def markdown(results: dict) -> str:
     rows = [
         ["tokens/s (steady: file mtimes, both runs)", sf.get("tokens_per_s"),
          ep.get("tokens_per_s")],
+        ["tokens/s end to end (start-ups, killed run, rerun)",
+         sf.get("end_to_end_tokens_per_s"), ep.get("end_to_end_tokens_per_s")],
         ["tokens/s, killed run / rerun", f"{_rate(sf, 'kill_run', 'rate', 'tokens_per_s')} / "
          f"{_rate(sf, 'rerun', 'rate', 'tokens_per_s')}",
          f"{_rate(ep, 'kill_run', 'rate', 'tokens_per_s')} / "
@@ -1315,7 +1337,9 @@ def markdown(results: dict) -> str:
         ["bytes stored per token (files / whole dir)",
          f"{sf.get('bytes_per_token')} / {sf.get('dir_bytes_per_token')}",
          f"{ep.get('bytes_per_token')} / {ep.get('dir_bytes_per_token')}"],
-        ["rows stored at the kill", _rate(sf, "kill_run", "rows_stored_at_kill"),
+        ["rows stored at the kill (files present / complete; journalled)",
+         f"{_rate(sf, 'kill_run', 'rows_stored_at_kill')} / "
+         f"{_rate(sf, 'kill_run', 'complete_at_kill')}",
          _rate(ep, "kill_run", "rows_stored_at_kill")],
         ["cut short at the kill", f"{sfa.get('torn_at_kill')} file(s)",
          f"{epa.get('tmp_at_kill')} temp chunk(s), {epa.get('unjournalled_at_kill')} unjournalled"],
@@ -1331,6 +1355,8 @@ def markdown(results: dict) -> str:
             f"{gen['rows']} rows x {results['setup'].get('row_tokens')} tokens "
             f"({gen['tokens']:,} tokens), aux layers {results['setup'].get('aux_layer_ids')}\n\n"
             "## (a) hidden-state generation, kill -9 half-way\n\n")  # fmt: skip
+    rows = [[cell.replace("None", "n/a") if isinstance(cell, str) else cell for cell in row]
+            for row in rows]  # fmt: skip
     text += markdown_table(["", "SpecForge prepare_hidden_states.py", "eaglepipe extract"], rows)
     fid = results["fidelity"]
     text += "\n## (c) the two feature sets\n\n"

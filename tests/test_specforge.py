@@ -600,3 +600,108 @@ def test_rates_from_file_times_and_training_logs(tmp_path):
     assert figures == {"timed_steps": 2, "timed_tokens": 200, "tokens_per_s": 266.7,
                        "median_step_s": 0.375}  # fmt: skip
     assert scale.training_rate([1.0], [100], warmup=1)["tokens_per_s"] is None
+
+
+def canned_results(tmp_path, feature_rows) -> dict:
+    """What each step of the comparison returns, made by the module's own functions on small
+    synthetic inputs (the figures themselves are made up)."""
+    shard_dir = write_scale_shard(tmp_path / "canned", feature_rows)
+    features = tmp_path / "canned" / "features"
+    for index, (ids, mask, layers, final) in enumerate(feature_rows.values()):
+        write_specforge_file(features, index, ids, mask, torch.cat(layers[:3], dim=1), final)
+    at_kill = scale.specforge_snapshot(features)
+    after = {**at_kill, "rows_0-2000/data_9.ckpt": {"bytes": 9, "mtime_ns": 9, "complete": True}}
+    rate = scale.steady_rate([(0.0, 2048), (1.0, 2048), (2.0, 2048)])
+    manifest = json.loads((shard_dir / "manifest.json").read_text())
+    snapshot = scale.shard_snapshot(shard_dir)
+    return {
+        "model": {"seconds": 40.0, "bytes": 16 << 30},
+        "inputs": {"rows": 4, "row_tokens": 2048, "aux_layer_ids": [1, 15, 28]},
+        "specforge-kill": {
+            "started_at": 0.0, "killed_after_s": 70.0, "rows_stored_at_kill": 2, "rows": 4,
+            "write_in_flight_at_kill": True, "fraction_reached_s": 69.0, "snapshot": at_kill,
+            "rate": rate, "first_file_s": 60.0, "complete_at_kill": 1,
+        },
+        "specforge-resume": {
+            "wall_s": 65.0, "rate": rate, "first_file_s": 60.0,
+            "accounting": scale.specforge_resume_report(at_kill, after, 4),
+            "feature_bytes": 4 * 2048 * 32784, "dir_bytes": 4 * 2048 * 32790,
+            "snapshot_after": after,
+        },
+        "pipeline": {
+            "server_start_s": 70.0, "engine_version": "0.5.14", "shards": [shard_dir.name],
+            "kill": {"killed_after_s": 9.0, "rows_stored_at_kill": 2, "rate": rate,
+                     "write_in_flight_at_kill": True, "journal_at_kill": {shard_dir.name: 1},
+                     "tmp_at_kill": {shard_dir.name: []}},
+            "resume": {"wall_s": 8.0, "rate": rate, "first_chunk_s": 4.0},
+            "accounting": scale.pipeline_resume_report(
+                {shard_dir.name: snapshot}, {shard_dir.name: snapshot}, {shard_dir.name: manifest}
+            ),
+            "verify": scale.verify_shards([shard_dir], {0: 5, 1: 7, 2: 6}),
+            "handoff_files_left": 0,
+        },
+        "fidelity": compare(features, shard_dir),
+        "train-specforge": {"wall_s": 80.0, "steps": 64, "tokens_per_step": 2048,
+                            "batch_rows": 1, "set_aside": ["data_1.ckpt"],
+                            **scale.training_rate([0.2] * 64, [2048] * 64, 4)},
+        "train-eaglepipe": {"wall_s": 40.0, "batch_tokens": 16384, "tokens_per_s": 19800.0,
+                            "timed_steps": 12, "timed_tokens": 196608, "median_step_s": 0.83,
+                            "steps": 16, "peak_gpu_memory_gib": 86.8,
+                            "data_wait_fraction": 0.0001},
+    }  # fmt: skip
+
+
+def test_the_driver_records_each_step_summarises_and_a_later_call_goes_on(
+    tmp_path, feature_rows, monkeypatch
+):
+    """run_plan with canned steps: the state after each, the results and markdown of a whole
+    comparison, a failed step retried by the next call (the done ones not run again), the
+    target and features removed at the end, other settings refused, a step left for later."""
+    import bench_specforge_scale as driver
+    from specforge_steps import StepFailed
+
+    canned, calls = canned_results(tmp_path, feature_rows), []
+
+    def runner(name):
+        def run(ctx, step):
+            calls.append(name)
+            if name == "train-eaglepipe" and calls.count(name) == 1:
+                raise StepFailed("train-eaglepipe: exit 1")
+            return canned[name]
+
+        return run
+
+    monkeypatch.setattr(scale, "RUNNERS", {name: runner(name) for name in scale.RUNNERS})
+    work, out = tmp_path / "work", tmp_path / "out" / "scale.json"
+    argv = ["--work-root", str(work), "--out", str(out), "--rows", "4"]
+    (work / "model").mkdir(parents=True)
+    assert driver.main(argv) == 1
+    state = json.loads((work / "state.json").read_text())
+    assert state["steps"]["train-eaglepipe"]["status"] == "failed"
+    assert state["steps"]["fidelity"]["status"] == "done" and (work / "model").is_dir()
+    results = json.loads(out.read_text())
+    assert results["remaining"] == ["train-eaglepipe"]
+    specforge, eaglepipe = results["generation"]["specforge"], results["generation"]["eaglepipe"]
+    assert specforge["tokens_per_s"] == eaglepipe["tokens_per_s"] == 2048.0
+    assert specforge["end_to_end_tokens_per_s"] == round(4 * 2048 / 135.0, 1)
+    assert eaglepipe["end_to_end_tokens_per_s"] == round(4 * 2048 / 87.0, 1)
+    assert specforge["after_kill_and_rerun"]["new"] == 1 and eaglepipe["verify"]["ok"]
+    assert results["fidelity"]["verdict"] == "identical on 3 rows"
+    assert "training" in results and "eaglepipe" not in results["training"]
+
+    assert driver.main(argv) == 0
+    assert calls.count("train-eaglepipe") == 2 and calls.count("pipeline") == 1
+    results = json.loads(out.read_text())
+    assert results["remaining"] == [] and results["training"]["eaglepipe_over_specforge"] == round(
+        19800.0 / 10240.0, 3
+    )
+    table = out.with_suffix(".md").read_text()
+    assert "| tokens/s (steady: file mtimes, both runs) | 2,048 | 2,048 |" in table
+    assert (
+        "**Verdict: identical on 3 rows**" in table and "| specforge | 1 row (2048 tokens)" in table
+    )
+    assert not (work / "model").exists() and (work / "state.json").is_file()
+
+    assert driver.main([*argv[:-1], "8"]) == 2  # another comparison's state: refused
+    fresh = ["--work-root", str(tmp_path / "other"), "--out", str(out), "--deadline-s", "10"]
+    assert driver.main(fresh) == scale.EXIT_LEFT_FOR_LATER  # no step fits in 10 s
