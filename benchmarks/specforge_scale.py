@@ -45,6 +45,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -155,6 +156,12 @@ class KillPlan:
     fraction: float = 0.5
     poll_s: float = 0.002
     wait_for_write_s: float = 5.0
+    # Looks are that fast only from `fraction - near` of the rows on; before, every idle_poll_s.
+    near: float = 0.1
+    idle_poll_s: float = 0.05
+
+    def pause(self, done: int, total: int) -> float:
+        return self.poll_s if done >= (self.fraction - self.near) * total else self.idle_poll_s
 
 
 def kill_due(
@@ -262,7 +269,7 @@ def run_and_kill(ctx: Context, commands: list[Command], watch, total: int, plan:
                 break
             if ctx.left() < MARGIN_S:
                 raise StepFailed(f"{commands[0].name}: out of time before the kill", 124)
-            time.sleep(plan.poll_s)
+            time.sleep(plan.pause(done, total))
     finally:
         kill_trees(procs)
     seconds = time.monotonic() - started
@@ -1138,6 +1145,10 @@ def run_plan(args) -> int:
         except StepFailed as exc:
             entry = {"status": "timed out" if exc.code == 124 else "failed", "error": str(exc)}
             log(f"[{step.name}] {entry['status']}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - recorded; the steps that do not need it go on
+            traceback.print_exc()
+            entry = {"status": "failed", "error": f"{type(exc).__name__}: {exc}"[:3000]}
+            log(f"[{step.name}] failed: {entry['error']}")
         entry.update(seconds=round(time.monotonic() - began, 1),
                      ended_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))  # fmt: skip
         if entry["status"] != "done":
@@ -1309,6 +1320,13 @@ def write(ctx: Context) -> None:
     write_results(args.out, results, markdown(results))
 
 
+def na(cell):
+    """A cell of the results table: n/a for a figure not measured (yet)."""
+    if cell is None:
+        return "n/a"
+    return cell.replace("None", "n/a") if isinstance(cell, str) else cell
+
+
 def _rate(entry: dict, *keys):
     for key in keys:
         entry = (entry or {}).get(key)
@@ -1355,8 +1373,7 @@ def markdown(results: dict) -> str:
             f"{gen['rows']} rows x {results['setup'].get('row_tokens')} tokens "
             f"({gen['tokens']:,} tokens), aux layers {results['setup'].get('aux_layer_ids')}\n\n"
             "## (a) hidden-state generation, kill -9 half-way\n\n")  # fmt: skip
-    rows = [[cell.replace("None", "n/a") if isinstance(cell, str) else cell for cell in row]
-            for row in rows]  # fmt: skip
+    rows = [[na(cell) for cell in row] for row in rows]
     text += markdown_table(["", "SpecForge prepare_hidden_states.py", "eaglepipe extract"], rows)
     fid = results["fidelity"]
     text += "\n## (c) the two feature sets\n\n"

@@ -665,7 +665,9 @@ def test_the_driver_records_each_step_summarises_and_a_later_call_goes_on(
     def runner(name):
         def run(ctx, step):
             calls.append(name)
-            if name == "train-eaglepipe" and calls.count(name) == 1:
+            if calls.count(name) == 1 and name == "specforge-kill":
+                raise RuntimeError("boom")  # a bug, not a failed command: recorded all the same
+            if calls.count(name) == 1 and name == "train-eaglepipe":
                 raise StepFailed("train-eaglepipe: exit 1")
             return canned[name]
 
@@ -677,21 +679,28 @@ def test_the_driver_records_each_step_summarises_and_a_later_call_goes_on(
     (work / "model").mkdir(parents=True)
     assert driver.main(argv) == 1
     state = json.loads((work / "state.json").read_text())
+    assert state["steps"]["specforge-kill"] == {
+        **state["steps"]["specforge-kill"], "status": "failed", "error": "RuntimeError: boom"
+    }  # fmt: skip
     assert state["steps"]["train-eaglepipe"]["status"] == "failed"
-    assert state["steps"]["fidelity"]["status"] == "done" and (work / "model").is_dir()
+    assert state["steps"]["pipeline"]["status"] == "done" and (work / "model").is_dir()
+    assert "specforge-resume" not in state["steps"]  # it needs the kill run
     results = json.loads(out.read_text())
-    assert results["remaining"] == ["train-eaglepipe"]
+    assert results["remaining"] == [
+        "specforge-kill", "specforge-resume", "fidelity", "train-specforge", "train-eaglepipe"
+    ]  # fmt: skip
+    assert results["generation"]["specforge"] == {} and results["generation"]["eaglepipe"]
+    assert "| rerun wall s | n/a | 8.000 |" in out.with_suffix(".md").read_text()
+
+    assert driver.main(argv) == 0
+    assert calls.count("train-eaglepipe") == 2 and calls.count("pipeline") == 1
+    results = json.loads(out.read_text())
     specforge, eaglepipe = results["generation"]["specforge"], results["generation"]["eaglepipe"]
     assert specforge["tokens_per_s"] == eaglepipe["tokens_per_s"] == 2048.0
     assert specforge["end_to_end_tokens_per_s"] == round(4 * 2048 / 135.0, 1)
     assert eaglepipe["end_to_end_tokens_per_s"] == round(4 * 2048 / 87.0, 1)
     assert specforge["after_kill_and_rerun"]["new"] == 1 and eaglepipe["verify"]["ok"]
     assert results["fidelity"]["verdict"] == "identical on 3 rows"
-    assert "training" in results and "eaglepipe" not in results["training"]
-
-    assert driver.main(argv) == 0
-    assert calls.count("train-eaglepipe") == 2 and calls.count("pipeline") == 1
-    results = json.loads(out.read_text())
     assert results["remaining"] == [] and results["training"]["eaglepipe_over_specforge"] == round(
         19800.0 / 10240.0, 3
     )
