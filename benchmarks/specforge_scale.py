@@ -582,15 +582,22 @@ def compare_features(
     shifted = {
         f"aux{i} vs specforge aux{(i + 1) % k}": BlockStats() for i in range(k)
     }  # fmt: skip
-    rows, matched, mask_equal = 0, 0, 0
+    rows, matched, mask_equal, mismatched = 0, 0, 0, []
     for shard_dir in shard_dirs:
         for _row_id, tensors in iter_rows(shard_dir):
             rows += 1
             path = index.get(tuple(int(t) for t in tensors["input_ids"].tolist()))
             if path is None:
                 continue
-            matched += 1
             record = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            sizes = (record["aux_hidden_state"].numel(), record["hidden_state"].numel())
+            if sizes != (
+                tensors["aux_hidden_states"].numel(),
+                tensors["final_hidden_states"].numel(),
+            ):
+                mismatched.append(str(path.relative_to(features)))
+                continue
+            matched += 1
             mask = record["loss_mask"].reshape(-1).to(torch.uint8)
             mask_equal += bool(torch.equal(mask, tensors["loss_mask"].to(torch.uint8)))
             ours_aux = tensors["aux_hidden_states"].to(device)
@@ -613,6 +620,7 @@ def compare_features(
         "specforge_unreadable": unreadable[:20],
         "shard_rows": rows,
         "rows_compared": matched,
+        "shape_mismatch": mismatched[:20],
         "loss_mask_equal": mask_equal,
         "blocks": {name: s.summary() for name, s in blocks.items()},
         "shifted": {name: s.summary() for name, s in shifted.items()},
@@ -632,6 +640,8 @@ def fidelity_verdict(result: dict) -> str:
     if not result["rows_compared"]:
         return "no row in common"
     problems = []
+    if result.get("shape_mismatch"):
+        problems.append(f"other shapes in {len(result['shape_mismatch'])}+ rows")
     if result["loss_mask_equal"] != result["rows_compared"]:
         problems.append(
             f"loss masks differ on {result['rows_compared'] - result['loss_mask_equal']} rows"

@@ -440,6 +440,12 @@ def test_bf16_noise_a_pre_norm_state_and_a_torn_file_are_told_apart(tmp_path, fe
     assert result["rows_compared"] == 2 and result["specforge_unreadable"] == [
         "rows_0-2000/data_2.ckpt"
     ]
+    # A file of another shape (two aux layers where the shard has three) is not compared.
+    ids, mask, layers, final = feature_rows[0]
+    write_specforge_file(features, 0, ids, mask, torch.cat(layers[:2], dim=1), final)
+    result = compare(features, shard_dir)
+    assert result["rows_compared"] == 1 and result["shape_mismatch"] == ["rows_0-2000/data_0.ckpt"]
+    assert result["verdict"] == "differ: other shapes in 1+ rows"
 
 
 # ---------------------------------------------------------------- kill -9 and the rerun
