@@ -215,9 +215,10 @@ def shm_free_gb() -> float:
 # ----------------------------------------------------------------------------- configs
 
 
-def save_word_tokenizer(model_dir: Path, vocab: int) -> None:
+def save_word_tokenizer(model_dir: Path, vocab: int, chat_template: str | None = None) -> None:
     """A tokenizer covering the whole vocabulary (SGLang's server loads one at start; the rows
-    are sent as token ids), as the 0.5.14 throughput run on the H200 used."""
+    are sent as token ids), as the 0.5.14 throughput run on the H200 used; with `chat_template`
+    (a Jinja template) for tools that render conversations (SpecForge's generator)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -228,6 +229,8 @@ def save_word_tokenizer(model_dir: Path, vocab: int) -> None:
         tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
         pad_token="<unk>", model_max_length=8192,
     )  # fmt: skip
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(model_dir)
     settings_path = model_dir / "tokenizer_config.json"
     settings = json.loads(settings_path.read_text())

@@ -215,10 +215,11 @@ def seeded_rows(tokens: int, min_len: int, max_len: int, vocab: int, seed: int) 
     return rows
 
 
-def write_prepared(run_dir: Path, rows) -> Path:
+def write_prepared(run_dir: Path, rows, loss_masks=None) -> Path:
     """A run directory's dataset and prepared table for `rows` as the pipeline sees them
     (conversations.jsonl, prepared/tokenized.parquet, prepared/summary.json); returns the
-    dataset path (the shard plan counts its rows)."""
+    dataset path (the shard plan counts its rows). The loss masks are all ones unless given
+    (one per row)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -238,7 +239,7 @@ def write_prepared(run_dir: Path, rows) -> Path:
                 "split": "train",
                 "num_tokens": len(ids),
                 "input_ids": ids.tolist(),
-                "loss_mask": [1] * len(ids),
+                "loss_mask": [1] * len(ids) if loss_masks is None else list(loss_masks[i]),
                 "truncated": False,
             }
             for i, ids in enumerate(rows)

@@ -457,6 +457,81 @@ def test_the_specforge_part_prints_its_commands_in_a_dry_run(tmp_path):
     assert not (tmp_path / "root" / "specforge").exists()  # a dry run makes nothing
 
 
+def test_the_specforge_scale_part_prints_its_commands_in_a_dry_run(tmp_path):
+    """`bash tools/h200.sh specforge-scale OUT --dry-run` on CPU: every command of the 8B-shape
+    comparison, in order, recorded in specforge_scale.json; nothing made in its work root."""
+    out, work = tmp_path / "out", tmp_path / "scale"
+    env = {
+        **os.environ,
+        "EAGLEPIPE_H200_ROOT": str(tmp_path / "root"),
+        "EAGLEPIPE_SCALE_ROOT": str(work),
+        "PATH": f"{VENV_BIN}:{os.environ['PATH']}",
+    }
+    done = subprocess.run(
+        ["bash", str(REPO_ROOT / "tools" / "h200.sh"), "specforge-scale", str(out), "--dry-run",
+         "--rows", "64", "--shards", "4", "--specforge-steps", "40"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads((out / "specforge_scale.json").read_text())
+    assert results["setup"]["dry_run"] and results["setup"]["rows"] == 64
+    assert results["setup"]["aux_layer_ids"] == [1, 15, 28]
+    commands = results["commands"]
+    steps = [c["step"] for c in commands]
+    shards = [f"rows_{i}-{i + 16}" for i in range(0, 64, 16)]
+    assert steps == [
+        "model", "inputs", "install-specforge", "specforge-kill", "specforge-resume",
+        "pipeline:server", *[f"pipeline-kill:{s}" for s in shards],
+        *[f"pipeline-resume:{s}" for s in shards], "pipeline", "fidelity",
+        "train-specforge:train", "train-eaglepipe",
+    ]  # fmt: skip
+
+    def argv(step: str) -> list[str]:
+        return next(c["argv"] for c in commands if c["step"] == step)
+
+    # (a) SpecForge's own generator, SGLang in-process; the rerun is the same command
+    files = work / "specforge-files"
+    kill = argv("specforge-kill")
+    assert kill[1:3] == ["-m", "torch.distributed.run"] and kill == argv("specforge-resume")
+    script_args = kill[kill.index("--") + 1 :]
+    template = kill[kill.index("--template-json") + 1]
+    assert template == str(files / "chat_template.json")
+    for flag, value in [
+        ("--target-model-path", str(files / "target")), ("--output-path", str(files / "features")),
+        ("--data-path", str(files / "train.jsonl")), ("--max-length", "2112"),
+        ("--batch-size", "1"), ("--chat-template", "eaglepipe-target"),
+    ]:  # fmt: skip
+        assert script_args[script_args.index(flag) + 1] == value, flag
+    assert "kill -9 once 50% of 64 rows are stored" in done.stdout
+    # (a) the pipeline: its capture server on the same target, four jobs killed and rerun
+    server = argv("pipeline:server")
+    assert server[server.index("--model-path") + 1] == str(work / "model")
+    assert server[server.index("--dtype") + 1] == "bfloat16"
+    hook = json.loads(server[server.index("--forward-hooks") + 1])[0]
+    assert hook["config"]["aux_layer_ids"] == [1, 15, 28]
+    run = work / "pipeline-run"
+    for shard in shards:
+        job = argv(f"pipeline-kill:{shard}")
+        assert job == argv(f"pipeline-resume:{shard}")
+        assert job[2].endswith("scripts/extract.py") and job[-2:] == ["--shard", shard]
+        assert job[job.index("--config") + 1] == str(run / ".eaglepipe" / "config.json")
+    assert {c["cwd"] for c in commands if c["step"].startswith("pipeline") and "argv" in c} == {
+        str(run)
+    }
+    # (b) both trainers, a fixed number of steps each
+    train = argv("train-specforge:train")
+    assert train[1:4] == ["-m", "specforge.cli", "train"]
+    assert train[-2:] == ["training.max_steps=40", "training.log_interval=1"]
+    assert '"ttt_length": 7' in done.stdout and '"batch_size": 1' in done.stdout
+    ours = argv("train-eaglepipe")
+    assert ours[2].endswith("benchmarks/bench_train.py")
+    assert ours[ours.index("--run-dir") + 1] == str(run)
+    assert ours[ours.index("--model-dir") + 1] == str(work / "model")
+    assert ours[ours.index("--steps") + 1] == "16"
+    assert "fidelity" in steps and (out / "specforge_scale.md").is_file()
+    assert not work.exists()  # a dry run makes nothing
+
+
 def test_the_specforge_drivers_pipeline_overrides_pass_the_config_schema():
     """The run's overrides (seed, epochs, the live runs' turns) over the pipeline part's, as
     config.yaml extended by both: what sglang_pipeline_h200.sh --overrides hands snakemake."""

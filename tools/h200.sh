@@ -39,6 +39,15 @@
 #                                       both drafters through the same live harness; a later
 #                                       call on the warm machine continues where it stopped
 #                                       (needs .whl-specforge too: tools/stage_specforge.py)
+#   bash tools/h200.sh specforge-scale OUT [--rows 96] [--row-tokens 2048]
+#                                       benchmarks/bench_specforge_scale.py on the 8B-shaped
+#                                       random Llama (bf16): SpecForge's own generator against
+#                                       this pipeline's extraction on the same rows (tokens/s,
+#                                       bytes per token, each killed with kill -9 at half its
+#                                       rows and run again), both trainers' tokens/s (TTT 7),
+#                                       the two feature sets compared; one call (~8 min; a
+#                                       later call on the warm machine finishes what is left;
+#                                       needs .whl-specforge too)
 #   (extra arguments after OUT go to the part's script; with --dry-run among them nothing is
 #   installed or checked, and a part whose script has a dry run prints its commands: here, on
 #   a CPU machine, `bash tools/h200.sh specforge OUT --dry-run`)
@@ -56,16 +65,16 @@
 set -u -o pipefail
 
 if [ $# -lt 2 ]; then
-    echo "usage: bash tools/h200.sh check|fidelity|perf|perf-scale|perf-scale-disk|pipeline|variants|live|regen|regen-sweep|ingest|regen-acceptance|specforge OUT [args...]" >&2
+    echo "usage: bash tools/h200.sh check|fidelity|perf|perf-scale|perf-scale-disk|pipeline|variants|live|regen|regen-sweep|ingest|regen-acceptance|specforge|specforge-scale OUT [args...]" >&2
     exit 2
 fi
 PART=$1
 OUT=$2
 shift 2
 case "$PART" in
-check | fidelity | perf | perf-scale | perf-scale-disk | pipeline | variants | live | regen | regen-sweep | ingest | regen-acceptance | specforge) ;;
+check | fidelity | perf | perf-scale | perf-scale-disk | pipeline | variants | live | regen | regen-sweep | ingest | regen-acceptance | specforge | specforge-scale) ;;
 *)
-    echo "tools/h200.sh: unknown part '$PART' (check, fidelity, perf, pipeline, variants, live, regen, regen-acceptance, perf-scale, perf-scale-disk, regen-sweep, ingest, specforge)" >&2
+    echo "tools/h200.sh: unknown part '$PART' (check, fidelity, perf, pipeline, variants, live, regen, regen-acceptance, perf-scale, perf-scale-disk, regen-sweep, ingest, specforge, specforge-scale)" >&2
     exit 2
     ;;
 esac
@@ -252,6 +261,19 @@ run_part() {
                 --kit-out "$OUT/specforge_resume.tgz" "${resume[@]}" "$@"
             rc=$?
             keep_specforge_results "$ROOT/specforge" "$OUT"
+            exit $rc
+            ;;
+        specforge-scale)
+            # Its work root is on /dev/shm (the 16 GB target and both feature sets:
+            # EAGLEPIPE_SCALE_ROOT to move it); it stays for a later call on the warm machine
+            # until every step is done, then only its logs and state are left.
+            scale=${EAGLEPIPE_SCALE_ROOT:-/dev/shm/eaglepipe-specforge-scale}
+            [ -w "$(dirname "$scale")" ] || scale=$ROOT/specforge-scale
+            timeout --signal=TERM --kill-after=20 "$left" python3 -u \
+                benchmarks/bench_specforge_scale.py --out "$OUT/specforge_scale.json" \
+                --work-root "$scale" --deadline-s $((left - 25)) "$@"
+            rc=$?
+            [ -d "$scale" ] && keep_log_tails "$scale" "$OUT/specforge_scale_logs.tgz"
             exit $rc
             ;;
         esac
