@@ -37,6 +37,7 @@ cosines.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -238,10 +239,9 @@ def kill_trees(procs: list[subprocess.Popen], wait_s: float = 30.0) -> None:
         except psutil.NoSuchProcess:
             continue
     for proc in procs:
-        try:
+        # Also what left the tree but kept the group (reparented workers).
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
     psutil.wait_procs(victims, timeout=wait_s)
     for proc in procs:
         proc.poll()
@@ -1035,6 +1035,16 @@ def step_fidelity(ctx: Context, step: Step) -> dict:
     return result
 
 
+def run_one(ctx: Context, step: Step, command: Command) -> bool:
+    """Run one step's command; False on a dry run (nothing to read), StepFailed on an exit."""
+    (code,) = run_commands(ctx, [command])
+    if ctx.args.dry_run:
+        return False
+    if code != 0:
+        raise StepFailed(f"{step.name}: exit {code}:\n{tail(command.log_path)}", code)
+    return True
+
+
 def step_train_specforge(ctx: Context, step: Step) -> dict:
     """`specforge train` (its Llama-3.1-8B offline recipe: batch 1, TTT 7) for --specforge-steps
     steps, one log line a step. Feature files the kill left cut short are set aside first
@@ -1050,11 +1060,8 @@ def step_train_specforge(ctx: Context, step: Step) -> dict:
     command = training_command(ctx, step)
     command.argv += [f"training.max_steps={args.specforge_steps}", "training.log_interval=1"]
     began = time.monotonic()
-    (code,) = run_commands(ctx, [command])
-    if args.dry_run:
+    if not run_one(ctx, step, command):
         return {}
-    if code != 0:
-        raise StepFailed(f"{step.name}: exit {code}:\n{tail(command.log_path)}", code)
     steps = specforge_step_times(command.log_path)
     rate = training_rate([s for _, s in steps], [args.row_tokens] * len(steps), args.warmup_steps)
     shutil.rmtree(paths.specforge / step.tag / "run", ignore_errors=True)  # its checkpoint
@@ -1074,11 +1081,8 @@ def step_train_eaglepipe(ctx: Context, step: Step) -> dict:
             "--work-dir", str(paths.work / "train-eaglepipe"), "--out", str(out)]  # fmt: skip
     command = Command(step.name, argv, paths.logs / f"{step.name}.log")
     began = time.monotonic()
-    (code,) = run_commands(ctx, [command])
-    if args.dry_run:
+    if not run_one(ctx, step, command):
         return {}
-    if code != 0:
-        raise StepFailed(f"{step.name}: exit {code}:\n{tail(command.log_path)}", code)
     return {"wall_s": round(time.monotonic() - began, 1), **json.loads(out.read_text())}
 
 
