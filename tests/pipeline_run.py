@@ -98,13 +98,14 @@ def snakemake_argv(workdir: Path, *args: str) -> list[str]:
         str(REPO_ROOT / "Snakefile"),
         "--directory",
         str(workdir),
-        "--configfile",
-        str(workdir / "config.yaml"),
         # One compute thread per job, as conftest.py gives every process: Snakemake sets a job's
         # OMP_NUM_THREADS to its rule's threads (train: 2), and two torch threads on cores the
         # other test workers share took twice the CPU of one (spinning on a descheduled peer).
         "--max-threads",
         "1",
+        # Last on purpose: test_workflow.py checks how a target written right after it is read.
+        "--configfile",
+        str(workdir / "config.yaml"),
         *args,
     ]
 
