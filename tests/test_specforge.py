@@ -34,6 +34,8 @@ from conftest import REPO_ROOT, build_tiny_llama
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 
 import specforge_scale as scale  # noqa: E402
+import specforge_scale_compare as scale_compare  # noqa: E402
+import specforge_scale_kill as scale_kill  # noqa: E402
 from specforge_data import (  # noqa: E402
     chat_template_spec,
     compare_with_table,
@@ -380,7 +382,7 @@ def feature_rows():
 
 
 def compare(features, shard_dir, specforge_ids=(1, 2, 3)):
-    return scale.compare_features(
+    return scale_compare.compare_features(
         features, [shard_dir], specforge_aux_ids=list(specforge_ids), shard_aux_ids=[1, 2, 3]
     )
 
@@ -479,18 +481,18 @@ def test_a_kill_mid_write_leaves_a_torn_file_that_a_file_exists_rerun_takes_as_d
     ctx = Context(Namespace(dry_run=False), None, time.monotonic() + 120)
     command = Command("fake-kill", [sys.executable, str(script), str(features), "8", "0.4"],
                       tmp_path / "kill.log")  # fmt: skip
-    run = scale.run_and_kill(
-        ctx, [command], scale.SpecforgeWatch(features), 8, scale.KillPlan(fraction=0.5)
+    run = scale_kill.run_and_kill(
+        ctx, [command], scale_kill.SpecforgeWatch(features), 8, scale_kill.KillPlan(fraction=0.5)
     )
     assert run["rows_stored_at_kill"] == 4 and run["write_in_flight_at_kill"]
-    at_kill = scale.specforge_snapshot(features)
+    at_kill = scale_kill.specforge_snapshot(features)
     time.sleep(1.0)  # the worker is gone: nothing more is written
-    assert scale.specforge_snapshot(features) == at_kill
+    assert scale_kill.specforge_snapshot(features) == at_kill
     assert [n for n, f in at_kill.items() if not f["complete"]] == ["rows_0-2000/data_3.ckpt"]
 
     rerun = subprocess.run([sys.executable, str(script), str(features), "8", "0"], timeout=60)
     assert rerun.returncode == 0
-    report = scale.specforge_resume_report(at_kill, scale.specforge_snapshot(features), 8)
+    report = scale_kill.specforge_resume_report(at_kill, scale_kill.specforge_snapshot(features), 8)
     assert report["torn_at_kill"] == 1 and report["torn_taken_as_done"] == 1
     assert (report["kept"], report["new"], report["rewritten"]) == (4, 4, 0)
     assert report["files_after"] == 8 and report["incomplete_files"] == ["rows_0-2000/data_3.ckpt"]
@@ -502,14 +504,14 @@ def test_a_rerun_that_rewrites_the_torn_file_is_reported_complete(tmp_path):
     paths = [write_specforge_file(features, i, [i], [1], torch.zeros(1, 3), torch.zeros(1, 1))
              for i in range(3)]  # fmt: skip
     paths[2].write_bytes(paths[2].read_bytes()[:100])
-    at_kill = scale.specforge_snapshot(features)
+    at_kill = scale_kill.specforge_snapshot(features)
     time.sleep(0.01)
     write_specforge_file(features, 2, [2], [1], torch.zeros(1, 3), torch.zeros(1, 1))
     write_specforge_file(features, 3, [3], [1], torch.zeros(1, 3), torch.zeros(1, 1))
-    report = scale.specforge_resume_report(at_kill, scale.specforge_snapshot(features), 4)
+    report = scale_kill.specforge_resume_report(at_kill, scale_kill.specforge_snapshot(features), 4)
     assert (report["kept"], report["rewritten"], report["new"]) == (2, 1, 1)
     assert report["torn_taken_as_done"] == 0 and report["complete"] is True
-    short = scale.specforge_resume_report(at_kill, scale.specforge_snapshot(features), 5)
+    short = scale_kill.specforge_resume_report(at_kill, scale_kill.specforge_snapshot(features), 5)
     assert short["complete"] is False  # a row short
 
 
@@ -538,8 +540,8 @@ def test_the_pipelines_rerun_keeps_journalled_chunks_and_redoes_the_rest(tmp_pat
         if index < 2:
             append_journal(shard_dir, record, "digest")
     (shard_dir / ".chunk-00003.safetensors.tmp").write_bytes(b"half a chunk")
-    at_kill = {"rows_0-8": scale.shard_snapshot(shard_dir)}
-    assert scale.PipelineWatch([shard_dir])() == (4, True)
+    at_kill = {"rows_0-8": scale_kill.shard_snapshot(shard_dir)}
+    assert scale_kill.PipelineWatch([shard_dir])() == (4, True)
 
     time.sleep(0.01)
     kept = verified_chunks(shard_dir, chunks, "digest")
@@ -554,41 +556,41 @@ def test_the_pipelines_rerun_keeps_journalled_chunks_and_redoes_the_rest(tmp_pat
         records=records, provenance={"engine": "synthetic"}, timing={"requests_sent": 4},
     )  # fmt: skip
     write_manifest(shard_dir, manifest)
-    after = {"rows_0-8": scale.shard_snapshot(shard_dir)}
-    report = scale.pipeline_resume_report(at_kill, after, {"rows_0-8": manifest})
+    after = {"rows_0-8": scale_kill.shard_snapshot(shard_dir)}
+    report = scale_kill.pipeline_resume_report(at_kill, after, {"rows_0-8": manifest})
     assert (report["chunks_kept"], report["chunks_written"]) == (2, 2)
     assert (report["rows_kept"], report["rows_redone"], report["requests_sent"]) == (4, 4, 4)
     assert (report["tmp_at_kill"], report["unjournalled_at_kill"], report["tmp_after"]) == (1, 1, 0)
-    killed, resumed = scale.pipeline_completions(at_kill, after, {"rows_0-8": manifest})
+    killed, resumed = scale_kill.pipeline_completions(at_kill, after, {"rows_0-8": manifest})
     assert sorted(t for _, t in killed) == [8, 8] and sorted(t for _, t in resumed) == [8, 8]
 
     tokens = {r: 4 for r in range(8)}
-    check = scale.verify_shards([shard_dir], tokens)
+    check = scale_kill.verify_shards([shard_dir], tokens)
     assert check["ok"] and check["rows"] == 8 and check["tokens"] == 32
-    assert not scale.verify_shards([shard_dir], {**tokens, 8: 4})["ok"]  # a row missing
+    assert not scale_kill.verify_shards([shard_dir], {**tokens, 8: 4})["ok"]  # a row missing
     chunk = shard_dir / "chunk-00002.safetensors"
     data = bytearray(chunk.read_bytes())
     data[-1] ^= 0xFF
     chunk.write_bytes(bytes(data))
-    damaged = scale.verify_shards([shard_dir], tokens)
+    damaged = scale_kill.verify_shards([shard_dir], tokens)
     assert not damaged["ok"] and "corrupt chunk" in damaged["errors"][0]
 
 
 def test_the_kill_waits_for_half_the_rows_then_for_a_write_in_flight():
-    plan = scale.KillPlan(fraction=0.5, wait_for_write_s=5.0)
-    assert scale.kill_due(3, 8, True, None, 10.0, plan) == (False, None)
-    assert scale.kill_due(4, 8, False, None, 10.0, plan) == (False, 10.0)
-    assert scale.kill_due(5, 8, False, 10.0, 14.0, plan) == (False, 10.0)
-    assert scale.kill_due(5, 8, True, 10.0, 11.0, plan) == (True, 10.0)
-    assert scale.kill_due(6, 8, False, 10.0, 15.0, plan) == (True, 10.0)  # no write came
+    plan = scale_kill.KillPlan(fraction=0.5, wait_for_write_s=5.0)
+    assert scale_kill.kill_due(3, 8, True, None, 10.0, plan) == (False, None)
+    assert scale_kill.kill_due(4, 8, False, None, 10.0, plan) == (False, 10.0)
+    assert scale_kill.kill_due(5, 8, False, 10.0, 14.0, plan) == (False, 10.0)
+    assert scale_kill.kill_due(5, 8, True, 10.0, 11.0, plan) == (True, 10.0)
+    assert scale_kill.kill_due(6, 8, False, 10.0, 15.0, plan) == (True, 10.0)  # no write came
 
 
 def test_rates_from_file_times_and_training_logs(tmp_path):
-    rate = scale.steady_rate([(12.0, 100), (10.0, 100), (11.0, 100)])
+    rate = scale_kill.steady_rate([(12.0, 100), (10.0, 100), (11.0, 100)])
     assert rate == {"files": 3, "tokens": 200, "seconds": 2.0, "tokens_per_s": 100.0}
-    assert scale.steady_rate([(10.0, 100)])["tokens_per_s"] is None
-    other = scale.steady_rate([(0.0, 50), (1.0, 50), (2.0, 50)])
-    assert scale.combined_rate([rate, other, {}]) == round(300 / 4.0, 1)
+    assert scale_kill.steady_rate([(10.0, 100)])["tokens_per_s"] is None
+    other = scale_kill.steady_rate([(0.0, 50), (1.0, 50), (2.0, 50)])
+    assert scale_kill.combined_rate([rate, other, {}]) == round(300 / 4.0, 1)
 
     log_text = "\n".join(
         [
@@ -600,12 +602,12 @@ def test_rates_from_file_times_and_training_logs(tmp_path):
         ]
     )
     (tmp_path / "train.log").write_text(log_text + "\n")
-    steps = scale.specforge_step_times(tmp_path / "train.log")
+    steps = scale_compare.specforge_step_times(tmp_path / "train.log")
     assert steps == [(1, 2.0), (2, 0.5), (3, 0.25)]
-    figures = scale.training_rate([s for _, s in steps], [100, 100, 100], warmup=1)
+    figures = scale_compare.training_rate([s for _, s in steps], [100, 100, 100], warmup=1)
     assert figures == {"timed_steps": 2, "timed_tokens": 200, "tokens_per_s": 266.7,
                        "median_step_s": 0.375}  # fmt: skip
-    assert scale.training_rate([1.0], [100], warmup=1)["tokens_per_s"] is None
+    assert scale_compare.training_rate([1.0], [100], warmup=1)["tokens_per_s"] is None
 
 
 def canned_results(tmp_path, feature_rows) -> dict:
@@ -615,11 +617,11 @@ def canned_results(tmp_path, feature_rows) -> dict:
     features = tmp_path / "canned" / "features"
     for index, (ids, mask, layers, final) in enumerate(feature_rows.values()):
         write_specforge_file(features, index, ids, mask, torch.cat(layers[:3], dim=1), final)
-    at_kill = scale.specforge_snapshot(features)
+    at_kill = scale_kill.specforge_snapshot(features)
     after = {**at_kill, "rows_0-2000/data_9.ckpt": {"bytes": 9, "mtime_ns": 9, "complete": True}}
-    rate = scale.steady_rate([(0.0, 2048), (1.0, 2048), (2.0, 2048)])
+    rate = scale_kill.steady_rate([(0.0, 2048), (1.0, 2048), (2.0, 2048)])
     manifest = json.loads((shard_dir / "manifest.json").read_text())
-    snapshot = scale.shard_snapshot(shard_dir)
+    snapshot = scale_kill.shard_snapshot(shard_dir)
     return {
         "model": {"seconds": 40.0, "bytes": 16 << 30},
         "inputs": {"rows": 4, "row_tokens": 2048, "aux_layer_ids": [1, 15, 28]},
@@ -630,7 +632,7 @@ def canned_results(tmp_path, feature_rows) -> dict:
         },
         "specforge-resume": {
             "wall_s": 65.0, "rate": rate, "first_file_s": 60.0,
-            "accounting": scale.specforge_resume_report(at_kill, after, 4),
+            "accounting": scale_kill.specforge_resume_report(at_kill, after, 4),
             "feature_bytes": 4 * 2048 * 32784, "dir_bytes": 4 * 2048 * 32790,
             "snapshot_after": after,
         },
@@ -640,16 +642,16 @@ def canned_results(tmp_path, feature_rows) -> dict:
                      "write_in_flight_at_kill": True, "journal_at_kill": {shard_dir.name: 1},
                      "tmp_at_kill": {shard_dir.name: []}},
             "resume": {"wall_s": 8.0, "rate": rate, "first_chunk_s": 4.0},
-            "accounting": scale.pipeline_resume_report(
+            "accounting": scale_kill.pipeline_resume_report(
                 {shard_dir.name: snapshot}, {shard_dir.name: snapshot}, {shard_dir.name: manifest}
             ),
-            "verify": scale.verify_shards([shard_dir], {0: 5, 1: 7, 2: 6}),
+            "verify": scale_kill.verify_shards([shard_dir], {0: 5, 1: 7, 2: 6}),
             "handoff_files_left": 0,
         },
         "fidelity": compare(features, shard_dir),
         "train-specforge": {"wall_s": 80.0, "steps": 64, "tokens_per_step": 2048,
                             "batch_rows": 1, "set_aside": ["data_1.ckpt"],
-                            **scale.training_rate([0.2] * 64, [2048] * 64, 4)},
+                            **scale_compare.training_rate([0.2] * 64, [2048] * 64, 4)},
         "train-eaglepipe": {"wall_s": 40.0, "batch_tokens": 16384, "tokens_per_s": 19800.0,
                             "timed_steps": 12, "timed_tokens": 196608, "median_step_s": 0.83,
                             "steps": 16, "peak_gpu_memory_gib": 86.8,
