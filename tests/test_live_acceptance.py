@@ -118,6 +118,11 @@ def test_live_acceptance_runs_from_whichever_export_exists(exported, tmp_path):
         {k: v for k, v in r.items() if k not in strip} for r in from_sglang["per_prompt"]
     ]
     assert json.loads((tmp_path / "b.json").read_text()) == from_vllm
+    split = from_sglang["by_stored_reply"]
+    flags = [r["reproduces_stored_reply"] for r in from_sglang["per_prompt"]]
+    assert split["reproduced"]["turns"] == sum(flags) and split["departed"]["turns"] == 2 - sum(
+        flags
+    )
 
 
 def test_live_prompts_zero_skips_and_says_so(exported, tmp_path):
@@ -261,6 +266,49 @@ def test_live_turns_are_an_even_sample_of_the_offline_turns(tmp_path):
     sample = held_out_turns(table, 4, max_rows=64)
     assert {t.turn for t in sample} == {0, 1}
     assert [(t.row_id, t.turn) for t in held_out_turns(table, 100, max_rows=1)] == [(0, 0), (0, 1)]
+
+
+def test_live_and_offline_are_compared_apart_where_the_live_output_left_the_stored_reply():
+    """A near-tie broken another way than in the server that wrote the reply sends the live
+    decode into text the offline walk never scored: that turn is reported on its own."""
+    from eaglepipe.drafter.live import reproduces_reply, split_by_stored_reply
+    from eaglepipe.drafter.live_run import PromptRun
+
+    eot, newline = 9, 4
+    # The table masks in a newline after the end-of-turn token; the server stops at it.
+    assert reproduces_reply([5, 6, eot], [5, 6, eot, newline], {eot})
+    assert reproduces_reply([5, 6], [5, 6, eot, newline], {eot})  # cut at the token budget
+    assert not reproduces_reply([5, 7, eot], [5, 6, eot, newline], {eot})
+    assert not reproduces_reply([5, 6, 6, eot], [5, 6, eot], {eot})
+
+    same = PromptRun(1, 0, [5, 6, eot], [5, 6, eot], completion_tokens=12, rounds=3, accepted=9)
+    left = PromptRun(2, 1, [5, 7, eot], [5, 7, eot], completion_tokens=30, rounds=20, accepted=10)
+    walked = {
+        (1, 0): {"tokens": 12, "rounds": {"7": 4}},
+        (2, 1): {"tokens": 10, "rounds": {"7": 4}},
+    }
+    split = split_by_stored_reply([same, left], [True, False], walked, steps=7)
+    assert split["reproduced"] == {
+        "turns": 1,
+        "completion_tokens": 12,
+        "acceptance_length": 4.0,
+        "offline_same_turns": 3.0,
+        "live_over_offline": 4.0 / 3.0,
+    }
+    assert split["departed"]["acceptance_length"] == 1.5
+    assert split["departed"]["offline_same_turns"] == 2.5
+    assert split["departed"]["live_over_offline"] == 0.6
+    # Pooled, the departed turn's rounds would hide the agreement: live 42 / 23 = 1.83 against
+    # offline 22 / 8 = 2.75.
+    nothing = split_by_stored_reply([same], [True], {}, steps=7)
+    assert nothing["reproduced"]["offline_same_turns"] is None
+    assert nothing["departed"] == {
+        "turns": 0,
+        "completion_tokens": 0,
+        "acceptance_length": None,
+        "offline_same_turns": None,
+        "live_over_offline": None,
+    }
 
 
 def test_first_difference():

@@ -114,20 +114,71 @@ def held_out_turns(table_path, count: int, max_rows: int) -> list[LiveTurn]:
     return [eligible[i * len(eligible) // count] for i in range(count)]
 
 
+def walked_turns(eval_path) -> tuple[float | None, dict]:
+    """eval.json's headline and its decode-order walk per (row_id, turn); (None, {}) without it."""
+    if not eval_path or not Path(eval_path).exists():
+        return None, {}
+    evaluation = json.loads(Path(eval_path).read_text())
+    walked = {(t["row_id"], t["turn"]): t for t in evaluation.get("turns", [])}
+    return evaluation.get("acceptance_length"), walked
+
+
+def pooled_offline(walked: dict, turns, steps: int) -> float | None:
+    """The offline walk's tokens per round pooled over `turns` (objects with row_id and turn),
+    None when one of them was not walked at `steps`."""
+    chosen = [walked.get((turn.row_id, turn.turn)) for turn in turns]
+    if not chosen or any(t is None or str(steps) not in t["rounds"] for t in chosen):
+        return None
+    rounds = sum(t["rounds"][str(steps)] for t in chosen)
+    return sum(t["tokens"] for t in chosen) / rounds if rounds else None
+
+
 def offline_figures(eval_path, turns: list[LiveTurn], steps: int) -> dict:
     """eval.json's headline, and its decode-order walk pooled over exactly these turns."""
-    figures = {"offline_acceptance_length": None, "offline_same_turns": None}
-    if not eval_path or not Path(eval_path).exists():
-        return figures
-    evaluation = json.loads(Path(eval_path).read_text())
-    figures["offline_acceptance_length"] = evaluation.get("acceptance_length")
-    walked = {(t["row_id"], t["turn"]): t for t in evaluation.get("turns", [])}
-    chosen = [walked.get((turn.row_id, turn.turn)) for turn in turns]
-    if chosen and all(t is not None and str(steps) in t["rounds"] for t in chosen):
-        tokens = sum(t["tokens"] for t in chosen)
-        rounds = sum(t["rounds"][str(steps)] for t in chosen)
-        figures["offline_same_turns"] = tokens / rounds if rounds else None
-    return figures
+    headline, walked = walked_turns(eval_path)
+    return {
+        "offline_acceptance_length": headline,
+        "offline_same_turns": pooled_offline(walked, turns, steps),
+    }
+
+
+def before_stop(ids: list[int], stops) -> list[int]:
+    """The tokens before the first end-of-turn token (all of them when none comes)."""
+    for i, token in enumerate(ids):
+        if token in stops:
+            return list(ids[:i])
+    return list(ids)
+
+
+def reproduces_reply(produced: list[int], reply: list[int], stops) -> bool:
+    """Whether a live output is the stored reply the offline walk scored, up to the end of the
+    turn (a chat template may mask in a token after its end-of-turn marker, e.g. a newline)."""
+    return before_stop(produced, stops) == before_stop(reply, stops)
+
+
+def split_by_stored_reply(
+    runs: list[PromptRun], reproduced: list[bool], walked: dict, steps: int
+) -> dict:
+    """Live against offline on the turns whose live output reproduced the stored reply, and on
+    the others. In bf16 a near-tie can break another way in the live server than in the one
+    that wrote the reply (regeneration's batching, kernels); from there the live decode scores
+    text the offline walk never saw, so only the first group compares like with like."""
+    groups: dict[str, list[PromptRun]] = {"reproduced": [], "departed": []}
+    for r, same in zip(runs, reproduced, strict=True):
+        groups["reproduced" if same else "departed"].append(r)
+    split = {}
+    for name, members in groups.items():
+        rounds = sum(r.rounds for r in members)
+        live = sum(r.completion_tokens for r in members) / rounds if rounds else None
+        offline = pooled_offline(walked, members, steps)
+        split[name] = {
+            "turns": len(members),
+            "completion_tokens": sum(r.completion_tokens for r in members),
+            "acceptance_length": live,
+            "offline_same_turns": offline,
+            "live_over_offline": live / offline if live and offline else None,
+        }
+    return split
 
 
 def check_lossless(runs: list[PromptRun], dtype: str) -> dict:
@@ -200,6 +251,7 @@ def live_acceptance(
         "offline_acceptance_length": None,
         "offline_same_turns": None,
         "live_over_offline": None,
+        "by_stored_reply": None,
         "speedup": None,
         "lossless": None,
         "per_prompt": [],
@@ -251,6 +303,11 @@ def live_acceptance(
     accepted = sum(r.accepted for r in runs)
     length = completion / rounds if rounds else None
     offline = offline_figures(eval_path, turns, speculative.steps)
+    replies = {(t.row_id, t.turn): t.reply for t in turns}
+    reproduced = [reproduces_reply(r.produced, replies[(r.row_id, r.turn)], stops) for r in runs]
+    by_reply = split_by_stored_reply(
+        runs, reproduced, walked_turns(eval_path)[1], speculative.steps
+    )
     plain_s = sum(r.greedy_seconds for r in runs)
     speculative_s = sum(r.seconds for r in runs)
     result.update(
@@ -272,6 +329,7 @@ def live_acceptance(
             if length and offline["offline_same_turns"]
             else None
         ),
+        by_stored_reply=by_reply,
         speedup={
             "plain_s": round(plain_s, 3),
             "speculative_s": round(speculative_s, 3),
@@ -279,7 +337,10 @@ def live_acceptance(
         },
         lossless=lossless,
         greedy_reference=reference_note,
-        per_prompt=[r.record() for r in runs],
+        per_prompt=[
+            {**r.record(), "reproduces_stored_reply": same}
+            for r, same in zip(runs, reproduced, strict=True)
+        ],
         **extra,
     )
     atomic_write_json(out_path, result)
@@ -292,6 +353,15 @@ def live_acceptance(
         f"equal plain greedy ({lossless['dtype']})",
         flush=True,
     )
+    kept, departed = by_reply["reproduced"], by_reply["departed"]
+    if departed["turns"]:
+        print(
+            f"{kept['turns']}/{len(runs)} live outputs reproduce the stored reply the "
+            f"offline walk scored: live / offline {_ratio(kept['live_over_offline'])} "
+            f"on those, {_ratio(departed['live_over_offline'])} on the "
+            f"{departed['turns']} that departed from it",
+            flush=True,
+        )
     if lossless["first_differences"]:
         print(
             "warning: greedy outputs with the drafter differ from those without it: "
@@ -303,3 +373,7 @@ def live_acceptance(
             flush=True,
         )
     return result
+
+
+def _ratio(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
