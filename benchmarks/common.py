@@ -33,6 +33,25 @@ if str(REPO_ROOT) not in sys.path:
 
 from eaglepipe.core.atomic import atomic_write_bytes, atomic_write_json  # noqa: E402
 
+# Keys real DeepSeek-V3 config.json files carry that transformers' DeepseekV3Config does not
+# save; SGLang 0.5.14 (and 0.5.18) reads moe_layer_freq and topk_method without a default.
+SGLANG_DEEPSEEK_KEYS = {
+    "moe_layer_freq": 1,
+    "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid",
+    "ep_size": 1,
+}
+
+
+def add_sglang_deepseek_keys(model_dir: Path) -> dict:
+    """Write SGLANG_DEEPSEEK_KEYS into a saved DeepSeek-V3 checkpoint's config.json (those it
+    lacks); returns the config as saved."""
+    config_path = Path(model_dir) / "config.json"
+    saved = json.loads(config_path.read_text())
+    saved.update({k: v for k, v in SGLANG_DEEPSEEK_KEYS.items() if k not in saved})
+    config_path.write_text(json.dumps(saved, indent=2))
+    return saved
+
 
 def log(message: str) -> None:
     print(message, flush=True)

@@ -2,17 +2,22 @@
 """A DeepSeek-V3-shaped toy target (MLA attention, MoE layers) for the drafter-variants benchmark.
 
 The embedded default's toy target is a Llama; an MLA draft layer needs a target with MLA
-attention. This builds one the same way (same tokenizer, same short seeded pre-training on the
-same conversations, `eaglepipe.data.toy_target.pretrain`) so a pipeline run with `model.path` set to
-it gives `bench_drafter_variants.py --variants plain,mla` a learnable target:
+attention. This builds one the same way (the toy's byte-level BPE tokenizer, the same short
+seeded pre-training on the same conversations, `eaglepipe.data.toy_target.pretrain`) so a
+pipeline run with `model.path` set to it gives `bench_drafter_variants.py --variants plain,mla`
+a learnable target:
 
-    python -u benchmarks/deepseek_toy_target.py --tokenizer-from <run>/models/toy-target \
-        --corpus data/sample/conversations.jsonl --out /tmp/deepseek-toy
+    python -u benchmarks/deepseek_toy_target.py --corpus data/sample/conversations.jsonl \
+        --out /tmp/deepseek-toy [--tokenizer-from <run>/models/toy-target] [--device cuda]
 
-The shape mirrors the embedded toy's (hidden 64, 8 layers, 4 heads, vocab of the tokenizer)
-with DeepSeek-V3's MLA (q_lora_rank 32, kv_lora_rank 32, qk_nope 16, qk_rope 8, v 16). Its
-layers are dense unless `--moe` (DeepSeek-V3's MoE after the first layer): transformers' MoE
-trains about 10x slower on a CPU, and the draft layer's own MLP is dense either way.
+Without --tokenizer-from the toy's tokenizer is trained here on the corpus, as the embedded
+default's build does (512 tokens). The shape mirrors the embedded toy's (hidden 64, 8 layers, 4
+heads, vocab of the tokenizer) with DeepSeek-V3's MLA (q_lora_rank 32, kv_lora_rank 32, qk_nope
+16, qk_rope 8, v 16). Its layers are dense unless `--moe` (DeepSeek-V3's MoE after the first
+layer): transformers' MoE trains about 10x slower on a CPU, and the draft layer's own MLP is
+dense either way. config.json also gets the keys SGLang 0.5.14 reads without a default
+(`common.SGLANG_DEEPSEEK_KEYS`), so SGLang serves the directory as it is (`tools/h200.sh
+pipeline-mla`).
 """
 
 from __future__ import annotations
@@ -21,23 +26,40 @@ import argparse
 from pathlib import Path
 
 import torch
+from common import add_sglang_deepseek_keys
 from transformers import AutoTokenizer, DeepseekV3Config, DeepseekV3ForCausalLM
 
 from eaglepipe.data.dataset import read_conversations
-from eaglepipe.data.toy_target import pretrain
+from eaglepipe.data.toy_target import (
+    corpus_texts,
+    portable_tokenizer_class,
+    pretrain,
+    train_tokenizer,
+)
+
+TOKENIZER_VOCAB = 512  # the embedded default's model.toy.vocab_size
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokenizer-from", required=True, help="a built toy-target directory")
+    parser.add_argument(
+        "--tokenizer-from", help="a built toy-target directory (default: train the toy's here)"
+    )
     parser.add_argument("--corpus", required=True, help="conversations (JSONL) to pre-train on")
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--moe", action="store_true", help="MoE layers after the first")
+    parser.add_argument("--device", default="cpu", help="where to pre-train (cpu, cuda)")
     args = parser.parse_args()
     torch.set_num_threads(1)  # the toy's matrices are tiny; see toy_target.build_toy_target
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_from)
+    conversations, _ = read_conversations(args.corpus, bad_rows="skip")
+    if args.tokenizer_from:
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_from)
+    else:
+        tokenizer = train_tokenizer(
+            corpus_texts(conversations), TOKENIZER_VOCAB, model_max_length=2048
+        )
     config = DeepseekV3Config(
         vocab_size=len(tokenizer),
         hidden_size=64,
@@ -64,19 +86,20 @@ def main() -> None:
         tie_word_embeddings=False,
     )
     torch.manual_seed(args.seed)
-    model = DeepseekV3ForCausalLM(config)
-    conversations, _ = read_conversations(args.corpus, bad_rows="skip")
+    model = DeepseekV3ForCausalLM(config).to(args.device)
     ids: list[int] = []
     for conversation in conversations:
         text = tokenizer.apply_chat_template(conversation.messages, tokenize=False)
         ids += tokenizer(text, add_special_tokens=False)["input_ids"]
     toy = {"train_steps": args.steps, "train_seq_len": 128, "train_batch_size": 16}
-    pretrain(model, torch.tensor(ids), {**toy, "seed": args.seed})
+    pretrain(model, torch.tensor(ids, device=args.device), {**toy, "seed": args.seed})
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     out = Path(args.out)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    portable_tokenizer_class(out / "tokenizer_config.json")
+    add_sglang_deepseek_keys(out)
     print(f"deepseek toy target: saved to {out}", flush=True)
 
 

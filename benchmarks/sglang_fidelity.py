@@ -60,6 +60,7 @@ from common import (  # noqa: E402
     REPO_ROOT,
     SGLANG_EXTRA_ARGS,
     add_engine_options,
+    add_sglang_deepseek_keys,
     command_line,
     free_port,
     log,
@@ -115,14 +116,6 @@ DEEPSEEK_COMMON = dict(
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, rope_interleave=True,
     num_mtp_layers=0, tie_word_embeddings=False,
 )  # fmt: skip
-# Keys real DeepSeek-V3 config.json files carry that transformers' DeepseekV3Config does not
-# save; SGLang 0.5.14 (and 0.5.18) reads moe_layer_freq and topk_method without a default.
-SGLANG_DEEPSEEK_KEYS = {
-    "moe_layer_freq": 1,
-    "topk_method": "noaux_tc",
-    "scoring_func": "sigmoid",
-    "ep_size": 1,
-}
 INIT_STD = {"llama": 0.08, "deepseek": 0.06}
 GATE_STD = 0.01  # router weights: small logits, so bf16 noise rarely flips an expert choice
 BIAS_STD = 0.5  # e_score_correction_bias (the choice only, as in DeepSeek-V3)
@@ -248,12 +241,7 @@ def build_deepseek(out: Path, size: str) -> dict:
             if name.endswith("e_score_correction_bias"):
                 buffer.normal_(0.0, BIAS_STD)
     save_checkpoint(model, tokenizer, out)
-    config_path = out / "config.json"
-    saved = json.loads(config_path.read_text())
-    added = {k: v for k, v in SGLANG_DEEPSEEK_KEYS.items() if k not in saved}
-    saved.update(added)
-    config_path.write_text(json.dumps(saved, indent=2))
-    return saved
+    return add_sglang_deepseek_keys(out)
 
 
 def build_kimi(out: Path, deepseek_dir: Path, packages: Path) -> dict:

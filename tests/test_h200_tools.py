@@ -11,6 +11,7 @@ import importlib.util
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -946,6 +947,26 @@ def test_the_pipeline_driver_runs_snakemake_with_the_sglang_overrides(tmp_path, 
     assert ("epochs: 2" in overrides) is bool(options)
     assert zipfile.is_zipfile(out / "pipeline_results.tgz") is False  # a gzip'd tar
     assert (out / "pipeline_results.tgz").stat().st_size > 0
+
+
+def test_the_mla_part_plans_the_pipeline_on_a_deepseek_toy_sglang_can_load(tmp_path):
+    """`pipeline-mla --dry-run` on CPU: a real DeepSeek-V3-shaped checkpoint (2 steps) with the
+    config keys SGLang 0.5.14 needs, and a plan on it with no toy build and no regeneration
+    that reaches training and live acceptance (then `variants --variants mla` serves it)."""
+    root, out = tmp_path / "root", tmp_path / "out"
+    done = run_h200(["pipeline-mla", str(out), "--dry-run"], REPO_ROOT, root)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    config = json.loads((root / "deepseek-toy" / "config.json").read_text())
+    assert config["model_type"] == "deepseek_v3" and config["kv_lora_rank"] == 32
+    assert config["moe_layer_freq"] == 1 and config["topk_method"] == "noaux_tc"
+    tokenizer = json.loads((root / "deepseek-toy" / "tokenizer_config.json").read_text())
+    assert tokenizer["tokenizer_class"] == "PreTrainedTokenizerFast"
+    overrides = (root / "mla-overrides.yaml").read_text()
+    assert f"path: {root / 'deepseek-toy'}" in overrides and "enabled: false" in overrides
+    planned = set(re.findall(r"rule (\w+):", done.stdout))
+    assert {"extract", "train", "live_acceptance"} <= planned
+    assert not planned & {"build_toy_target", "regenerate"}
+    assert "--device cuda" in done.stdout  # the real call pre-trains on the GPU
 
 
 @pytest.mark.slow

@@ -12,6 +12,10 @@
 #                                       the same on disk (--preset scale-disk: 3 M tokens in
 #                                       0.5 M-token shards; ~6 min)
 #   bash tools/h200.sh pipeline OUT     benchmarks/sglang_pipeline_h200.sh (snakemake, engine sglang)
+#   bash tools/h200.sh pipeline-mla OUT the pipeline on a DeepSeek-V3-shaped toy target (MLA
+#                                       attention, benchmarks/deepseek_toy_target.py, pre-trained
+#                                       here on the GPU), regeneration off; then `variants OUT
+#                                       --variants mla` serves the MLA draft layer (~6 min)
 #   bash tools/h200.sh variants OUT [--variants fc_norm,norm_output] [--epochs N]
 #                                       benchmarks/bench_drafter_variants.py on the run the
 #                                       pipeline part left on this warm machine: each variant
@@ -65,16 +69,16 @@
 set -u -o pipefail
 
 if [ $# -lt 2 ]; then
-    echo "usage: bash tools/h200.sh check|fidelity|perf|perf-scale|perf-scale-disk|pipeline|variants|live|regen|regen-sweep|ingest|regen-acceptance|specforge|specforge-scale OUT [args...]" >&2
+    echo "usage: bash tools/h200.sh check|fidelity|perf|perf-scale|perf-scale-disk|pipeline|pipeline-mla|variants|live|regen|regen-sweep|ingest|regen-acceptance|specforge|specforge-scale OUT [args...]" >&2
     exit 2
 fi
 PART=$1
 OUT=$2
 shift 2
 case "$PART" in
-check | fidelity | perf | perf-scale | perf-scale-disk | pipeline | variants | live | regen | regen-sweep | ingest | regen-acceptance | specforge | specforge-scale) ;;
+check | fidelity | perf | perf-scale | perf-scale-disk | pipeline | pipeline-mla | variants | live | regen | regen-sweep | ingest | regen-acceptance | specforge | specforge-scale) ;;
 *)
-    echo "tools/h200.sh: unknown part '$PART' (check, fidelity, perf, pipeline, variants, live, regen, regen-acceptance, perf-scale, perf-scale-disk, regen-sweep, ingest, specforge, specforge-scale)" >&2
+    echo "tools/h200.sh: unknown part '$PART' (check, fidelity, perf, pipeline, pipeline-mla, variants, live, regen, regen-acceptance, perf-scale, perf-scale-disk, regen-sweep, ingest, specforge, specforge-scale)" >&2
     exit 2
     ;;
 esac
@@ -198,6 +202,30 @@ run_part() {
         pipeline)
             EAGLEPIPE_PIPELINE_LIMIT_S=$((left - 20)) timeout --signal=TERM --kill-after=20 \
                 "$left" bash benchmarks/sglang_pipeline_h200.sh "$OUT" "$@"
+            ;;
+        pipeline-mla)
+            # An MLA draft layer needs a target with MLA attention: the DeepSeek-V3-shaped toy,
+            # pre-trained on the GPU, then the pipeline on it in the pipeline part's run
+            # directory (so `variants --variants mla` finds it). Regeneration stays off: the
+            # toy's own replies are not what this run measures, and it saves a server start.
+            toy="$ROOT/deepseek-toy"
+            toy_cmd=(python3 -u benchmarks/deepseek_toy_target.py
+                --corpus data/sample/conversations.jsonl --out "$toy" --device cuda)
+            if [ "$DRY_RUN" = 1 ]; then
+                # A real checkpoint of the same shape (2 steps, CPU), so the dry run checks
+                # the pipeline's plan against it.
+                say "(dry run) ${toy_cmd[*]}; here with --device cpu --steps 2"
+                "${toy_cmd[@]}" --device cpu --steps 2 >/dev/null || exit 1
+            elif [ ! -f "$toy/config.json" ]; then
+                say "building the DeepSeek-V3-shaped toy target into $toy"
+                timeout --signal=TERM --kill-after=20 $((left - 200)) "${toy_cmd[@]}" || exit 1
+            fi
+            overrides="$ROOT/mla-overrides.yaml"
+            printf 'model:\n  path: %s\ndataset:\n  regenerate:\n    enabled: false\n' \
+                "$toy" >"$overrides"
+            left=$((BUDGET_S - SECONDS - 30))
+            EAGLEPIPE_PIPELINE_LIMIT_S=$((left - 20)) timeout --signal=TERM --kill-after=20 \
+                "$left" bash benchmarks/sglang_pipeline_h200.sh "$OUT" --overrides "$overrides" "$@"
             ;;
         variants)
             # The plain variant is the pipeline run's own drafter (same seed and data): its

@@ -189,7 +189,7 @@ def build_model(toy_cfg: dict, tokenizer):
     return LlamaForCausalLM(config)
 
 
-def _portable_tokenizer_class(path: Path) -> None:
+def portable_tokenizer_class(path: Path) -> None:
     """Name the class every transformers version and engine knows for a tokenizer.json."""
     settings = json.loads(path.read_text())
     settings["tokenizer_class"] = "PreTrainedTokenizerFast"
@@ -269,7 +269,7 @@ def build_toy_target(
         shutil.rmtree(tmp_dir, ignore_errors=True)
         model.save_pretrained(tmp_dir)
         tokenizer.save_pretrained(tmp_dir)
-        _portable_tokenizer_class(tmp_dir / "tokenizer_config.json")
+        portable_tokenizer_class(tmp_dir / "tokenizer_config.json")
         atomic_write_json(
             tmp_dir / BUILD_INFO,
             {
