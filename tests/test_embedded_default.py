@@ -102,6 +102,12 @@ def test_the_drafter_learns_and_is_accepted_live(default_run):
     # turn, live is within 10 % of the decode-order walk (issue 26).
     assert live["prompts"] == 32
     assert 0.9 <= live["live_over_offline"] <= 1.1
+    # fp32: the live decode writes the regenerated replies again (as text; 31 of 32 on
+    # 2026-12-04, the 32nd cut at the live token budget), and on those live equals offline.
+    reproduced = live["by_stored_reply"]["reproduced"]
+    assert reproduced["turns"] >= 24
+    assert sum(p["reproduces_stored_reply"] for p in live["per_prompt"]) == reproduced["turns"]
+    assert 0.95 <= reproduced["live_over_offline"] <= 1.05
     # fp32 on the CPU: speculative decoding is lossless on every prompt (else the stage fails).
     assert live["lossless"] == {
         "dtype": "float32",

@@ -275,11 +275,18 @@ def test_live_and_offline_are_compared_apart_where_the_live_output_left_the_stor
     from eaglepipe.drafter.live_run import PromptRun
 
     eot, newline = 9, 4
+    pieces = {5: "a", 6: "b", 7: "c", 56: "ab", eot: "<eot>", newline: "\n"}
+
+    def decode(ids):
+        return "".join(pieces[i] for i in ids)
+
     # The table masks in a newline after the end-of-turn token; the server stops at it.
-    assert reproduces_reply([5, 6, eot], [5, 6, eot, newline], {eot})
-    assert reproduces_reply([5, 6], [5, 6, eot, newline], {eot})  # cut at the token budget
-    assert not reproduces_reply([5, 7, eot], [5, 6, eot, newline], {eot})
-    assert not reproduces_reply([5, 6, 6, eot], [5, 6, eot], {eot})
+    assert reproduces_reply([5, 6, eot], [5, 6, eot, newline], {eot}, decode)
+    assert reproduces_reply([5, 6], [5, 6, eot, newline], {eot}, decode)  # the token budget
+    # prepare tokenised the regenerated text again and merged two tokens: the same reply
+    assert reproduces_reply([5, 6, eot], [56, eot], {eot}, decode)
+    assert not reproduces_reply([5, 7, eot], [5, 6, eot, newline], {eot}, decode)
+    assert not reproduces_reply([5, 6, 6, eot], [5, 6, eot], {eot}, decode)
 
     same = PromptRun(1, 0, [5, 6, eot], [5, 6, eot], completion_tokens=12, rounds=3, accepted=9)
     left = PromptRun(2, 1, [5, 7, eot], [5, 7, eot], completion_tokens=30, rounds=20, accepted=10)

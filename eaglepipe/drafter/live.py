@@ -150,10 +150,13 @@ def before_stop(ids: list[int], stops) -> list[int]:
     return list(ids)
 
 
-def reproduces_reply(produced: list[int], reply: list[int], stops) -> bool:
+def reproduces_reply(produced: list[int], reply: list[int], stops, decode) -> bool:
     """Whether a live output is the stored reply the offline walk scored, up to the end of the
-    turn (a chat template may mask in a token after its end-of-turn marker, e.g. a newline)."""
-    return before_stop(produced, stops) == before_stop(reply, stops)
+    turn (a chat template may mask in a token after its end-of-turn marker, e.g. a newline).
+    Compared as text: the table holds the reply as prepare tokenised it again, and a BPE
+    tokenizer may split the same text otherwise than the tokens were generated."""
+    mine, stored = before_stop(produced, stops), before_stop(reply, stops)
+    return mine == stored or decode(mine) == decode(stored)
 
 
 def split_by_stored_reply(
@@ -277,7 +280,8 @@ def live_acceptance(
     from ..data.tokenizer import load_target_tokenizer, stop_token_ids
     from .export import engine_captured_layers, target_family
 
-    stops = stop_token_ids(load_target_tokenizer(run), run.model.directory)
+    tokenizer = load_target_tokenizer(run)
+    stops = stop_token_ids(tokenizer, run.model.directory)
     family = target_family(run.model.config)
     captured = engine_captured_layers(export.engine, family, export.written_layer_ids)
     if harness == "sglang":
@@ -304,7 +308,10 @@ def live_acceptance(
     length = completion / rounds if rounds else None
     offline = offline_figures(eval_path, turns, speculative.steps)
     replies = {(t.row_id, t.turn): t.reply for t in turns}
-    reproduced = [reproduces_reply(r.produced, replies[(r.row_id, r.turn)], stops) for r in runs]
+    reproduced = [
+        reproduces_reply(r.produced, replies[(r.row_id, r.turn)], stops, tokenizer.decode)
+        for r in runs
+    ]
     by_reply = split_by_stored_reply(
         runs, reproduced, walked_turns(eval_path)[1], speculative.steps
     )
