@@ -49,7 +49,7 @@ def add_sglang_deepseek_keys(model_dir: Path) -> dict:
     config_path = Path(model_dir) / "config.json"
     saved = json.loads(config_path.read_text())
     saved.update({k: v for k, v in SGLANG_DEEPSEEK_KEYS.items() if k not in saved})
-    config_path.write_text(json.dumps(saved, indent=2))
+    atomic_write_json(config_path, saved)
     return saved
 
 

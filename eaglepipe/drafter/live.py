@@ -133,9 +133,8 @@ def pooled_offline(walked: dict, turns, steps: int) -> float | None:
     return sum(t["tokens"] for t in chosen) / rounds if rounds else None
 
 
-def offline_figures(eval_path, turns: list[LiveTurn], steps: int) -> dict:
+def offline_figures(headline: float | None, walked: dict, turns, steps: int) -> dict:
     """eval.json's headline, and its decode-order walk pooled over exactly these turns."""
-    headline, walked = walked_turns(eval_path)
     return {
         "offline_acceptance_length": headline,
         "offline_same_turns": pooled_offline(walked, turns, steps),
@@ -262,7 +261,7 @@ def live_acceptance(
     engine = live_export_engine(run)
     if engine is None:
         result["skipped"] = "evaluate.live_prompts is 0"
-        result.update(offline_figures(eval_path, [], speculative.steps))
+        result.update(offline_figures(*walked_turns(eval_path), [], speculative.steps))
         atomic_write_json(out_path, result)
         print("live acceptance skipped: evaluate.live_prompts is 0", flush=True)
         return result
@@ -306,15 +305,14 @@ def live_acceptance(
     rounds = sum(r.rounds for r in runs)
     accepted = sum(r.accepted for r in runs)
     length = completion / rounds if rounds else None
-    offline = offline_figures(eval_path, turns, speculative.steps)
+    headline, walked = walked_turns(eval_path)
+    offline = offline_figures(headline, walked, turns, speculative.steps)
     replies = {(t.row_id, t.turn): t.reply for t in turns}
     reproduced = [
         reproduces_reply(r.produced, replies[(r.row_id, r.turn)], stops, tokenizer.decode)
         for r in runs
     ]
-    by_reply = split_by_stored_reply(
-        runs, reproduced, walked_turns(eval_path)[1], speculative.steps
-    )
+    by_reply = split_by_stored_reply(runs, reproduced, walked, speculative.steps)
     plain_s = sum(r.greedy_seconds for r in runs)
     speculative_s = sum(r.seconds for r in runs)
     result.update(
