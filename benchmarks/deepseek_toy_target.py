@@ -12,8 +12,8 @@ a learnable target:
 
 Without --tokenizer-from the toy's tokenizer is trained here on the corpus, as the embedded
 default's build does (512 tokens). The shape mirrors the embedded toy's (hidden 64, 8 layers, 4
-heads, vocab of the tokenizer) with DeepSeek-V3's MLA (q_lora_rank 32, kv_lora_rank 32, qk_nope
-16, qk_rope 8, v 16). Its layers are dense unless `--moe` (DeepSeek-V3's MoE after the first
+heads, vocab of the tokenizer) with DeepSeek-V3's MLA (q_lora_rank 64, kv_lora_rank 48, qk_nope
+32, qk_rope 16, v 32). Its layers are dense unless `--moe` (DeepSeek-V3's MoE after the first
 layer): transformers' MoE trains about 10x slower on a CPU, and the draft layer's own MLP is
 dense either way. config.json also gets the keys SGLang 0.5.14 reads without a default
 (`common.SGLANG_DEEPSEEK_KEYS`), so SGLang serves the directory as it is (`tools/h200.sh
@@ -38,6 +38,19 @@ from eaglepipe.data.toy_target import (
 )
 
 TOKENIZER_VOCAB = 512  # the embedded default's model.toy.vocab_size
+# SGLang 0.5.14's Triton MLA decode kernel needs next_power_of_2(kv_lora_rank +
+# qk_rope_head_dim) == next_power_of_2(kv_lora_rank) (48 + 16 fits 64; 32 + 8 and 64 + 16 fail).
+DEFAULT_SHAPE = dict(
+    hidden_size=64, q_lora_rank=64, kv_lora_rank=48, qk_nope_head_dim=32, qk_rope_head_dim=16,
+    v_head_dim=32,
+)  # fmt: skip
+
+
+def parse_shape(text: str) -> dict:
+    values = [int(v) for v in text.split(",")]
+    if len(values) != len(DEFAULT_SHAPE):
+        raise argparse.ArgumentTypeError(f"--shape needs {len(DEFAULT_SHAPE)} integers: {text}")
+    return dict(zip(DEFAULT_SHAPE, values, strict=True))
 
 
 def main() -> None:
@@ -51,6 +64,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--moe", action="store_true", help="MoE layers after the first")
     parser.add_argument("--device", default="cpu", help="where to pre-train (cpu, cuda)")
+    parser.add_argument(
+        "--shape", type=parse_shape, default=DEFAULT_SHAPE,
+        help="hidden,q_lora_rank,kv_lora_rank,qk_nope_head_dim,qk_rope_head_dim,v_head_dim "
+        f"(default {','.join(map(str, DEFAULT_SHAPE.values()))})",
+    )  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(1)  # the toy's matrices are tiny; see toy_target.build_toy_target
     conversations, _ = read_conversations(args.corpus, bad_rows="skip")
@@ -62,7 +80,6 @@ def main() -> None:
         )
     config = DeepseekV3Config(
         vocab_size=len(tokenizer),
-        hidden_size=64,
         intermediate_size=176,
         moe_intermediate_size=48,
         num_hidden_layers=8,
@@ -74,11 +91,7 @@ def main() -> None:
         n_group=2,
         topk_group=1,
         first_k_dense_replace=1 if args.moe else 8,
-        q_lora_rank=32,
-        kv_lora_rank=32,
-        qk_nope_head_dim=16,
-        qk_rope_head_dim=8,
-        v_head_dim=16,
+        **args.shape,
         max_position_embeddings=2048,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

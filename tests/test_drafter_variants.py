@@ -34,7 +34,12 @@ from eaglepipe.drafter import engine_load as el
 from eaglepipe.drafter import export as ex
 from eaglepipe.drafter.loss import ttt_loss
 from eaglepipe.drafter.model import DrafterConfig, Eagle3Drafter
-from eaglepipe.drafter.variants import ENGINE_OPTIONS, check_export_support
+from eaglepipe.drafter.variants import (
+    ENGINE_OPTIONS,
+    check_export_support,
+    check_mla_serving,
+    triton_mla_decode_fits,
+)
 from eaglepipe.drafter.vocab import choose_draft_vocab, save_vocab
 
 # (name, options): every flag alone, the 3.1 pair, and the MLA layer plain and with the pair.
@@ -68,14 +73,14 @@ ATTENTION_PARAMS = {
         "midlayer.self_attn.v_proj.weight": (16, 64),
         "midlayer.self_attn.o_proj.weight": (32, 32),
     },
-    # deepseek_config(): 4 heads, q_lora 16, kv_lora 16, nope 8, rope 8, v 8.
+    # deepseek_config(): 4 heads, q_lora 16, kv_lora 24, nope 8, rope 8, v 8.
     "mla": {
         "midlayer.self_attn.q_a_proj.weight": (16, 64),
         "midlayer.self_attn.q_a_layernorm.weight": (16,),
         "midlayer.self_attn.q_b_proj.weight": (64, 16),
-        "midlayer.self_attn.kv_a_proj_with_mqa.weight": (24, 64),
-        "midlayer.self_attn.kv_a_layernorm.weight": (16,),
-        "midlayer.self_attn.kv_b_proj.weight": (64, 16),
+        "midlayer.self_attn.kv_a_proj_with_mqa.weight": (32, 64),
+        "midlayer.self_attn.kv_a_layernorm.weight": (24,),
+        "midlayer.self_attn.kv_b_proj.weight": (64, 24),
         "midlayer.self_attn.o_proj.weight": (32, 32),
     },
 }
@@ -210,7 +215,7 @@ def test_mla_dimensions_come_from_the_target_unless_set():
     c = DrafterConfig.from_target(target, 24, options(layer="mla"))
     assert (c.q_lora_rank, c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim) == (
         16,
-        16,
+        24,
         8,
         8,
     )
@@ -405,11 +410,13 @@ def test_each_variant_trains(name):
 # Export, load with the engine's names, same logits
 
 
-def export_variant(tmp_path: Path, name: str, engines: list[str]) -> tuple[Path, Eagle3Drafter]:
-    config = variant_config(name)
+def export_variant(
+    tmp_path: Path, name: str, engines: list[str], config: DrafterConfig | None = None
+) -> tuple[Path, Eagle3Drafter]:
+    config = config or variant_config(name)
     target = deepseek_config() if config.layer == "mla" else llama_config()
     model_dir = tmp_path / "target"
-    model_dir.mkdir(exist_ok=True)
+    model_dir.mkdir(parents=True, exist_ok=True)
     (model_dir / "config.json").write_text(json.dumps(target))
     model = random_drafter(config)
     vocab = choose_draft_vocab(torch.arange(64).flip(0).numpy(), 24)
@@ -473,6 +480,38 @@ def test_export_refuses_an_engine_that_cannot_load_the_variant(tmp_path, name, e
     assert not (tmp_path / "export").exists()
 
 
+@pytest.mark.parametrize(
+    ("kv_lora_rank", "qk_rope_head_dim", "fits"),
+    # Served or crashed on the H200 (SGLang 0.5.14, BENCHMARKS.md): 32 + 8 and 64 + 16 crashed,
+    # 48 + 16 and 256 + 32 served; 512 + 64 is DeepSeek-V3's and Kimi-K2.5's own.
+    [(32, 8, False), (64, 16, False), (48, 16, True), (256, 32, True), (512, 64, True),
+     (16, 8, False), (24, 8, True), (128, 64, False)],
+)  # fmt: skip
+def test_the_triton_mla_decode_rule(kv_lora_rank, qk_rope_head_dim, fits):
+    assert triton_mla_decode_fits(kv_lora_rank, qk_rope_head_dim) is fits
+
+
+def test_an_mla_layer_sglang_cannot_decode_is_refused_before_anything_is_written(tmp_path):
+    target = deepseek_config()  # kv_lora_rank 24 + rope 8: served
+    check_mla_serving(["sglang"], DrafterConfig.from_target(target, 24, options(layer="mla")))
+    narrow = DrafterConfig.from_target(target, 24, options(layer="mla", mla={"kv_lora_rank": 16}))
+    expected = (
+        "export.engines has sglang, which cannot serve this MLA draft layer: SGLang's Triton "
+        "MLA decode kernel (0.5.14 to 0.5.23) needs next_power_of_2(kv_lora_rank + "
+        "qk_rope_head_dim) to equal next_power_of_2(kv_lora_rank) (or the sum to be 288 or "
+        "576), and the layer has kv_lora_rank 16 + qk_rope_head_dim 8 = 24; set "
+        "train.drafter.mla.kv_lora_rank (e.g. 24) or drop sglang from export.engines"
+    )
+    with pytest.raises(PipelineError) as refused:
+        export_variant(tmp_path / "sglang", "mla", ["sglang", "vllm"], narrow)
+    assert str(refused.value) == expected
+    assert not (tmp_path / "sglang" / "export").exists()
+    # vLLM serves MLA with its own kernels; the plain layer has no latent cache.
+    export_dir, _ = export_variant(tmp_path / "vllm", "mla", ["vllm"], narrow)
+    assert (export_dir / "vllm" / "model.safetensors").is_file()
+    check_mla_serving(["sglang"], DrafterConfig.from_target(target, 24, options(layer="llama")))
+
+
 def test_an_export_the_engine_would_read_differently_fails_the_round_trip(tmp_path):
     """The round trip is the check: a flag under a key the engine does not read, or a weight
     it would not load, is caught."""
@@ -494,7 +533,7 @@ def test_the_mla_export_config_loads_as_transformers_deepseek_v3(tmp_path):
         loaded = AutoConfig.from_pretrained(export_dir / engine)
         assert type(loaded).__name__ == "DeepseekV3Config"
         c = model.config
-        assert (loaded.q_lora_rank, loaded.kv_lora_rank, loaded.v_head_dim) == (16, 16, 8)
+        assert (loaded.q_lora_rank, loaded.kv_lora_rank, loaded.v_head_dim) == (16, 24, 8)
         assert (loaded.qk_nope_head_dim, loaded.qk_rope_head_dim) == (8, 8)
         assert loaded.num_hidden_layers == 1 and loaded.rope_interleave is True
         assert loaded.fc_norm is True and loaded.norm_output is True
@@ -542,6 +581,20 @@ def test_sglang_serves_the_mla_architecture_as_mla(sglang_root):
     find_function(tree, "Eagle3DeepseekV2ForCausalLM", "set_embed")
     worker = (sglang_root / "srt" / "speculative" / "eagle_worker_v2.py").read_text()
     assert "self.draft_runner.model.set_embed(embed)" in worker
+
+
+def test_the_triton_mla_decode_rule_is_the_one_each_sglang_release_has(sglang_root):
+    """check_mla_serving's rule, read from `_decode_grouped_att_m_fwd` at both range ends."""
+    places = ["srt/layers/attention/triton_ops/decode_attention.py",  # 0.5.14
+              "kernels/ops/attention/decode_attention.py"]  # 0.5.23  # fmt: skip
+    source = next(sglang_root / p for p in places if (sglang_root / p).exists()).read_text()
+    grouped = source[source.index("def _decode_grouped_att_m_fwd(") :]
+    grouped = grouped[: grouped.index("\ndef ", 1)]
+    for line in ("if Lk == 576:", "BLOCK_DMODEL = 512", "elif Lk == 288:", "BLOCK_DMODEL = 256",
+                 "BLOCK_DMODEL = triton.next_power_of_2(Lk)",
+                 "BLOCK_DV = triton.next_power_of_2(Lv)"):  # fmt: skip
+        assert line in grouped, line
+    assert "v = tl.trans(k)" in source  # MLA's values are the latent block, Lk wide
 
 
 def test_mla_name_tables_match_the_sglang_source(sglang_root):

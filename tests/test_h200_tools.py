@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from eaglepipe.drafter.variants import triton_mla_decode_fits
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 VENV_BIN = str(Path(sys.executable).parent)
 
@@ -957,7 +959,9 @@ def test_the_mla_part_plans_the_pipeline_on_a_deepseek_toy_sglang_can_load(tmp_p
     done = run_h200(["pipeline-mla", str(out), "--dry-run"], REPO_ROOT, root)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     config = json.loads((root / "deepseek-toy" / "config.json").read_text())
-    assert config["model_type"] == "deepseek_v3" and config["kv_lora_rank"] == 32
+    assert config["model_type"] == "deepseek_v3"
+    # A shape SGLang's Triton MLA decode kernel serves (32 + 8 crashed the H200's server).
+    assert triton_mla_decode_fits(config["kv_lora_rank"], config["qk_rope_head_dim"])
     assert config["moe_layer_freq"] == 1 and config["topk_method"] == "noaux_tc"
     tokenizer = json.loads((root / "deepseek-toy" / "tokenizer_config.json").read_text())
     assert tokenizer["tokenizer_class"] == "PreTrainedTokenizerFast"
@@ -967,6 +971,34 @@ def test_the_mla_part_plans_the_pipeline_on_a_deepseek_toy_sglang_can_load(tmp_p
     assert {"extract", "train", "live_acceptance"} <= planned
     assert not planned & {"build_toy_target", "regenerate"}
     assert "--device cuda" in done.stdout  # the real call pre-trains on the GPU
+
+
+def test_the_mla_probe_plans_each_shape_on_the_pipelines_own_servers(tmp_path):
+    """`mla-probe --dry-run` on CPU: a DeepSeek-V3-shaped toy per shape, and for each the
+    capture server's command (capturing hook, no radix cache) and the generation server's
+    (radix cache on, the hook told not to capture)."""
+    root, out = tmp_path / "root", tmp_path / "out"
+    shapes = "64,64,48,32,16,32;256,96,256,64,32,64"
+    done = run_h200(
+        ["mla-probe", str(out), "--dry-run", "--sglang-version", "0.5.14", "--shapes", shapes],
+        REPO_ROOT, root,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    probed = json.loads((out / "mla_probe.json").read_text())["shapes"]
+    assert [(s["shape"]["hidden_size"], s["shape"]["kv_lora_rank"]) for s in probed] == [
+        (64, 48), (256, 256)
+    ]  # fmt: skip
+    for entry in probed:
+        capture, generation = entry["commands"]["capture"], entry["commands"]["generation"]
+        assert "--disable-radix-cache" in capture and "--disable-radix-cache" not in generation
+        hooks = [json.loads(argv[argv.index("--forward-hooks") + 1])[0]["config"]
+                 for argv in (capture, generation)]  # fmt: skip
+        assert hooks[0].get("capture", True) and hooks[1]["capture"] is False
+        for argv in (capture, generation):
+            assert argv[argv.index("--attention-backend") + 1] == "triton"
+            toy = Path(argv[argv.index("--model-path") + 1])
+            built = json.loads((toy / "config.json").read_text())
+            assert built["kv_lora_rank"] == entry["shape"]["kv_lora_rank"]
 
 
 @pytest.mark.slow

@@ -16,6 +16,10 @@
 #                                       attention, benchmarks/deepseek_toy_target.py, pre-trained
 #                                       here on the GPU), regeneration off; then `variants OUT
 #                                       --variants mla` serves the MLA draft layer (~6 min)
+#   bash tools/h200.sh mla-probe OUT [--shapes H,Q,KV,NOPE,ROPE,V;...]
+#                                       benchmarks/sglang_mla_probe.py: which MLA shapes the
+#                                       pipeline's capture and generation servers serve (a
+#                                       random toy per shape, one prefill, one decode; ~90 s each)
 #   bash tools/h200.sh variants OUT [--variants fc_norm,norm_output] [--epochs N]
 #                                       benchmarks/bench_drafter_variants.py on the run the
 #                                       pipeline part left on this warm machine: each variant
@@ -69,16 +73,16 @@
 set -u -o pipefail
 
 if [ $# -lt 2 ]; then
-    echo "usage: bash tools/h200.sh check|fidelity|perf|perf-scale|perf-scale-disk|pipeline|pipeline-mla|variants|live|regen|regen-sweep|ingest|regen-acceptance|specforge|specforge-scale OUT [args...]" >&2
+    echo "usage: bash tools/h200.sh check|fidelity|perf|perf-scale|perf-scale-disk|pipeline|pipeline-mla|mla-probe|variants|live|regen|regen-sweep|ingest|regen-acceptance|specforge|specforge-scale OUT [args...]" >&2
     exit 2
 fi
 PART=$1
 OUT=$2
 shift 2
 case "$PART" in
-check | fidelity | perf | perf-scale | perf-scale-disk | pipeline | pipeline-mla | variants | live | regen | regen-sweep | ingest | regen-acceptance | specforge | specforge-scale) ;;
+check | fidelity | perf | perf-scale | perf-scale-disk | pipeline | pipeline-mla | mla-probe | variants | live | regen | regen-sweep | ingest | regen-acceptance | specforge | specforge-scale) ;;
 *)
-    echo "tools/h200.sh: unknown part '$PART' (check, fidelity, perf, pipeline, pipeline-mla, variants, live, regen, regen-acceptance, perf-scale, perf-scale-disk, regen-sweep, ingest, specforge, specforge-scale)" >&2
+    echo "tools/h200.sh: unknown part '$PART' (check, fidelity, perf, pipeline, pipeline-mla, mla-probe, variants, live, regen, regen-acceptance, perf-scale, perf-scale-disk, regen-sweep, ingest, specforge, specforge-scale)" >&2
     exit 2
     ;;
 esac
@@ -226,6 +230,14 @@ run_part() {
             left=$((BUDGET_S - SECONDS - 30))
             EAGLEPIPE_PIPELINE_LIMIT_S=$((left - 20)) timeout --signal=TERM --kill-after=20 \
                 "$left" bash benchmarks/sglang_pipeline_h200.sh "$OUT" --overrides "$overrides" "$@"
+            ;;
+        mla-probe)
+            timeout --signal=TERM --kill-after=20 "$left" python3 -u \
+                benchmarks/sglang_mla_probe.py --out "$OUT/mla_probe.json" \
+                --deadline-s $((left - 25)) --work-root "$ROOT" "$@"
+            rc=$?
+            keep_log_tails "$ROOT" "$OUT/mla_probe_logs.tgz"
+            exit $rc
             ;;
         variants)
             # The plain variant is the pipeline run's own drafter (same seed and data): its

@@ -51,7 +51,7 @@ from ..core.fingerprint import hash_bytes
 from ..core.run import RunSpec
 from ..core.sealed import CONFIG_SEAL_KEY, seal, seal_metadata
 from .model import DrafterConfig, Eagle3Drafter, load_drafter
-from .variants import ARCHITECTURES, check_export_support
+from .variants import ARCHITECTURES, check_export_support, check_mla_serving
 from .vocab import load_vocab
 
 ENGINES = ("sglang", "vllm")
@@ -202,6 +202,7 @@ def export(
     engines = list(engines or run.export.engines)
     options = {"layer": model.config.layer, **{f: getattr(model.config, f) for f in NORM_FLAGS}}
     check_export_support(options, engines)
+    check_mla_serving(engines, model.config)
     target_config = run.model.config
     tensors = export_tensors(model)
     written = []

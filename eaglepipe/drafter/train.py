@@ -34,7 +34,7 @@ from .data import BatchStream, index_rows, plan_batches, split_row_ids
 from .loss import ttt_loss
 from .model import Eagle3Drafter, drafter_config
 from .target_head import load_target_head
-from .variants import check_export_support
+from .variants import check_export_support, check_mla_serving
 from .vocab import load_vocab
 
 CHECKPOINT_RE = re.compile(r"step-(\d{8})\.pt$")
@@ -288,8 +288,9 @@ def train(
 
     vocab = load_vocab(vocab_path)
     # The variant's mistakes end the run before any data is read, not hours later at export.
-    drafter_config(run, vocab.size)
+    config = drafter_config(run, vocab.size)
     check_export_support(run.train.drafter.as_dict(), run.export.engines)
+    check_mla_serving(run.export.engines, config)
     head = load_target_head(run.model.directory)
     train_ids = split_row_ids(table_path, "train")
     chunks, facts = list_chunks(manifests, train_ids)

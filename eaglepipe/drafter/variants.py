@@ -27,6 +27,15 @@ the config, so no training runs for an export that cannot be served. Sources:
   `Eagle3LlamaForCausalLM` reads all four; `Eagle3DeepseekV2ForCausalLM` all but
   `norm_before_fc`.
 
+An MLA draft layer must also fit SGLang's Triton MLA decode kernel (the attention backend that
+serves any MLA shape; FlashMLA and FA3 take DeepSeek's own 512 + 64): with more than one head
+it reads the latent cache in a block of next_power_of_2(kv_lora_rank + qk_rope_head_dim) lanes
+(split 512 + 64 for a sum of 576, 256 + 32 for 288) and the values in one of
+next_power_of_2(kv_lora_rank), and the two must agree (`_decode_grouped_att_m_fwd`, 0.5.14's
+srt/layers/attention/triton_ops/decode_attention.py, 0.5.23's kernels/ops/attention/). On the
+H200, kv_lora_rank 32 + rope 8 and 64 + 16 crashed the server at start; 48 + 16 and 256 + 32
+served (BENCHMARKS.md). `check_mla_serving` refuses such a shape before training.
+
 This module stays free of torch: the Snakefile calls `check_export_support` at parse time.
 """
 
@@ -56,6 +65,49 @@ _NOT_LOADED = {
     ),
     ("vllm", "norm_before_fc"): "vLLM's Eagle3DeepseekV2ForCausalLM has no input_norm (0.33.0)",
 }
+
+
+# Sums of kv_lora_rank + qk_rope_head_dim the kernel splits into a latent and a rope block.
+_SPLIT_LATENT_BLOCK = {576: 512, 288: 256}
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def triton_mla_decode_fits(kv_lora_rank: int, qk_rope_head_dim: int) -> bool:
+    """Whether SGLang's Triton MLA decode kernel (more than one head) serves these sizes."""
+    total = kv_lora_rank + qk_rope_head_dim
+    latent_block = _SPLIT_LATENT_BLOCK.get(total, _next_power_of_2(total))
+    return latent_block == _next_power_of_2(kv_lora_rank)
+
+
+def fitting_kv_lora_rank(kv_lora_rank: int, qk_rope_head_dim: int) -> int:
+    """The least multiple of 8 at or above `kv_lora_rank` the kernel serves with that rope."""
+    rank = -(-kv_lora_rank // 8) * 8
+    while not triton_mla_decode_fits(rank, qk_rope_head_dim):
+        rank += 8
+    return rank
+
+
+def check_mla_serving(engines: list[str], config) -> None:
+    """Refuse, in one line, an MLA draft layer SGLang's Triton decode kernel cannot serve.
+
+    `config` is the resolved DrafterConfig (its MLA sizes the target's unless
+    train.drafter.mla sets them)."""
+    if "sglang" not in engines or config.layer != "mla" or config.num_attention_heads < 2:
+        return
+    kv, rope = config.kv_lora_rank, config.qk_rope_head_dim
+    if triton_mla_decode_fits(kv, rope):
+        return
+    raise PipelineError(
+        f"export.engines has sglang, which cannot serve this MLA draft layer: SGLang's Triton "
+        f"MLA decode kernel (0.5.14 to 0.5.23) needs next_power_of_2(kv_lora_rank + "
+        f"qk_rope_head_dim) to equal next_power_of_2(kv_lora_rank) (or the sum to be 288 or "
+        f"576), and the layer has kv_lora_rank {kv} + qk_rope_head_dim {rope} = {kv + rope}; "
+        f"set train.drafter.mla.kv_lora_rank (e.g. {fitting_kv_lora_rank(kv, rope)}) or drop "
+        f"sglang from export.engines"
+    )
 
 
 def unsupported_options(engine: str, options: dict) -> list[str]:
