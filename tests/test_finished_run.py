@@ -207,6 +207,41 @@ def test_verify_checks_every_stage_and_a_rebuilt_table_leaves_the_shards_fresh(r
     assert dry_run_jobs(run) == {}
 
 
+def test_verify_names_a_damaged_evaluation_or_live_report_and_only_they_are_redone(run):
+    """The drafter's reports are JSON: cut short, or another file in their place, verify names
+    each with its repair and sets it aside; the plan then evaluates and checks live again,
+    never training or exporting again."""
+    evaluation, live = run / "drafter" / "eval.json", run / "drafter" / "live.json"
+    stat = evaluation.stat()
+    evaluation.write_bytes(evaluation.read_bytes()[:40])
+    os.utime(evaluation, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    live.write_text("[]")
+    result = eaglepipe(run, "verify", "--check-only")
+    assert result.returncode == 1, result.stdout + result.stderr
+    errors = [line for line in result.stdout.splitlines() if line.startswith("error: ")]
+    assert errors == [
+        f"error: drafter/eval.json cannot be read as JSON ({json_error(evaluation)})",
+        "error: drafter/live.json is JSON but has no acceptance_length (not a live report)",
+    ], result.stdout
+    assert evaluation.exists() and live.exists()  # --check-only changes nothing
+
+    result = eaglepipe(run, "verify")
+    assert "repair: drafter/eval.json: set aside as drafter/eval.invalid.json; `snakemake " \
+        "--cores N` evaluates the drafter again" in result.stdout, result.stdout  # fmt: skip
+    assert not evaluation.exists() and (run / "drafter" / "live.invalid.json").exists()
+    jobs = dry_run_jobs(run)
+    assert {"evaluate", "live_acceptance", "report_acceptance"} <= set(jobs), jobs
+    assert not set(jobs) & {"train", "export", "extract", "validate", "prepare"}, jobs
+
+
+def json_error(path: Path) -> str:
+    try:
+        json.loads(path.read_text())
+    except ValueError as exc:
+        return str(exc)
+    raise AssertionError(f"{path} parses")
+
+
 def test_a_failed_prepare_leaves_fresh_shards_fresh(run):
     # What a failed prepare leaves: Snakemake removed its outputs. The shards' own rows did not
     # change, so the table made again must not rerun their extraction or validation.

@@ -10,6 +10,9 @@ records them, and the repair of each.
   each records in its header (`core/sealed.py`). Set aside; the next run builds it again.
 - export: each engine's `model.safetensors` against its header's checksums (its own, and its
   `config.json`'s). Set aside; the next run exports again.
+- evaluate, live: `drafter/eval.json` and `drafter/live.json`, written whole (atomically): each
+  must parse as a JSON object with its headline `acceptance_length`. Set aside; the next run
+  evaluates (or checks live) again, and the acceptance report follows.
 
 A file is set aside by renaming it to `<name>.invalid<suffix>` beside itself (kept for a look):
 missing, it is a target the next `snakemake --cores N` builds again, with what depends on it.
@@ -49,7 +52,12 @@ REBUILDS = {
     "train": "trains the drafter again (from its newest checkpoint, when one is left), then "
     "evaluates and exports again",
     "export": "exports the drafter again and checks it live",
+    "evaluate": "evaluates the drafter again (then its live check and the acceptance report)",
+    "live": "checks the exported drafter live again (then the acceptance report)",
 }
+
+# The drafter's reports, by the stage that writes each.
+REPORT_FILES = (("evaluate", DRAFTER_DIR / "eval.json"), ("live", DRAFTER_DIR / "live.json"))
 
 
 @dataclass
@@ -190,11 +198,29 @@ def check_drafter(run: RunSpec) -> StoredReport:
     return report
 
 
+def check_reports() -> StoredReport:
+    """The drafter's evaluation and live reports: whole JSON objects with their headline."""
+    report = StoredReport([], [])
+    for stage, path in REPORT_FILES:
+        if not path.exists():
+            continue
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            problem = f"{path} cannot be read as JSON ({exc})"
+        else:
+            if isinstance(data, dict) and "acceptance_length" in data:
+                continue
+            problem = f"{path} is JSON but has no acceptance_length (not a {stage} report)"
+        report.damaged.append(Damage(stage, path, problem, _setting_aside(path)))
+    return report
+
+
 def check_stored_stages(run: RunSpec, shard_names: list[str]) -> StoredReport:
     """Every stage's files but the hidden states' (`verify.verify_shards` has those), in the
     working directory."""
     report = StoredReport([], [])
-    parts = [check_prepared(), check_drafter(run)]
+    parts = [check_prepared(), check_drafter(run), check_reports()]
     if run.dataset.regenerate.enabled:
         parts.insert(0, check_regenerated(shard_names))
     for part in parts:
