@@ -189,7 +189,11 @@ def main(argv=None) -> int:
             continue
         run_dir = work / f"shape-{index}"
         run_dir.mkdir()
-        build_toy(shape, run_dir / "toy")
+        try:
+            build_toy(shape, run_dir / "toy")
+        except subprocess.CalledProcessError as exc:  # a shape transformers refuses
+            entry["error"] = f"the toy did not build (exit {exc.returncode})"
+            continue
         config = probe_config(run_dir, run_dir / "toy")
         if args.dry_run:
             entry["commands"] = planned_commands(config, args.sglang_version)

@@ -27,8 +27,8 @@ the config, so no training runs for an export that cannot be served. Sources:
   `Eagle3LlamaForCausalLM` reads all four; `Eagle3DeepseekV2ForCausalLM` all but
   `norm_before_fc`.
 
-An MLA draft layer must also fit SGLang's Triton MLA decode kernel (the attention backend that
-serves any MLA shape; FlashMLA and FA3 take DeepSeek's own 512 + 64): with more than one head
+An MLA draft layer must also fit SGLang's Triton MLA decode kernel (the attention backend the
+pipeline's SGLang servers use, `--attention-backend triton`): with more than one head
 it reads the latent cache in a block of next_power_of_2(kv_lora_rank + qk_rope_head_dim) lanes
 (split 512 + 64 for a sum of 576, 256 + 32 for 288) and the values in one of
 next_power_of_2(kv_lora_rank), and the two must agree (`_decode_grouped_att_m_fwd`, 0.5.14's
