@@ -228,16 +228,20 @@ def time_job(run_dir: Path, stage: str, config_path: Path, shard: str) -> dict:
         "shard": shard,
         "to_first_request_s": round(first_request, 3),
         "manifest_first_request_s": manifest["timing"].get("first_request_s"),
+        # Regeneration's goal is 1 s plus this (None for extraction, which loads none).
+        "manifest_tokenizer_load_s": manifest["timing"].get("tokenizer_load_s"),
         "wall_s": round(wall, 3),
     }
 
 
 def summary_of(runs: list[dict]) -> dict:
     firsts = [r["to_first_request_s"] for r in runs]
+    beyond = [r["to_first_request_s"] - (r["manifest_tokenizer_load_s"] or 0.0) for r in runs]
     return {
         "runs": runs,
         "to_first_request_s_median": round(statistics.median(firsts), 3),
         "to_first_request_s_min": round(min(firsts), 3),
+        "without_tokenizer_load_s_median": round(statistics.median(beyond), 3),
     }
 
 
@@ -372,13 +376,24 @@ def markdown_of(results: dict, repeat: int) -> str:
         rows = [
             [stage, jobs[stage]["to_first_request_s_median"], jobs[stage]["to_first_request_s_min"],
              ", ".join(str(r["manifest_first_request_s"]) for r in jobs[stage]["runs"]),
+             jobs[stage].get("without_tokenizer_load_s_median"),
              f"<= {GOAL_S:g} s" + (" + the tokenizer's load" if stage == "regenerate" else "")]
             for stage in ("extract", "regenerate")
         ]  # fmt: skip
         parts.append(
             f"### Job start to first request ({jobs['shards']} jobs per stage, one at a time, "
             "reference server on CPU)\n\n"
-            + markdown_table(["job", "median s", "min s", "manifest first_request_s", "goal"], rows)
+            + markdown_table(
+                [
+                    "job",
+                    "median s",
+                    "min s",
+                    "manifest first_request_s",
+                    "median s less the tokenizer's load",
+                    "goal",
+                ],
+                rows,
+            )  # fmt: skip
         )
     read = results.get("read")
     if read:

@@ -162,6 +162,10 @@ def test_job_start_times_real_jobs_to_their_first_request(tmp_path):
         assert job["shard"] == "rows_0-4"
         assert 0 < job["to_first_request_s"] < job["wall_s"]
         assert job["manifest_first_request_s"] > 0
+    # Regeneration's goal is 1 s beyond its tokenizer's load, which its manifest keeps apart.
+    (regeneration,) = results["jobs"]["regenerate"]["runs"]
+    assert 0 < regeneration["manifest_tokenizer_load_s"] < regeneration["manifest_first_request_s"]
+    assert results["jobs"]["extract"]["runs"][0]["manifest_tokenizer_load_s"] is None
     assert "Job start to first request" in out.with_suffix(".md").read_text()
     assert list(scratch.iterdir()) == []  # the run directory and its server are gone
 
