@@ -214,6 +214,11 @@ def check_lossless(runs: list[PromptRun], dtype: str) -> dict:
     return report
 
 
+def _figure(value: float | None) -> str:
+    """An acceptance length as the log prints it."""
+    return "n/a" if value is None else f"{value:.3f}"
+
+
 def live_acceptance(
     run: RunSpec,
     *,
@@ -350,10 +355,10 @@ def live_acceptance(
     )
     atomic_write_json(out_path, result)
     print(
-        f"live acceptance length ({harness}, {speculative.label}) "
-        f"{'n/a' if length is None else f'{length:.3f}'} over {len(runs)} held-out turns "
-        f"(offline on the same turns {offline['offline_same_turns']}, offline headline "
-        f"{offline['offline_acceptance_length']}); decode speed-up "
+        f"live acceptance length ({harness}, {speculative.label}) {_figure(length)} over "
+        f"{len(runs)} held-out turns (offline on the same turns "
+        f"{_figure(offline['offline_same_turns'])}, offline headline "
+        f"{_figure(offline['offline_acceptance_length'])}); decode speed-up "
         f"{result['speedup']['ratio'] or 0:.2f}x; {lossless['identical']}/{len(runs)} outputs "
         f"equal plain greedy ({lossless['dtype']})",
         flush=True,
