@@ -326,11 +326,14 @@ def test_a_prepare_hidden_states_copy_of_another_commit_is_refused(tmp_path):
 # ------------------------------------------------------------------------------ the device runner
 
 
-def run_h200(args: list[str], repo: Path, root: Path) -> subprocess.CompletedProcess:
+def run_h200(
+    args: list[str], repo: Path, root: Path, env: dict | None = None
+) -> subprocess.CompletedProcess:
     env = {
         **os.environ,
         "EAGLEPIPE_H200_ROOT": str(root),
         "PATH": f"{VENV_BIN}:{os.environ['PATH']}",
+        **(env or {}),
     }
     return subprocess.run(
         ["bash", str(repo / "tools" / "h200.sh"), *args],
@@ -971,6 +974,17 @@ def test_the_mla_part_plans_the_pipeline_on_a_deepseek_toy_sglang_can_load(tmp_p
     assert {"extract", "train", "live_acceptance"} <= planned
     assert not planned & {"build_toy_target", "regenerate"}
     assert "--device cuda" in done.stdout  # the real call pre-trains on the GPU
+    # Other sizes (a shape mla-probe served) replace the toy.
+    shape = {"EAGLEPIPE_MLA_TOY_SHAPE": "256,96,256,64,32,64"}
+    done = run_h200(["pipeline-mla", str(out), "--dry-run"], REPO_ROOT, root, env=shape)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    config = json.loads((root / "deepseek-toy" / "config.json").read_text())
+    assert (config["hidden_size"], config["kv_lora_rank"], config["qk_rope_head_dim"]) == (
+        256, 256, 32
+    )  # fmt: skip
+    assert (root / "deepseek-toy" / "shape.txt").read_text().strip() == shape[
+        "EAGLEPIPE_MLA_TOY_SHAPE"
+    ]  # fmt: skip
 
 
 def test_the_mla_probe_plans_each_shape_on_the_pipelines_own_servers(tmp_path):

@@ -14,7 +14,8 @@
 #   bash tools/h200.sh pipeline OUT     benchmarks/sglang_pipeline_h200.sh (snakemake, engine sglang)
 #   bash tools/h200.sh pipeline-mla OUT the pipeline on a DeepSeek-V3-shaped toy target (MLA
 #                                       attention, benchmarks/deepseek_toy_target.py, pre-trained
-#                                       here on the GPU), regeneration off; then `variants OUT
+#                                       here on the GPU; EAGLEPIPE_MLA_TOY_SHAPE=H,Q,KV,NOPE,ROPE,V
+#                                       for other sizes), regeneration off; then `variants OUT
 #                                       --variants mla` serves the MLA draft layer (~6 min)
 #   bash tools/h200.sh mla-probe OUT [--shapes H,Q,KV,NOPE,ROPE,V;...]
 #                                       benchmarks/sglang_mla_probe.py: which MLA shapes the
@@ -212,17 +213,26 @@ run_part() {
             # pre-trained on the GPU, then the pipeline on it in the pipeline part's run
             # directory (so `variants --variants mla` finds it). Regeneration stays off: the
             # toy's own replies are not what this run measures, and it saves a server start.
+            # EAGLEPIPE_MLA_TOY_SHAPE=H,Q,KV,NOPE,ROPE,V picks the toy's sizes (deepseek_toy_target.py
+            # --shape; a shape mla-probe served); a toy of other sizes left here is rebuilt.
             toy="$ROOT/deepseek-toy"
+            shape=${EAGLEPIPE_MLA_TOY_SHAPE:-default}
             toy_cmd=(python3 -u benchmarks/deepseek_toy_target.py
                 --corpus data/sample/conversations.jsonl --out "$toy" --device cuda)
+            [ "$shape" = default ] || toy_cmd+=(--shape "$shape")
+            if [ "$(cat "$toy/shape.txt" 2>/dev/null)" != "$shape" ]; then
+                rm -rf "$toy" "$ROOT/pipeline-run"
+            fi
             if [ "$DRY_RUN" = 1 ]; then
                 # A real checkpoint of the same shape (2 steps, CPU), so the dry run checks
                 # the pipeline's plan against it.
                 say "(dry run) ${toy_cmd[*]}; here with --device cpu --steps 2"
                 "${toy_cmd[@]}" --device cpu --steps 2 >/dev/null || exit 1
+                echo "$shape" >"$toy/shape.txt"
             elif [ ! -f "$toy/config.json" ]; then
-                say "building the DeepSeek-V3-shaped toy target into $toy"
+                say "building the DeepSeek-V3-shaped toy target ($shape) into $toy"
                 timeout --signal=TERM --kill-after=20 $((left - 200)) "${toy_cmd[@]}" || exit 1
+                echo "$shape" >"$toy/shape.txt"
             fi
             overrides="$ROOT/mla-overrides.yaml"
             printf 'model:\n  path: %s\ndataset:\n  regenerate:\n    enabled: false\n' \
