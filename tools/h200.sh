@@ -20,7 +20,8 @@
 #   bash tools/h200.sh mla-probe OUT [--shapes H,Q,KV,NOPE,ROPE,V;...]
 #                                       benchmarks/sglang_mla_probe.py: which MLA shapes the
 #                                       pipeline's capture and generation servers serve (a
-#                                       random toy per shape, one prefill, one decode; ~90 s each)
+#                                       random toy per shape: a prefill, 32 at once, a decode;
+#                                       two server starts, ~2.5 min a shape)
 #   bash tools/h200.sh variants OUT [--variants fc_norm,norm_output] [--epochs N]
 #                                       benchmarks/bench_drafter_variants.py on the run the
 #                                       pipeline part left on this warm machine: each variant
