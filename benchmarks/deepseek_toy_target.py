@@ -13,11 +13,11 @@ a learnable target:
 Without --tokenizer-from the toy's tokenizer is trained here on the corpus, as the embedded
 default's build does (512 tokens). The shape mirrors the embedded toy's (hidden 64, 8 layers, 4
 heads, vocab of the tokenizer) with DeepSeek-V3's MLA (q_lora_rank 64, kv_lora_rank 48, qk_nope
-32, qk_rope 16, v 32; `--shape` sets hidden and the five MLA sizes). Its layers are dense unless `--moe` (DeepSeek-V3's MoE after the first
-layer): transformers' MoE trains about 10x slower on a CPU, and the draft layer's own MLP is
-dense either way. config.json also gets the keys SGLang 0.5.14 reads without a default
-(`common.SGLANG_DEEPSEEK_KEYS`), so SGLang serves the directory as it is (`tools/h200.sh
-pipeline-mla`).
+32, qk_rope 16, v 32; `--shape` sets hidden and the five MLA sizes). Its layers are dense unless
+`--moe` (DeepSeek-V3's MoE after the first layer): transformers' MoE trains about 10x slower on
+a CPU, and the draft layer's own MLP is dense either way. config.json also gets the keys SGLang
+0.5.14 reads without a default (`common.SGLANG_DEEPSEEK_KEYS`), so SGLang serves the directory
+as it is (`tools/h200.sh pipeline-mla`).
 """
 
 from __future__ import annotations

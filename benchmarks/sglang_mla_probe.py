@@ -184,7 +184,7 @@ def main(argv=None) -> int:
     for index, shape in enumerate(s for s in args.shapes.split(";") if s.strip()):
         entry: dict = {"shape": dict(zip(SHAPE_KEYS, map(int, shape.split(",")), strict=True))}
         results["shapes"].append(entry)
-        if deadline - time.monotonic() < 120:
+        if deadline - time.monotonic() < 200:  # a toy and two server starts
             entry["skipped"] = "budget spent"
             continue
         run_dir = work / f"shape-{index}"
@@ -199,7 +199,7 @@ def main(argv=None) -> int:
             entry["commands"] = planned_commands(config, args.sglang_version)
             continue
         for purpose in ("capture", "generation"):
-            if deadline - time.monotonic() < 60:
+            if deadline - time.monotonic() < 100:  # a start (60-75 s) and its requests
                 entry[purpose] = {"skipped": "budget spent"}
                 continue
             entry[purpose] = serve_once(run_dir, config, purpose, args)
