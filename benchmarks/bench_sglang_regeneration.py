@@ -74,6 +74,7 @@ from common import (  # noqa: E402
     log_between,
     machine_info,
     markdown_table,
+    planned_sglang_commands,
     random_llama,
     ratio,
     shard_jobs_in_parallel,
@@ -567,20 +568,11 @@ def main(argv=None) -> int:
         write_conversations(dataset, args.rows, args.prompt_tokens, shape["vocab"], args.seed)
         config = pipeline_config(run_dir, model_dir, dataset, args)
         if args.dry_run:
-            from eaglepipe.core.run import resolve
-            from eaglepipe.server.sglang import launch_command
-
-            common = dict(
-                host="127.0.0.1", port=config["server"]["port"],
-                dump_dir=Path(config["server"]["dump_root"]) / "x", instance_id="dry-run",
-                sglang_version=args.sglang_version,
-            )  # fmt: skip
             # Regeneration's server (no capture), and extraction's beside it for comparison.
-            argv, _ = launch_command(resolve(config), capture=False, **common)
-            capture_argv, _ = launch_command(resolve(config), **common)
+            planned = planned_sglang_commands(config, args.sglang_version)
             url = f"http://127.0.0.1:{config['server']['port']}"
-            results["pipeline"] = {"argv": argv}
-            results["capture"] = {"argv": capture_argv}
+            results["pipeline"] = {"argv": planned["generation"]}
+            results["capture"] = {"argv": planned["capture"]}
             results["stock"] = {"argv": stock_command(config, args.sglang_version)[0]}
             results["bench_serving"] = {
                 "argv": [

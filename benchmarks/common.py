@@ -447,6 +447,23 @@ def chunk_storage(run_dir: Path, storage: str) -> Path | None:
 # ----------------------------------------------------------------------------- SGLang runs
 
 
+def planned_sglang_commands(config: dict, sglang_version: str) -> dict:
+    """The launcher's SGLang commands for a validated config, without starting anything: the
+    capture server's (extraction) and the generation server's (regeneration, live)."""
+    from eaglepipe.core.run import resolve
+    from eaglepipe.server.sglang import launch_command
+
+    common = dict(
+        host="127.0.0.1", port=config["server"]["port"],
+        dump_dir=Path(config["server"]["dump_root"]) / "x", instance_id="dry-run",
+        sglang_version=sglang_version,
+    )  # fmt: skip
+    return {
+        "capture": launch_command(resolve(config), **common)[0],
+        "generation": launch_command(resolve(config), capture=False, **common)[0],
+    }
+
+
 def add_engine_options(parser, reference_help: str) -> None:
     """The options every SGLang benchmark takes: a dry run that builds the commands for a
     given release without a server, and the reference engine on CPU to check the script."""

@@ -38,8 +38,8 @@ from eaglepipe.data.toy_target import (
 )
 
 TOKENIZER_VOCAB = 512  # the embedded default's model.toy.vocab_size
-# SGLang 0.5.14's Triton MLA decode kernel needs next_power_of_2(kv_lora_rank +
-# qk_rope_head_dim) == next_power_of_2(kv_lora_rank) (48 + 16 fits 64; 32 + 8 and 64 + 16 fail).
+# MLA sizes SGLang's Triton MLA decode kernel serves (eaglepipe.drafter.variants
+# .triton_mla_decode_fits: 48 + 16 does; 32 + 8 and 64 + 16 crashed the H200's server).
 DEFAULT_SHAPE = dict(
     hidden_size=64, q_lora_rank=64, kv_lora_rank=48, qk_nope_head_dim=32, qk_rope_head_dim=16,
     v_head_dim=32,

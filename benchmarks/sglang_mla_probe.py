@@ -31,11 +31,19 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from common import REPO_ROOT, free_port, log, machine_info, working_directory, write_results
+from common import (
+    REPO_ROOT,
+    SGLANG_EXTRA_ARGS,
+    free_port,
+    log,
+    machine_info,
+    planned_sglang_commands,
+    working_directory,
+    write_results,
+)
+from deepseek_toy_target import DEFAULT_SHAPE
 
 DEFAULT_SHAPES = "64,64,48,32,16,32;256,96,48,32,16,32;256,96,256,64,32,64"
-SHAPE_KEYS = ("hidden_size", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-              "v_head_dim")  # fmt: skip
 ERROR_LINE = re.compile(r"(Error|error:|CUBLAS|illegal|Cannot make_shape)")
 
 
@@ -74,9 +82,7 @@ def probe_config(run_dir: Path, model_dir: Path) -> dict:
     config["server"].update(
         engine="sglang", dtype="bfloat16", device="auto", port=free_port(),
         dump_root=tempfile.mkdtemp(prefix="dumps-", dir=run_dir), idle_timeout_s=900,
-        sglang={"tp_size": 1, "mem_fraction_static": 0.15,
-                "extra_args": ["--attention-backend", "triton", "--sampling-backend", "pytorch",
-                               "--grammar-backend", "none"]},
+        sglang={"tp_size": 1, "mem_fraction_static": 0.15, "extra_args": list(SGLANG_EXTRA_ARGS)},
     )  # fmt: skip
     return validate_config(config)
 
@@ -100,14 +106,15 @@ def first_error(log_dir: Path) -> str | None:
 
 def prefill(url: str, dump_dir: Path, rid: str, input_ids: list[int]) -> bool:
     """One extraction-style request; True when its dump appeared."""
+    from eaglepipe.server.handoff import DumpNotWritten, dump_path, wait_for_dump
+
     post(url, {"input_ids": input_ids, "rid": rid, "sampling_params": {"max_new_tokens": 0}})
-    dump = dump_dir / f"{rid}.safetensors"
-    for _ in range(100):
-        if dump.exists():
-            dump.unlink()
-            return True
-        time.sleep(0.1)
-    return False
+    try:
+        wait_for_dump(dump_path(dump_dir, rid), within_s=10.0)
+    except DumpNotWritten:
+        return False
+    dump_path(dump_dir, rid).unlink()
+    return True
 
 
 def serve_once(run_dir: Path, config: dict, purpose: str, args) -> dict:
@@ -160,21 +167,6 @@ def serve_once(run_dir: Path, config: dict, purpose: str, args) -> dict:
     return result
 
 
-def planned_commands(config: dict, sglang_version: str) -> dict:
-    from eaglepipe.core.run import resolve
-    from eaglepipe.server.sglang import launch_command
-
-    common = dict(
-        host="127.0.0.1", port=config["server"]["port"],
-        dump_dir=Path(config["server"]["dump_root"]) / "x", instance_id="dry-run",
-        sglang_version=sglang_version,
-    )  # fmt: skip
-    return {
-        "capture": launch_command(resolve(config), **common)[0],
-        "generation": launch_command(resolve(config), capture=False, **common)[0],
-    }
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     deadline = time.monotonic() + args.deadline_s
@@ -182,7 +174,7 @@ def main(argv=None) -> int:
     work = Path(tempfile.mkdtemp(prefix="eaglepipe-mla-probe-", dir=args.work_root))
     results: dict = {"benchmark": "sglang_mla_probe", "machine": machine_info(), "shapes": []}
     for index, shape in enumerate(s for s in args.shapes.split(";") if s.strip()):
-        entry: dict = {"shape": dict(zip(SHAPE_KEYS, map(int, shape.split(",")), strict=True))}
+        entry: dict = {"shape": dict(zip(DEFAULT_SHAPE, map(int, shape.split(",")), strict=True))}
         results["shapes"].append(entry)
         if deadline - time.monotonic() < 200:  # a toy and two server starts
             entry["skipped"] = "budget spent"
@@ -196,7 +188,7 @@ def main(argv=None) -> int:
             continue
         config = probe_config(run_dir, run_dir / "toy")
         if args.dry_run:
-            entry["commands"] = planned_commands(config, args.sglang_version)
+            entry["commands"] = planned_sglang_commands(config, args.sglang_version)
             continue
         for purpose in ("capture", "generation"):
             if deadline - time.monotonic() < 100:  # a start (60-75 s) and its requests
