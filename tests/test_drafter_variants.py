@@ -26,7 +26,7 @@ from test_drafter_export import (
 )
 
 from eaglepipe.core.atomic import atomic_write_bytes
-from eaglepipe.core.config import validate_config
+from eaglepipe.core.config import load_config, validate_config
 from eaglepipe.core.drafter_options import NORM_FLAGS, default_options, drafter_options
 from eaglepipe.core.errors import PipelineError
 from eaglepipe.core.run import resolve
@@ -510,6 +510,28 @@ def test_an_mla_layer_sglang_cannot_decode_is_refused_before_anything_is_written
     export_dir, _ = export_variant(tmp_path / "vllm", "mla", ["vllm"], narrow)
     assert (export_dir / "vllm" / "model.safetensors").is_file()
     check_mla_serving(["sglang"], DrafterConfig.from_target(target, 24, options(layer="llama")))
+
+
+def test_training_refuses_an_mla_layer_sglang_cannot_decode_before_reading_any_data(tmp_path):
+    from eaglepipe.drafter.train import train
+
+    model_dir = tmp_path / "target"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(deepseek_config()))
+    config = load_config(Path(__file__).resolve().parent.parent / "config.yaml")
+    config["model"]["path"] = str(model_dir)
+    config["export"]["engines"] = ["sglang"]
+    config["train"]["drafter"] = {"layer": "mla", "mla": {"kv_lora_rank": 16}}
+    save_vocab(choose_draft_vocab(torch.arange(64).flip(0).numpy(), 24), tmp_path / "vocab")
+    missing = tmp_path / "not-read"  # no table or shards: refused before either is read
+    with pytest.raises(PipelineError, match=r"kv_lora_rank 16 \+ qk_rope_head_dim 8 = 24"):
+        train(
+            resolve(config), vocab_path=str(tmp_path / "vocab"), table_path=str(missing),
+            manifests=[], validated=[],
+            out_path=str(tmp_path / "model.safetensors"), log_path=str(tmp_path / "log.jsonl"),
+            checkpoint_dir=str(tmp_path / "checkpoints"),
+        )  # fmt: skip
+    assert not (tmp_path / "model.safetensors").exists()
 
 
 def test_an_export_the_engine_would_read_differently_fails_the_round_trip(tmp_path):
