@@ -57,6 +57,15 @@ def log(message: str) -> None:
     print(message, flush=True)
 
 
+def _installed_version(distribution: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return None
+
+
 def _nvidia_driver() -> str | None:
     tool = shutil.which("nvidia-smi")
     if tool is None:
@@ -99,6 +108,7 @@ def machine_info(device: torch.device | str | None = None) -> dict:
             gpu_memory_gib=round(props.total_memory / 2**30, 1),
             cuda=torch.version.cuda,
             driver=_nvidia_driver(),
+            triton=_installed_version("triton"),
         )
     return info
 
@@ -343,20 +353,24 @@ def shard_jobs_in_parallel(
 
 def first_request_summary(manifests: list[dict]) -> dict | None:
     """The jobs' start-up, from their manifests (`timing.first_request_s`: process start to
-    first request): sum, median and max over the shards, None where none records it."""
-    values = sorted(
-        m["timing"]["first_request_s"]
-        for m in manifests
-        if m.get("timing", {}).get("first_request_s") is not None
-    )
+    first request): sum, median and max over the shards, None where none records it; with the
+    medians of its steps where the manifests record them (extraction: `entered_s`, the
+    library's code entered after interpreter and imports; `leased_s`, the server's lease held)."""
+    timings = [m.get("timing", {}) for m in manifests]
+    values = sorted(t["first_request_s"] for t in timings if t.get("first_request_s") is not None)
     if not values:
         return None
-    return {
+    summary = {
         "shards": len(values),
         "sum_s": round(sum(values), 3),
         "median_s": values[len(values) // 2],
         "max_s": values[-1],
     }
+    for step in ("entered_s", "leased_s"):
+        steps = sorted(t[step] for t in timings if t.get(step) is not None)
+        if steps:
+            summary[f"{step[:-2]}_median_s"] = steps[len(steps) // 2]
+    return summary
 
 
 def verify_and_delete(shard_dir: Path, manifest: dict) -> dict:

@@ -236,3 +236,27 @@ def test_acceptance_spread_pools_turns_as_the_harnesses_do(tmp_path):
         capture_output=True, text=True,
     )  # fmt: skip
     assert proc.returncode != 0 and "turn (2, 0) of the live run" in proc.stderr
+
+
+def test_first_request_summary_reports_the_start_ups_steps_where_manifests_record_them():
+    """Sum, median and max of the jobs' start-ups, with the medians of the steps before the
+    first request; manifests from before the steps were recorded still summarise."""
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    try:
+        from common import first_request_summary
+    finally:
+        sys.path.pop(0)
+    steps = [(0.4, 0.5, 0.6), (0.3, 1.2, 1.5), (0.5, 0.7, 0.9)]
+    manifests = [
+        {"timing": {"entered_s": e, "leased_s": lease, "first_request_s": f}}
+        for e, lease, f in steps
+    ]
+    assert first_request_summary(manifests) == {
+        "shards": 3, "sum_s": 3.0, "median_s": 0.9, "max_s": 1.5,
+        "entered_median_s": 0.4, "leased_median_s": 0.7,
+    }  # fmt: skip
+    older = [{"timing": {"first_request_s": 2.0}}, {"timing": {}}]
+    assert first_request_summary(older) == {
+        "shards": 1, "sum_s": 2.0, "median_s": 2.0, "max_s": 2.0
+    }  # fmt: skip
+    assert first_request_summary([{"timing": {}}]) is None

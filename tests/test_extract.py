@@ -213,14 +213,17 @@ from eaglepipe.extract.shard import run_extract_job
 run = load_run("config.json")
 manifest = run_extract_job(run, sys.argv[1], hidden_states_dir=Path(sys.argv[2]))
 heavy = sorted(m for m in ("torch", "transformers", "pandas") if m in sys.modules)
-print(manifest["num_rows"], manifest["timing"]["first_request_s"], ",".join(heavy) or "none")
+timing = manifest["timing"]
+steps = ",".join(str(timing[k]) for k in ("entered_s", "leased_s", "first_request_s"))
+print(manifest["num_rows"], steps, ",".join(heavy) or "none")
 """
 
 
 def test_a_job_moves_hidden_states_without_importing_torch(main_run):
     """Reading dumps and writing chunks needs no torch, transformers or pandas (seconds of
     imports before a job's first request, issue 28); on server.device cpu the engine's identity
-    needs none either. The manifest records when the first request went out."""
+    needs none either. The manifest records when the job entered the library, held the lease
+    and sent its first request, in that order."""
     workdir, reference, _ = main_run
     out = workdir / "hidden_states_fresh_interpreter"
     done = subprocess.run(
@@ -228,9 +231,10 @@ def test_a_job_moves_hidden_states_without_importing_torch(main_run):
         cwd=workdir, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    rows, first_request_s, heavy = done.stdout.split()
+    rows, steps, heavy = done.stdout.split()
     assert int(rows) == reference["num_rows"] and heavy == "none"
-    assert float(first_request_s) > 0
+    entered_s, leased_s, first_request_s = map(float, steps.split(","))
+    assert 0 < entered_s <= leased_s <= first_request_s
     fresh = read_manifest(out / SHARD / "manifest.json")
     assert [c["row_ids"] for c in fresh["chunks"]] == [c["row_ids"] for c in reference["chunks"]]
     assert fresh["provenance"] == reference["provenance"]

@@ -1015,6 +1015,32 @@ def test_the_mla_probe_plans_each_shape_on_the_pipelines_own_servers(tmp_path):
             assert built["kv_lora_rank"] == entry["shape"]["kv_lora_rank"]
 
 
+def test_the_mla_probe_keeps_the_traceback_that_names_the_failing_kernel(tmp_path):
+    """A crash's first error line comes back with the traceback above it (CUDA_LAUNCH_BLOCKING
+    makes that the failing kernel's launch); SGLang's harmless import notices are skipped."""
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    try:
+        from sglang_mla_probe import first_error
+    finally:
+        sys.path.pop(0)
+    log = tmp_path / "vm-20261204-185749-07dc58.log"
+    log.write_text(
+        "Ignore import error when loading sglang.srt.models.glm4v: No module named 'x'\n"
+        "[2026-12-04] Prefill batch. #new-seq: 32, #new-token: 14992\n"
+        "Traceback (most recent call last):\n"
+        '  File "sglang/srt/layers/attention/triton_ops/extend_attention.py", line 640\n'
+        "    _fwd_kernel[grid](\n"
+        "RuntimeError: Triton Error [CUDA]: an illegal memory access was encountered\n"
+        "Traceback (most recent call last):\n"
+        "RuntimeError: a later consequence\n"
+    )
+    line, traceback = first_error(tmp_path)
+    assert line == "RuntimeError: Triton Error [CUDA]: an illegal memory access was encountered"
+    assert traceback[0].startswith("Traceback") and "extend_attention.py" in traceback[1]
+    assert traceback[-1] == line and len(traceback) == 4
+    assert first_error(tmp_path / "nothing-here") is None
+
+
 @pytest.mark.slow
 def test_the_fidelity_harness_end_to_end_on_the_reference_server(tmp_path):
     """The live path of sglang_fidelity.py (lifecycle start, the project's client single and

@@ -34,7 +34,8 @@ it reads the latent cache in a block of next_power_of_2(kv_lora_rank + qk_rope_h
 next_power_of_2(kv_lora_rank), and the two must agree (`_decode_grouped_att_m_fwd`, 0.5.14's
 srt/layers/attention/triton_ops/decode_attention.py, 0.5.23's kernels/ops/attention/). On the
 H200, kv_lora_rank 32 + rope 8 and 64 + 16 crashed the server at start; 48 + 16 and 256 + 32
-served (BENCHMARKS.md). `check_mla_serving` refuses such a shape before training.
+started, and 512 + 64 (DeepSeek-V3's) served batches and a live MLA draft (BENCHMARKS.md).
+`check_mla_serving` refuses such a shape before training.
 
 This module stays free of torch: the Snakefile calls `check_export_support` at parse time.
 """

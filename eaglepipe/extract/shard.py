@@ -35,7 +35,7 @@ from ..core.jsonio import read_json_object
 from ..core.layers import CONVENTION, FINAL_CONVENTION
 from ..core.progress import Progress
 from ..core.run import RunSpec
-from ..core.shard_job import ShardLock, run_shard_job
+from ..core.shard_job import ShardLock, process_age_s, run_shard_job
 from ..core.space import check_free_space, format_bytes
 from ..plan.provenance import shard_provenance
 from ..plan.shard_plan import parse_shard_name
@@ -268,6 +268,7 @@ def _extract_chunks(
         if r in wanted
     ]
     with server_lease(run) as handle:
+        leased_s = process_age_s()
         info = dict(handle.info)
         check_server_info(info, aux_ids, hidden_size, handle.url)
         check_server_engine(info, engine, handle.url)
@@ -306,6 +307,7 @@ def _extract_chunks(
             )
             raise
     breakdown = {
+        "leased_s": leased_s,
         **client.stats.timing(),
         "lookahead_wait_s": round(assembler.lookahead_wait_s, 3),
         "chunk_write_s": round(assembler.write_s, 3),
@@ -325,6 +327,9 @@ def extract_shard(
     """Extract one shard (resuming verified chunks) and return its manifest."""
     started_at = datetime.now(UTC)
     t0 = time.monotonic()
+    # The start-up's parts, as process ages: here (interpreter, imports), the lease held
+    # (`leased_s`), the first request (`first_request_s`).
+    entered_s = process_age_s()
     shard = parse_shard_name(shard_name)
     # Up front: it also refuses a shard that is not in the plan before any work is done.
     workflow_stamp = shard_provenance(run, shard_name)
@@ -426,6 +431,7 @@ def extract_shard(
                 "tokens_per_s": round(progress.amount("tokens") / seconds, 1),
                 "mb_per_s": round(progress.amount("bytes") / seconds / 1e6, 3),
                 "requests_sent": requests_sent,
+                "entered_s": entered_s,
                 # Where the time went: see ClientStats and ChunkAssembler.
                 **breakdown,
             },
