@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import tomllib
 import zipfile
 from pathlib import Path
@@ -339,6 +340,36 @@ def run_h200(
         ["bash", str(repo / "tools" / "h200.sh"), *args],
         capture_output=True, text=True, env=env, timeout=120,
     )  # fmt: skip
+
+
+def test_the_jit_cache_returned_fits_what_the_next_call_can_carry(tmp_path):
+    """Over the limit, the JIT cache keeps only tvm-ffi's kernels, the most recently built ones
+    that fit, so `.whl-sglang` and `.jit-sglang` together stay within a call's carry."""
+    root, out = tmp_path / "root", tmp_path / "out"
+    out.mkdir()
+    kernels = root / "jit" / "tvm-ffi"
+    for age, name in enumerate(["newest", "middle", "oldest"]):
+        (kernels / name).mkdir(parents=True)
+        (kernels / name / "kernel.so").write_bytes(os.urandom(400_000))  # incompressible
+        os.utime(kernels / name, (1e9 - age * 3600,) * 2)
+    (root / "jit" / "triton").mkdir()
+    (root / "jit" / "triton" / "cache.bin").write_bytes(os.urandom(400_000))
+    script = (REPO_ROOT / "tools" / "h200.sh").read_text()
+    function = script[script.index("save_jit_cache() {") : script.index("save_server_logs() {")]
+    done = subprocess.run(
+        ["bash", "-c", f'say() {{ echo "$*"; }}\n{function}\nsave_jit_cache'],
+        env={**os.environ, "ROOT": str(root), "OUT": str(out),
+             "EAGLEPIPE_JIT_CACHE_MAX_BYTES": "900000"},
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "1 least recently built" in done.stdout
+    archive = out / "jitcache.tgz"
+    assert archive.stat().st_size <= 900_000
+    with tarfile.open(archive) as tar:
+        kept = {Path(n).parts[2] for n in tar.getnames() if n.endswith(".so")}
+        assert not [n for n in tar.getnames() if "triton" in n]
+    assert kept == {"newest", "middle"}
 
 
 @pytest.mark.parametrize("args", [[], ["perf"], ["burn", "/tmp/x"]])

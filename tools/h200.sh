@@ -376,21 +376,30 @@ stop_leftovers() {
 }
 
 save_jit_cache() {
-    [ -d "$ROOT/jit" ] || return 0
-    local tgz=$OUT/jitcache.tgz
-    tar -czf "$tgz" --exclude='*.o' --exclude='*.ninja*' --exclude='*.lock' -C "$ROOT" jit
     # The next call carries it beside ~54 MiB of wheels and the repository, within the 64 MiB a
-    # call may carry: over 6 MiB, only the tvm-ffi builds (the slow part, ~40 s; Triton
-    # recompiles quickly).
-    if [ "$(stat -c %s "$tgz")" -gt $((6 * 1024 * 1024)) ]; then
-        tar -czf "$tgz" --exclude='*.o' --exclude='*.ninja*' --exclude='*.lock' -C "$ROOT" jit/tvm-ffi
+    # call may carry (EAGLEPIPE_JIT_CACHE_MAX_BYTES, default 6 MiB). Over that: the tvm-ffi builds
+    # only (the slow part, ~40 s a cold start; Triton recompiles quickly), and of those, the
+    # least recently built are left out until it fits (a kernel per model shape accumulates).
+    [ -d "$ROOT/jit" ] || return 0
+    local tgz=$OUT/jitcache.tgz limit=${EAGLEPIPE_JIT_CACHE_MAX_BYTES:-$((6 * 1024 * 1024))}
+    local common=(--exclude='*.o' --exclude='*.ninja*' --exclude='*.lock')
+    tar -czf "$tgz" "${common[@]}" -C "$ROOT" jit
+    if [ "$(stat -c %s "$tgz")" -gt "$limit" ]; then
+        local oldest_first=() left_out=()
+        mapfile -t oldest_first < <(cd "$ROOT" && ls -1dtr jit/tvm-ffi/*/ 2>/dev/null)
+        while :; do
+            tar -czf "$tgz" "${common[@]}" "${left_out[@]}" -C "$ROOT" jit/tvm-ffi
+            [ "$(stat -c %s "$tgz")" -le "$limit" ] && break
+            if [ ${#left_out[@]} -ge ${#oldest_first[@]} ]; then
+                say "JIT cache over $limit bytes even without its kernels: not saved"
+                rm -f "$tgz"
+                return 0
+            fi
+            left_out+=(--exclude="${oldest_first[${#left_out[@]}]%/}")
+        done
+        [ ${#left_out[@]} -eq 0 ] || say "JIT cache: the ${#left_out[@]} least recently built tvm-ffi kernel(s) left out to fit"
     fi
-    if [ "$(stat -c %s "$tgz")" -gt $((15 * 1024 * 1024)) ]; then
-        say "JIT cache is $(du -h "$tgz" | cut -f1), over what a returned file may hold: not saved"
-        rm -f "$tgz"
-    else
-        say "JIT cache saved: $tgz ($(du -h "$tgz" | cut -f1)); carry it as .jit-sglang/jitcache.tgz"
-    fi
+    say "JIT cache saved: $tgz ($(du -h "$tgz" | cut -f1)); carry it as .jit-sglang/jitcache.tgz"
 }
 
 save_server_logs() {
