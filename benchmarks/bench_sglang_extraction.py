@@ -7,6 +7,9 @@ random bf16 weights made on the GPU and saved once. Over the same seeded rows (5
 - bare: SGLang with the launcher's exact command minus the hook and the capture (no
   `--forward-hooks`, no capture flags or capture ids), the rows sent with `max_new_tokens: 0`,
   `--inflight-requests` at a time; tokens/s to the last answer. This is the ceiling.
+- bare_capture (`--bare-capture`): the same rows through the launcher's command without the
+  hook only, the capture on: what computing the aux hidden states costs, apart from the hook,
+  the dumps and the client.
 - pipeline: SGLang started by the project's launcher (hook + capture), then the shards as
   `--parallel-shards` concurrent `scripts/extract.py` jobs (what `snakemake --cores N` runs),
   writing checksummed chunks; once with the chunks on /dev/shm, once on disk (the scratch dir).
@@ -151,6 +154,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="the bare run sends this leading share of the same rows (a rate: a long run's "
         "steady state needs no more, and the call's 10 minutes are short)",
     )  # fmt: skip
+    parser.add_argument(
+        "--bare-capture", action="store_true",
+        help="also the bare run's rows through SGLang with the capture but without the hook: "
+        "what the capture alone costs the prefill, apart from the hook, dumps and client",
+    )  # fmt: skip
     parser.add_argument("--mem-fraction-static", type=float, default=0.8)
     parser.add_argument("--storages", default="shm,disk", help="where chunks go, in order")
     parser.add_argument("--raw-gb", type=float, default=4.0, help="raw write test size")
@@ -290,10 +298,11 @@ def storage_plan(args) -> dict:
         model_on = "shm" if room > model + (8 << 30) else "disk"
     need[model_on] = need.get(model_on, 0) + model
     bare_s = tokens / args.assume_bare_tok_s
+    bare_runs = 2 if args.bare_capture else 1
     seconds = (
         MODEL_BUILD_S
-        + 2 * SERVER_START_S
-        + args.bare_fraction * bare_s
+        + (1 + bare_runs) * SERVER_START_S
+        + bare_runs * args.bare_fraction * bare_s
         + len(args.storages) * bare_s / 0.95
     )
     return {
@@ -352,8 +361,12 @@ def pipeline_config(run_dir: Path, model_dir: Path, dataset: Path, rows, args, s
     return validate_config(config)
 
 
-def bare_command(config: dict, sglang_version: str | None = None) -> tuple[list[str], dict]:
-    """The launcher's command without the hook and the capture; every other flag the same."""
+def bare_command(
+    config: dict, sglang_version: str | None = None, *, capture: bool = False
+) -> tuple[list[str], dict]:
+    """The launcher's command without the hook and the capture; every other flag the same.
+    With `capture`, only without the hook: SGLang computes the aux hidden states and nothing
+    takes them (what the capture alone costs a prefill)."""
     from eaglepipe.core.run import resolve
     from eaglepipe.server.sglang import launch_command
     from eaglepipe.server.sglang_plugin import CAPTURE_ENV
@@ -363,6 +376,9 @@ def bare_command(config: dict, sglang_version: str | None = None) -> tuple[list[
         dump_dir=Path(config["server"]["dump_root"]) / "bare", instance_id="bare",
         sglang_version=sglang_version,
     )  # fmt: skip
+    if capture:
+        hook_at = argv.index("--forward-hooks")
+        return argv[:hook_at] + argv[hook_at + 2 :], env
     bare, i = [], 0
     while i < len(argv):
         token = argv[i]
@@ -448,10 +464,10 @@ def stop_group(proc: subprocess.Popen) -> None:
     proc.poll()
 
 
-def run_bare(config: dict, rows, warmup, args, work: Path) -> dict:
-    argv, extra_env = bare_command(config)
+def run_bare(config: dict, rows, warmup, args, work: Path, name: str = "bare") -> dict:
+    argv, extra_env = bare_command(config, capture=name == "bare_capture")
     url = f"http://{config['server']['host']}:{config['server']['port']}"
-    log_path = work / "server_bare.log"
+    log_path = work / f"server_{name}.log"
     result: dict = {"argv": argv}
     env = {**os.environ, **extra_env}
     started = time.monotonic()
@@ -461,16 +477,16 @@ def run_bare(config: dict, rows, warmup, args, work: Path) -> dict:
     try:
         while not http_ok(url):
             if proc.poll() is not None:
-                raise RuntimeError(f"bare SGLang exited {proc.returncode}: {tail(log_path)}")
+                raise RuntimeError(f"{name} SGLang exited {proc.returncode}: {tail(log_path)}")
             if time.monotonic() - started > args.health_s:
-                raise RuntimeError(f"bare SGLang not healthy in {args.health_s:g}s")
+                raise RuntimeError(f"{name} SGLang not healthy in {args.health_s:g}s")
             time.sleep(0.5)
         result["startup_s"] = round(time.monotonic() - started, 1)
-        log(f"bare: healthy after {result['startup_s']}s")
+        log(f"{name}: healthy after {result['startup_s']}s")
         asyncio.run(send_rows(url, warmup, args.bare_inflight, "warm"))
         offset = log_path.stat().st_size
         with GpuUtilisation() as gpu:
-            timed = asyncio.run(send_rows(url, rows, args.bare_inflight, "bare"))
+            timed = asyncio.run(send_rows(url, rows, args.bare_inflight, name))
         tokens = sum(len(r) for r in rows)
         result.update(timed)
         result.update(gpu.summary())
@@ -479,7 +495,8 @@ def run_bare(config: dict, rows, warmup, args, work: Path) -> dict:
         time.sleep(0.5)
         result["prefill"] = batch_summary(prefill_batches(log_between(log_path, offset)))
         if timed["answered"] != len(rows):
-            raise RuntimeError(f"bare: {timed['answered']}/{len(rows)} answered: {timed['errors']}")
+            answered = f"{timed['answered']}/{len(rows)}"
+            raise RuntimeError(f"{name}: {answered} answered: {timed['errors']}")
     finally:
         stop_group(proc)
         result["server_log_tail"] = tail(log_path, 15)
@@ -656,6 +673,7 @@ def summarise(results: dict) -> None:
         min(v for v in (bare, disk_tokens_per_s) if v) if (bare or disk_tokens_per_s) else None
     )
     results["ratios"] = {
+        "bare_capture_vs_bare": ratio(results.get("bare_capture", {}).get("tokens_per_s"), bare),
         "shm_vs_bare": ratio(shm, bare),
         "disk_vs_bare": ratio(disk, bare),
         "disk_tokens_per_s_raw": round(disk_tokens_per_s, 1) if disk_tokens_per_s else None,
@@ -689,6 +707,14 @@ def report(results: dict) -> str:
              bare.get("tokens_per_s"), 1.0 if bare.get("tokens_per_s") else None,
              bare.get("gpu_util_mean_pct"), (bare.get("prefill") or {}).get("tokens_per_batch"),
              "", bare.get("error", "")]]  # fmt: skip
+    if "bare_capture" in results:
+        capture = results["bare_capture"]
+        rows.append(["SGLang with the capture, no hook (--bare-capture)", capture.get("tokens"),
+                     capture.get("seconds"), capture.get("tokens_per_s"),
+                     ratio(capture.get("tokens_per_s"), bare.get("tokens_per_s")),
+                     capture.get("gpu_util_mean_pct"),
+                     (capture.get("prefill") or {}).get("tokens_per_batch"), "",
+                     capture.get("error", "")])  # fmt: skip
     for name, entry in results.get("pipeline", {}).get("variants", {}).items():
         hook = entry.get("hook") or {}
         rows.append([
@@ -828,6 +854,9 @@ def main(argv=None) -> int:
 
             results["bare"] = {"argv": bare_command(config, args.sglang_version)[0],
                                "env": bare_command(config, args.sglang_version)[1]}  # fmt: skip
+            if args.bare_capture:
+                argv, env = bare_command(config, args.sglang_version, capture=True)
+                results["bare_capture"] = {"argv": argv, "env": env}
             from eaglepipe.core.run import resolve
 
             argv, env = launch_command(
@@ -854,6 +883,16 @@ def main(argv=None) -> int:
                 traceback.print_exc()
                 results["bare"] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
                 code = 1
+            if args.bare_capture and args.engine == "sglang":
+                try:
+                    results["bare_capture"] = run_bare(
+                        config, bare_rows, warmup, args, work, name="bare_capture"
+                    )
+                    log(f"bare_capture: {results['bare_capture']['tokens_per_s']:,.0f} tok/s")
+                except Exception as exc:
+                    traceback.print_exc()
+                    results["bare_capture"] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+                    code = 1
             write_results(args.out, results)
             try:
                 results["pipeline"] = run_pipeline(run_dir, config, rows, warmup, args, deadline)

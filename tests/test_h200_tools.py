@@ -812,11 +812,17 @@ def test_the_extraction_benchmark_builds_the_bare_and_pipeline_commands(
     out = tmp_path / "r.json"
     done = run_script(
         "benchmarks/bench_sglang_extraction.py", "--dry-run", "--sglang-version", version,
-        "--work-root", str(tmp_path), "--out", str(out),
+        "--work-root", str(tmp_path), "--out", str(out), "--bare-capture",
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads(out.read_text())
     bare, pipeline = results["bare"], results["pipeline"]
+    # The capture without the hook: the pipeline's command less --forward-hooks, its env.
+    capture = results["bare_capture"]
+    hooks = pipeline["argv"].index("--forward-hooks")
+    assert capture["argv"] == pipeline["argv"][:hooks] + pipeline["argv"][hooks + 2 :]
+    capture_env = "EAGLEPIPE_SGLANG_CAPTURE_LAYER_IDS"
+    assert capture["env"][capture_env] == pipeline["env"][capture_env]
     for flag in ("--forward-hooks", "--speculative-algorithm", "--enable-return-aux-hidden-states"):
         assert flag not in bare["argv"]
     assert bare["env"]["EAGLEPIPE_SGLANG_CAPTURE_LAYER_IDS"] == ""
