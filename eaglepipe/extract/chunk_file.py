@@ -17,6 +17,7 @@ import json
 import os
 import struct
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -244,8 +245,9 @@ def write_chunk(
     that function builds the whole file in memory (a second copy of a GiB-sized chunk) and
     its checksum would need a second pass over the written file. Here the header is computed
     from the known shapes, then each tensor's bytes are streamed row by row straight from the
-    row tensors into the file and the xxh3-128 hasher, so the checksum is computed while
-    writing and no concatenated copy is made. The result is a standard safetensors file.
+    row tensors into the file and, in a thread beside the writes, the xxh3-128 hasher, so the
+    checksum is computed while writing and no concatenated copy is made. The result is a
+    standard safetensors file.
     """
     shard_dir = Path(shard_dir)
     row_list = list(rows)
@@ -272,12 +274,16 @@ def write_chunk(
     }
     hasher = xxhash.xxh3_128()
     written = 0
+    # The hash runs beside the writes: xxhash and the file writes both release the GIL, and
+    # one thread takes the updates in order. The rows outlive every update (waited for below).
+    hashing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chunk-hash")
+    updates = []
     try:
         with open(tmp_path, "wb", buffering=0) as f:
 
             def emit(buf: bytes | memoryview) -> None:
                 nonlocal written
-                hasher.update(buf)
+                updates.append(hashing.submit(hasher.update, buf))
                 view = memoryview(buf).cast("B")
                 while view:
                     n = f.write(view)
@@ -289,6 +295,8 @@ def write_chunk(
                 for buf in sections[section]():
                     emit(buf)
             os.fsync(f.fileno())
+        for update in updates:
+            update.result()
         os.replace(tmp_path, final_path)
     except OSError as exc:
         tmp_path.unlink(missing_ok=True)
@@ -301,6 +309,8 @@ def write_chunk(
     except BaseException:
         tmp_path.unlink(missing_ok=True)
         raise
+    finally:
+        hashing.shutdown(wait=True)  # no update may outlive the rows it reads
     fsync_dir(shard_dir)
     return ChunkRecord(
         file=name,
