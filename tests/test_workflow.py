@@ -67,6 +67,10 @@ def test_schema_error_names_the_bad_key(tmp_path):
         ("model", "path", "/nonexistent/model", "/nonexistent/model"),
         ("server", "engine", "vllm", "config key server.engine"),
         ("dataset", "path", "/nonexistent.jsonl", "/nonexistent.jsonl"),
+        # Empty strings were taken as "not set" (the toy target) or as the working directory.
+        ("model", "path", "", "config key model.path"),
+        ("dataset", "path", "", "config key dataset.path"),
+        ("server", "host", "", "config key server.host"),
     ],
 )
 def test_a_config_error_is_one_line_without_a_traceback(tmp_path, section, key, value, expected):
