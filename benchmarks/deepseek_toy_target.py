@@ -12,8 +12,8 @@ a learnable target:
 
 Without --tokenizer-from the toy's tokenizer is trained here on the corpus, as the embedded
 default's build does (512 tokens). The shape mirrors the embedded toy's (hidden 64, 8 layers, 4
-heads, vocab of the tokenizer) with DeepSeek-V3's MLA (q_lora_rank 64, kv_lora_rank 48, qk_nope
-32, qk_rope 16, v 32; `--shape` sets hidden and the five MLA sizes). Its layers are dense unless
+heads, vocab of the tokenizer) with DeepSeek-V3's MLA (q_lora_rank 64, kv_lora_rank 512, qk_nope
+128, qk_rope 64, v 128; `--shape` sets hidden and the five MLA sizes). Its layers are dense unless
 `--moe` (DeepSeek-V3's MoE after the first layer): transformers' MoE trains about 10x slower on
 a CPU, and the draft layer's own MLP is dense either way. config.json also gets the keys SGLang
 0.5.14 reads without a default (`common.SGLANG_DEEPSEEK_KEYS`), so SGLang serves the directory
@@ -38,11 +38,13 @@ from eaglepipe.data.toy_target import (
 )
 
 TOKENIZER_VOCAB = 512  # the embedded default's model.toy.vocab_size
-# MLA sizes SGLang's Triton MLA decode kernel serves (eaglepipe.drafter.variants
-# .triton_mla_decode_fits: 48 + 16 does; 32 + 8 and 64 + 16 crashed the H200's server).
+# DeepSeek-V3's own MLA sizes at the toy's width: the shape SGLang 0.5.14 served through the
+# whole pipeline on the H200 (2026-12-04). Smaller ones failed there: 32 + 8 and 64 + 16 in the
+# Triton MLA decode kernel at start (eaglepipe.drafter.variants.triton_mla_decode_fits), 48 + 16
+# with v_head_dim 32 on the first batched prefill (BENCHMARKS.md).
 DEFAULT_SHAPE = dict(
-    hidden_size=64, q_lora_rank=64, kv_lora_rank=48, qk_nope_head_dim=32, qk_rope_head_dim=16,
-    v_head_dim=32,
+    hidden_size=64, q_lora_rank=64, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+    v_head_dim=128,
 )  # fmt: skip
 
 
