@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
 from pathlib import Path
 
 import pytest
+from conftest import REPO_ROOT
 from pipeline_run import SAMPLE, default_config, isolate, run_snakemake, write_config
 
 FIGURES = ["dataset.png", "extraction.png", "validation.png", "training.png", "acceptance.png"]
@@ -47,6 +49,28 @@ def test_everything_is_built_and_nothing_is_left_to_do(default_run):
         "rows_64-128",
     ]
     assert "Nothing to be done" in run_snakemake(default_run, "-n").stdout
+
+
+@pytest.mark.slow
+def test_git_ignores_everything_the_run_leaves(default_run):
+    """Pipeline outputs never go into git: every top-level path the README's first command
+    leaves in its working directory matches .gitignore."""
+    # Not the run's: the test's config and handoff dir (pipeline_run.isolate; the README's run
+    # keeps its handoff on /dev/shm).
+    own = {"config.yaml", "dumps"}
+    left = sorted(
+        f"{p.name}/" if p.is_dir() else p.name for p in default_run.iterdir() if p.name not in own
+    )
+    assert "regenerated/" in left and "hidden_states/" in left
+    done = subprocess.run(
+        ["git", "-C", str(REPO_ROOT), "check-ignore", "--no-index", "--verbose",
+         "--non-matching", *left],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    not_ignored = [
+        line.split("\t")[-1] for line in done.stdout.splitlines() if line.startswith("::")
+    ]
+    assert not_ignored == [], f"not in .gitignore: {not_ignored}"
 
 
 @pytest.mark.slow
