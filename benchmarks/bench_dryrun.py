@@ -8,6 +8,11 @@ run: cold (no cached row count, shard digests or provenance stamps), warm (the s
 what a user sees on every `snakemake -n` after the first), and warm with `--quiet all` (the
 same DAG without the per-job listing). CPU only.
 
+Beside it, Snakemake's own floor on the same machine: a Snakefile of trivial rules (no inputs
+functions, logs, params or conda) planning the same jobs per shard, with the same garbage
+collector tuning, dry-run the same way. No workflow with that many jobs plans faster; a second
+floor with one job per shard is the best a workflow that merged its per-shard stages could do.
+
     python -u benchmarks/bench_dryrun.py                     # 10,000 rows -> 5,000 shards
     python -u benchmarks/bench_dryrun.py --rows 200 --out /tmp/dryrun.json   # quick check
 """
@@ -59,8 +64,64 @@ def write_config(path: Path, dataset: Path, rows_per_shard: int, regenerate: boo
     path.write_text(yaml.safe_dump(config, sort_keys=False))
 
 
-def dry_run(work: Path, log_path: Path, *extra: str) -> dict:
-    """One `snakemake -n` through the repository's Snakefile; its output goes to `log_path`."""
+FLOOR_SNAKEFILE = """\
+# Snakemake's floor: the DAG's shape with nothing but the jobs (bench_dryrun.py writes this).
+from eaglepipe.ops.snakefile_hooks import tune_gc_for_dag
+
+tune_gc_for_dag()
+SHARDS = [f"rows_{{i}}-{{i + 1}}" for i in range({shards})]
+STAGES = {stages}
+
+
+rule all:
+    input:
+        "train.done",
+
+
+rule train:
+    input:
+        [f"{{STAGES[-1]}}/{{shard}}.done" for shard in SHARDS],
+    output:
+        "train.done",
+    shell:
+        "touch {{output}}"
+
+
+for position, stage in enumerate(STAGES):
+
+    rule:
+        name:
+            stage
+        input:
+            [f"{{STAGES[position - 1]}}/{{{{shard}}}}.done"] if position else [],
+        output:
+            f"{{stage}}/{{{{shard}}}}.done",
+        shell:
+            "touch {{output}}"
+"""
+
+
+def floor_stages(regenerate: bool, merged: bool) -> list[str]:
+    """The per-shard jobs of the floor's DAG, in order."""
+    if merged:
+        return ["extract"]
+    return (["regenerate"] if regenerate else []) + ["extract", "validate"]
+
+
+def snakemake_floor(work: Path, shards: int, stages: list[str]) -> dict:
+    """A warm `snakemake -n` of trivial rules planning `stages` jobs for each of `shards`."""
+    floor = work / ("floor-" + "-".join(stages))
+    floor.mkdir()
+    snakefile = floor / "Snakefile"
+    snakefile.write_text(FLOOR_SNAKEFILE.format(shards=shards, stages=stages))
+    dry_run(floor, floor / "first.log", snakefile=snakefile)
+    return dry_run(floor, floor / "warm.log", snakefile=snakefile)
+
+
+def dry_run(work: Path, log_path: Path, *extra: str, snakefile: Path | None = None) -> dict:
+    """One `snakemake -n` through `snakefile` (the repository's unless given); its output goes
+    to `log_path`."""
+    configuration = [] if snakefile else ["--configfile", str(work / "config.yaml")]
     command = [
         sys.executable,
         "-m",
@@ -68,10 +129,9 @@ def dry_run(work: Path, log_path: Path, *extra: str) -> dict:
         "-n",
         "--directory",
         str(work),
-        "--configfile",
-        str(work / "config.yaml"),
+        *configuration,
         "-s",
-        str(REPO_ROOT / "Snakefile"),
+        str(snakefile or REPO_ROOT / "Snakefile"),
         *extra,
     ]
     with timed() as t, open(log_path, "w") as out:
@@ -114,6 +174,10 @@ def main(argv=None) -> int:
         # Without printing every job: how much of the dry run is the per-job listing.
         quiet = dry_run(work, work / "quiet.log", "--quiet", "all")
         log(f"warm, --quiet all: {quiet['seconds']}s")
+        floor = snakemake_floor(work, shards, floor_stages(args.regenerate, merged=False))
+        log(f"Snakemake's floor, same jobs per shard: {floor['seconds']}s, {floor['jobs']} jobs")
+        merged = snakemake_floor(work, shards, floor_stages(args.regenerate, merged=True))
+        log(f"Snakemake's floor, one job per shard: {merged['seconds']}s, {merged['jobs']} jobs")
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -131,6 +195,9 @@ def main(argv=None) -> int:
         "cold": cold,
         "warm": warm,
         "warm_quiet": quiet,
+        "snakemake_floor": floor,
+        "snakemake_floor_one_job_per_shard": merged,
+        "warm_vs_floor": round(warm["seconds"] / floor["seconds"], 3),
         "goal_s": GOAL_S,
         "goal_met": cold["seconds"] <= GOAL_S,
     }
@@ -142,8 +209,21 @@ def main(argv=None) -> int:
                 ["cold (first `snakemake -n`)", cold["seconds"], cold["jobs"], f"<= {GOAL_S:g} s"],
                 ["warm (caches and stamps present)", warm["seconds"], warm["jobs"], ""],
                 ["warm, `--quiet all` (no per-job listing)", quiet["seconds"], None, ""],
+                [
+                    "Snakemake's floor: trivial rules, the same jobs per shard",
+                    floor["seconds"],
+                    floor["jobs"],
+                    "",
+                ],
+                [
+                    "Snakemake's floor: trivial rules, one job per shard",
+                    merged["seconds"],
+                    merged["jobs"],
+                    "",
+                ],
             ],
         )
+        + f"\nwarm / floor (same jobs per shard): {results['warm_vs_floor']:.2f}\n"
         + f"\nMachine: {machine_line(results['machine'])}.  \nCommand: `{results['command']}`\n"
     )
     print("\n" + markdown, flush=True)

@@ -5,6 +5,7 @@ import os
 import eaglepipe.ops.snakefile_hooks as hooks
 import eaglepipe.plan.freshness as freshness
 import eaglepipe.plan.provenance as provenance
+import eaglepipe.core.config as config_paths
 from eaglepipe.core.config import RESOLVED_CONFIG
 from eaglepipe.core.run import resolve_at_workflow_start
 from eaglepipe.drafter.live import live_export_engine
@@ -45,6 +46,7 @@ PREPARED_INPUTS = {
 PREPARED_PRESENT = all(os.path.exists(path) for path in PREPARED_INPUTS.values())
 RUN_TOKEN = hooks.run_token()
 RESOLVED = str(RESOLVED_CONFIG)
+REGENERATION_SUMMARY = str(config_paths.REGENERATION_SUMMARY)
 ENV = "../envs/pipeline.yaml"
 TOY_STAMP = str(provenance.TOY_STAMP)
 DATASET = RUN.dataset.path
@@ -137,14 +139,20 @@ def prepare_inputs(wildcards):
         "dataset": ancient(DATASET),
         "model": when_stale(MODEL_CONFIG, fresh),
     }
-    if REGENERATE:
-        # Prepare reads the regenerated rows of every shard (its provenance holds their
-        # checksums: a shard regenerated with other rows makes it stale).
-        inputs["regenerated"] = [
-            when_stale(provenance.regenerated_manifest_path(shard), fresh)
-            for shard in SHARDS
-        ]
+    # Prepare reads the regenerated rows of every shard (its provenance holds their checksums:
+    # a shard regenerated with other rows makes it stale); the summary stands for all of them.
+    # A fresh prepare takes no input from a deleted summary, which `all` makes again: a missing
+    # input would rerun prepare, ancient() or not.
+    if REGENERATE and (not fresh or os.path.exists(REGENERATION_SUMMARY)):
+        inputs["regenerated"] = when_stale(REGENERATION_SUMMARY, fresh)
     return inputs
+
+
+def regenerated_manifests():
+    return [
+        when_stale(provenance.regenerated_manifest_path(shard), PREPARE_IS_FRESH)
+        for shard in SHARDS
+    ]
 
 
 def prepared_table(wildcards=None):
@@ -207,6 +215,7 @@ def final_targets():
     # (eaglepipe/plan/freshness.py, "runs left inconsistent").
     return [
         MODEL_CONFIG,
+        *([REGENERATION_SUMMARY] if REGENERATE else []),
         "prepared/tokenized.parquet",
         "prepared/summary.json",
         "prepared/skipped.json",

@@ -18,3 +18,25 @@ rule regenerate:
     shell:
         "python -u {params.script} --config {params.config}"
         " --shard rows_{wildcards.start}-{wildcards.end} 2>&1 | tee -a {log}"
+
+
+rule regeneration_summary:
+    """Every regenerated shard fresh and intact, with the stage's totals: prepare's one input
+    from regeneration (eaglepipe/regenerate/summary.py says why one file, not 5,000)."""
+    input:
+        # Prepare's stamp changes whenever a regenerated shard is stale or missing: without it
+        # a summary on disk would hide a deleted manifest, as nothing would need its producer.
+        stamp=when_stale(str(provenance.PREPARE_STAMP), PREPARE_IS_FRESH),
+        manifests=regenerated_manifests(),
+    output:
+        REGENERATION_SUMMARY,
+    log:
+        "logs/regeneration_summary.log",
+    localrule: True
+    conda:
+        ENV
+    params:
+        script=script("summarize_regeneration.py"),
+        config=RESOLVED,
+    shell:
+        "python -u {params.script} --config {params.config} --out {output} 2>&1 | tee {log}"

@@ -108,6 +108,10 @@ def test_dryrun_quick_check_plans_every_shard(tmp_path):
         # An extract and a validate job per shard, plus the stages around them.
         assert results[run]["jobs"] >= 2 * 20
     assert results["warm_quiet"]["seconds"] > 0
+    # Snakemake's floor plans the same jobs per shard (all and train besides), and one per shard.
+    assert results["snakemake_floor"]["jobs"] == 2 * 20 + 2
+    assert results["snakemake_floor_one_job_per_shard"]["jobs"] == 20 + 2
+    assert results["warm_vs_floor"] > 0
     assert results["goal_s"] == 10.0 and isinstance(results["goal_met"], bool)
     assert "jobs planned" in out.with_suffix(".md").read_text()
     # The scratch run directory is gone afterwards.
@@ -118,8 +122,10 @@ def test_dryrun_quick_check_plans_every_shard(tmp_path):
         "bench_dryrun.py", "--rows", "40", "--regenerate", "--work-root", str(tmp_path),
         "--out", str(with_regeneration),
     )  # fmt: skip
-    planned = json.loads(with_regeneration.read_text())["warm"]["jobs"]
-    assert planned == results["warm"]["jobs"] + 20
+    regenerating = json.loads(with_regeneration.read_text())
+    # A regenerate job per shard, and the regeneration summary.
+    assert regenerating["warm"]["jobs"] == results["warm"]["jobs"] + 20 + 1
+    assert regenerating["snakemake_floor"]["jobs"] == 3 * 20 + 2
 
 
 def test_job_start_quick_check_reads_the_same_rows_both_ways(tmp_path):

@@ -132,6 +132,20 @@ def test_each_turn_is_the_targets_greedy_reply_to_its_own_earlier_replies(regene
     assert provenance["settings"]["sampling"] == {"greedy": True, "max_new_tokens": MAX_NEW_TOKENS}
 
 
+def test_the_summary_prepare_reads_totals_every_regenerated_shard(regenerated):
+    summary = json.loads((regenerated / "regenerated" / "summary.json").read_text())
+    manifests = [manifest_of(regenerated, shard) for shard in SHARDS]
+    assert summary["shards"] == 2 and sorted(summary["per_shard"]) == SHARDS
+    assert summary["num_rows"] == 20
+    for key in ("output_tokens", "bad_rows", "length_limited_replies"):
+        assert summary[key] == sum(manifest[key] for manifest in manifests)
+    assert summary["output_tokens"] > 0
+    for shard, manifest in zip(SHARDS, manifests, strict=True):
+        assert summary["per_shard"][shard]["xxh3_128"] == manifest["xxh3_128"]
+    log = (regenerated / "logs" / "regeneration_summary.log").read_text()
+    assert "regeneration: 2 shard(s), 20 rows" in log
+
+
 def test_prepare_tokenizes_the_regenerated_conversations(regenerated):
     import pyarrow.parquet as pq
     from transformers import AutoTokenizer
@@ -232,7 +246,7 @@ def test_kill9_mid_shard_keeps_finished_rows_and_regenerates_only_the_rest(run_c
 
 def test_dry_runs_list_exactly_the_regeneration_shards_a_change_makes_stale(run_copy):
     assert dry_run_jobs(run_copy, *EXTRACTED) == {}
-    everything = {"regenerate": 2, "prepare": 1, "extract": 2}
+    everything = {"regenerate": 2, "regeneration_summary": 1, "prepare": 1, "extract": 2}
 
     def after(edit) -> dict:
         original = (run_copy / "config.yaml").read_text()
@@ -274,7 +288,12 @@ def test_editing_one_row_regenerates_only_its_shard(run_copy):
     lines[13] = json.dumps(row) + "\n"
     dataset.write_text("".join(lines))
     result = run_snakemake(run_copy, "-n", *EXTRACTED)
-    assert dry_run_jobs(run_copy, *EXTRACTED) == {"regenerate": 1, "prepare": 1, "extract": 1}
+    assert dry_run_jobs(run_copy, *EXTRACTED) == {
+        "regenerate": 1,
+        "regeneration_summary": 1,
+        "prepare": 1,
+        "extract": 1,
+    }
     assert "output: regenerated/rows_10-20/manifest.json" in result.stdout
     assert "output: regenerated/rows_0-10/manifest.json" not in result.stdout
 
@@ -323,9 +342,40 @@ def test_damaged_regenerated_rows_are_named_by_verify_and_restored_from_the_jour
     assert dry_run_jobs(run_copy, *EXTRACTED) == {}
 
 
+def test_a_deleted_summary_is_written_again_without_preparing_again(run_copy):
+    summary = run_copy / "regenerated" / "summary.json"
+    before = json.loads(summary.read_text())
+    summary.unlink()
+    targets = ["regenerated/summary.json", *EXTRACTED]
+    assert dry_run_jobs(run_copy, *targets) == {"regeneration_summary": 1}
+    run_snakemake(run_copy, "--cores", "1", *targets)
+    assert json.loads(summary.read_text()) == before
+    assert dry_run_jobs(run_copy, *targets) == {}
+
+
+def test_damaged_regenerated_rows_stop_the_summary_in_one_line_naming_the_file(run_copy):
+    rows = regen_dir(run_copy, "rows_10-20") / "rows.jsonl"
+    rows.write_bytes(rows.read_bytes()[:-100])
+    summary = run_copy / "regenerated" / "summary.json"
+    summary.unlink()
+    result = run_snakemake(run_copy, "--cores", "1", "regenerated/summary.json", check=False)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert errors and "regenerated/rows_10-20/rows.jsonl is" in errors[0], output[-3000:]
+    assert "its manifest lists" in errors[0] and "eaglepipe verify" in errors[0]
+    assert "Traceback" not in output
+    assert not summary.exists()
+
+
 def test_status_verify_and_a_dry_run_agree_after_a_regeneration_setting_changes(run_copy):
     edit_config(run_copy, lambda c: c["dataset"]["regenerate"].update(max_new_tokens=25))
-    assert dry_run_jobs(run_copy, *EXTRACTED) == {"regenerate": 2, "prepare": 1, "extract": 2}
+    assert dry_run_jobs(run_copy, *EXTRACTED) == {
+        "regenerate": 2,
+        "regeneration_summary": 1,
+        "prepare": 1,
+        "extract": 2,
+    }
     status = eaglepipe(run_copy, "status")
     assert "regenerated: 2 planned, 0 done, 2 stale, 0 running" in status.stdout, status.stdout
     assert "shards: 2 planned, 0 done, 2 stale, 0 running" in status.stdout

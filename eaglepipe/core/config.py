@@ -30,6 +30,7 @@ PREPARED_SUMMARY = PREPARED_DIR / "summary.json"
 PREPARED_SKIPPED = PREPARED_DIR / "skipped.json"
 HIDDEN_STATES_DIR = Path("hidden_states")
 REGENERATED_DIR = Path("regenerated")
+REGENERATION_SUMMARY = REGENERATED_DIR / "summary.json"
 VALIDATED_DIR = Path("validated")
 DRAFTER_DIR = Path("drafter")
 LOG_DIR = Path("logs")

@@ -157,16 +157,13 @@ def conversation_rows(run: RunSpec) -> Iterator[Conversation | BadRow]:
     from ..plan.freshness import regeneration_freshness
     from ..plan.provenance import regenerated_manifest_path, shards
     from ..regenerate.store import iter_regenerated_rows
+    from ..regenerate.summary import stale_shard_error
 
     is_fresh = regeneration_freshness(run)
     for shard in shards(run):
         path = regenerated_manifest_path(shard)
         if not is_fresh(shard):
-            raise PipelineError(
-                f"{path} is missing or was made under other settings (dataset.regenerate, the "
-                "model or the shard's source rows changed): run snakemake, which regenerates "
-                "that shard first"
-            )
+            raise stale_shard_error(path)
         for record in iter_regenerated_rows(path):
             bad = record.get("bad")
             if bad:
