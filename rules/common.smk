@@ -28,6 +28,7 @@ with one_line_errors():
     # A drafter variant an exported engine cannot load is refused before anything runs.
     check_export_support(RUN.train.drafter.as_dict(), RUN.export.engines)
     SHARDS = provenance.shards(RUN)
+    provenance.check_holdout_shards(RUN)
     MODEL_CONFIG = provenance.model_config_file(RUN)
     provenance.write_stamps(RUN)
     REGENERATE = RUN.dataset.regenerate.enabled

@@ -71,6 +71,13 @@ def test_schema_error_names_the_bad_key(tmp_path):
         ("model", "path", "", "config key model.path"),
         ("dataset", "path", "", "config key dataset.path"),
         ("server", "host", "", "config key server.host"),
+        # Checked by prepare only, that is after every shard's regeneration.
+        (
+            "dataset",
+            "holdout",
+            {"mode": "shards", "shards": ["rows_0-7"]},
+            "config key dataset.holdout.shards: rows_0-7 is not a shard of the plan",
+        ),
     ],
 )
 def test_a_config_error_is_one_line_without_a_traceback(tmp_path, section, key, value, expected):

@@ -32,7 +32,12 @@ from ..core.config import REGENERATED_DIR
 from ..core.errors import PipelineError
 from ..core.fingerprint import file_identity, hash_file, hash_json
 from ..core.run import RunSpec
-from .shard_plan import count_source_rows, plan_shards, shard_source_digests
+from .shard_plan import (
+    count_source_rows,
+    holdout_shard_indices,
+    plan_shards,
+    shard_source_digests,
+)
 
 
 def model_config_file(run: RunSpec) -> str:
@@ -60,6 +65,12 @@ def shards(run: RunSpec) -> list[str]:
     """Shard names planned from the source's row count (no checkpoint needed)."""
     rows = count_source_rows(_dataset_path(run))
     return [s.name for s in plan_shards(rows, run.shards.rows_per_shard)]
+
+
+def check_holdout_shards(run: RunSpec) -> None:
+    """Refuse held-out shard names that are not in the plan when the workflow starts."""
+    rows = count_source_rows(_dataset_path(run))
+    holdout_shard_indices(run.dataset.holdout, rows, run.shards.rows_per_shard)
 
 
 def model_fingerprint(run: RunSpec) -> str:

@@ -27,6 +27,7 @@ import xxhash
 from ..core.atomic import atomic_write_json
 from ..core.errors import PipelineError
 from ..core.fingerprint import file_identity
+from ..core.run import HoldoutSettings
 from ..data.dataset import iter_jsonl_lines, iter_parquet_records, source_kind
 
 DEFAULT_CACHE_DIR = ".eaglepipe/cache"
@@ -75,6 +76,28 @@ def parse_shard_name(name: str) -> Shard:
     if end <= start:
         raise PipelineError(f"shard name {name!r}: end must be greater than start")
     return Shard(start, end)
+
+
+def holdout_shard_indices(holdout: HoldoutSettings, num_rows: int, rows_per_shard: int) -> set[int]:
+    """Indices (in the plan) of the shards `dataset.holdout` holds out whole (none in fraction
+    mode). A name not in the plan is refused: at the start of a run (rules/common.smk), not after
+    hours of regeneration, when prepare reads it."""
+    if holdout.mode != "shards":
+        return set()
+    plan = plan_shards(num_rows, rows_per_shard)
+    names = {shard.name: index for index, shard in enumerate(plan)}
+    chosen = set()
+    for name in holdout.shards:
+        parse_shard_name(name)
+        if name not in names:
+            raise PipelineError(
+                f"config key dataset.holdout.shards: {name} is not a shard of the plan "
+                f"({len(plan)} shards of {rows_per_shard} rows over {num_rows} source rows)"
+            )
+        chosen.add(names[name])
+    if not chosen:
+        raise PipelineError("config key dataset.holdout.shards: mode 'shards' needs at least one")
+    return chosen
 
 
 def shard_of_row(row_id: int, rows_per_shard: int) -> int:
