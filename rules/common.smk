@@ -27,8 +27,10 @@ with one_line_errors():
     validate(config, schema="../schemas/config.schema.yaml")
     # A drafter variant an exported engine cannot load is refused before anything runs.
     check_export_support(RUN.train.drafter.as_dict(), RUN.export.engines)
+    # And live acceptance without the export it serves, in one line, not as a rule's error.
+    LIVE_EXPORT_ENGINE = live_export_engine(RUN)
     SHARDS = provenance.shards(RUN)
-    provenance.check_holdout_shards(RUN)
+    provenance.check_shard_plan(RUN)
     MODEL_CONFIG = provenance.model_config_file(RUN)
     provenance.write_stamps(RUN)
     REGENERATE = RUN.dataset.regenerate.enabled
@@ -184,9 +186,8 @@ def live_acceptance_inputs(wildcards):
         "offline": "drafter/eval.json",
         "settings": stage_stamp("live_acceptance"),
     }
-    engine = live_export_engine(RUN)
-    if engine:
-        inputs["export"] = f"drafter/export/{engine}/model.safetensors"
+    if LIVE_EXPORT_ENGINE:
+        inputs["export"] = f"drafter/export/{LIVE_EXPORT_ENGINE}/model.safetensors"
     return inputs
 
 

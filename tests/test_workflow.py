@@ -78,6 +78,8 @@ def test_schema_error_names_the_bad_key(tmp_path):
             {"mode": "shards", "shards": ["rows_0-7"]},
             "config key dataset.holdout.shards: rows_0-7 is not a shard of the plan",
         ),
+        # Was an InputFunctionException of the live_acceptance rule.
+        ("export", "engines", [], "export.engines is empty: live acceptance needs an exported"),
     ],
 )
 def test_a_config_error_is_one_line_without_a_traceback(tmp_path, section, key, value, expected):
@@ -90,6 +92,22 @@ def test_a_config_error_is_one_line_without_a_traceback(tmp_path, section, key, 
     (line,) = [line for line in output.splitlines() if line.startswith("error:")]
     assert expected in line
     assert "Traceback" not in output and "PipelineError in file" not in output
+
+
+@pytest.mark.parametrize("content", ["", "\n\n  \n"])
+def test_a_dataset_without_rows_is_refused_before_anything_runs(tmp_path, content):
+    # It planned no shard and built the toy target from nothing before prepare stopped.
+    config = small_config(tmp_path)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(content)
+    config["dataset"]["path"] = str(empty)
+    write_config(tmp_path, config)
+    result = run_snakemake(tmp_path, "-n", check=False)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    (line,) = [line for line in output.splitlines() if line.startswith("error:")]
+    assert line == f"error: dataset.path {empty} has no rows: there is nothing to extract"
+    assert "Traceback" not in output
 
 
 def fake_model_dir(directory: Path) -> Path:

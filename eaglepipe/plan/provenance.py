@@ -67,9 +67,14 @@ def shards(run: RunSpec) -> list[str]:
     return [s.name for s in plan_shards(rows, run.shards.rows_per_shard)]
 
 
-def check_holdout_shards(run: RunSpec) -> None:
-    """Refuse held-out shard names that are not in the plan when the workflow starts."""
-    rows = count_source_rows(_dataset_path(run))
+def check_shard_plan(run: RunSpec) -> None:
+    """What the shard plan makes plainly wrong, refused when the workflow starts (not after a
+    toy target's build or every shard's regeneration): a dataset without a row, and held-out
+    shard names that are not in the plan."""
+    path = _dataset_path(run)
+    rows = count_source_rows(path)
+    if rows == 0:
+        raise PipelineError(f"dataset.path {path} has no rows: there is nothing to extract")
     holdout_shard_indices(run.dataset.holdout, rows, run.shards.rows_per_shard)
 
 
