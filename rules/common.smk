@@ -9,6 +9,7 @@ import eaglepipe.core.config as config_paths
 from eaglepipe.core.config import RESOLVED_CONFIG
 from eaglepipe.core.run import resolve_at_workflow_start
 from eaglepipe.drafter.live import live_export_engine
+from eaglepipe.server.sglang import check_sglang_settings
 from eaglepipe.drafter.variants import check_export_support
 from eaglepipe.core.errors import one_line_errors
 from snakemake.utils import validate
@@ -29,6 +30,8 @@ with one_line_errors():
     check_export_support(RUN.train.drafter.as_dict(), RUN.export.engines)
     # And live acceptance without the export it serves, in one line, not as a rule's error.
     LIVE_EXPORT_ENGINE = live_export_engine(RUN)
+    # SGLang flags the launcher sets itself or capture cannot take, before any job starts.
+    check_sglang_settings(RUN)
     SHARDS = provenance.shards(RUN)
     provenance.check_shard_plan(RUN)
     MODEL_CONFIG = provenance.model_config_file(RUN)

@@ -94,6 +94,21 @@ def test_a_config_error_is_one_line_without_a_traceback(tmp_path, section, key, 
     assert "Traceback" not in output and "PipelineError in file" not in output
 
 
+def test_sglang_flags_the_launcher_sets_are_refused_by_the_dry_run(tmp_path):
+    # The first job's server start refused them; the dry run said nothing.
+    config = small_config(tmp_path)
+    config["server"]["engine"] = "sglang"
+    config["server"]["sglang"]["extra_args"] = ["--port", "1234"]
+    write_config(tmp_path, config)
+    result = run_snakemake(tmp_path, "-n", check=False)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    (line,) = [line for line in output.splitlines() if line.startswith("error:")]
+    assert line == (
+        "error: server.sglang.extra_args: --port is set by the launcher from config key server.port"
+    )
+
+
 @pytest.mark.parametrize("content", ["", "\n\n  \n"])
 def test_a_dataset_without_rows_is_refused_before_anything_runs(tmp_path, content):
     # It planned no shard and built the toy target from nothing before prepare stopped.

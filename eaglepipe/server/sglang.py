@@ -373,6 +373,12 @@ def _is_one(value: str | None) -> bool:
         return False
 
 
+def check_sglang_settings(run: RunSpec) -> None:
+    """The SGLang settings a server start would refuse, refused when the workflow starts."""
+    if run.server.engine == "sglang":
+        check_extra_args([str(a) for a in run.server.sglang.extra_args])
+
+
 def check_extra_args(extra_args: list[str]) -> None:
     """Refuse extra args that break per-request capture or fight the launcher's own flags."""
     key = "server.sglang.extra_args"
