@@ -20,8 +20,8 @@ def main() -> int:
         summary = write_regeneration_summary(load_run(args.config), args.out)
         print(
             f"regeneration: {summary['shards']} shard(s), {summary['num_rows']:,} rows, "
-            f"{summary['output_tokens']:,} tokens generated, {summary['bad_rows']} bad row(s), "
-            f"{summary['length_limited_replies']} length-limited repl(ies): {args.out}"
+            f"{summary['output_tokens']:,} tokens generated, bad rows: {summary['bad_rows']}, "
+            f"replies at max_new_tokens: {summary['length_limited_replies']}; {args.out}"
         )
     return 0
 

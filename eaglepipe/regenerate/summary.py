@@ -3,8 +3,8 @@ is regenerated, fresh (made under the current settings) and intact (its rows fil
 manifest), with the stage's totals.
 
 It is prepare's one input from regeneration. With each of 5,000 manifests an input of prepare,
-Snakemake scanned that list once for every lookup of the prepared table (three per shard): 40 %
-of a 5,000-shard dry run (BENCHMARKS.md, "5,000-shard dry run").
+Snakemake scanned that list once for every lookup of the prepared table (three per shard): a
+third of a 5,000-shard dry run (BENCHMARKS.md, "5,000-shard dry run").
 """
 
 from __future__ import annotations
