@@ -136,16 +136,10 @@ def conversation_rows(run: RunSpec) -> Iterator[Conversation | BadRow]:
     if not run.dataset.regenerate.enabled:
         yield from iter_rows(run.dataset.path, run.dataset.format)
         return
-    from ..plan.freshness import regeneration_freshness
-    from ..plan.provenance import regenerated_manifest_path, shards
     from ..regenerate.store import iter_regenerated_rows
-    from ..regenerate.summary import stale_shard_error
+    from ..regenerate.summary import fresh_regenerated_manifests
 
-    is_fresh = regeneration_freshness(run)
-    for shard in shards(run):
-        path = regenerated_manifest_path(shard)
-        if not is_fresh(shard):
-            raise stale_shard_error(path)
+    for _, path in fresh_regenerated_manifests(run):
         for record in iter_regenerated_rows(path):
             bad = record.get("bad")
             if bad:

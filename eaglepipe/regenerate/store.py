@@ -171,18 +171,23 @@ def set_aside_manifest(manifest_path: str | os.PathLike, reason: str) -> Path:
     return record
 
 
-def iter_regenerated_rows(manifest_path: str | os.PathLike) -> Iterator[dict]:
-    """The row records of a finished regenerated shard, checked against its manifest: the rows
-    file's size and checksum, and one record per source row of the range, in order."""
-    manifest_path = Path(manifest_path)
-    manifest = read_manifest(manifest_path)
-    rows_path = manifest_path.parent / manifest["rows_file"]
+def check_rows(manifest_path: str | os.PathLike, manifest: dict) -> None:
+    """Refuse, in one line naming the file, a rows file that no longer matches its manifest."""
     problem = rows_problem(manifest_path, manifest)
     if problem:
         raise PipelineError(
             f"{problem}: run `eaglepipe verify`, which restores it from its journal (or sets the "
             "shard aside for `snakemake --cores N` to regenerate, keeping its journalled rows)"
         )
+
+
+def iter_regenerated_rows(manifest_path: str | os.PathLike) -> Iterator[dict]:
+    """The row records of a finished regenerated shard, checked against its manifest: the rows
+    file's size and checksum, and one record per source row of the range, in order."""
+    manifest_path = Path(manifest_path)
+    manifest = read_manifest(manifest_path)
+    rows_path = manifest_path.parent / manifest["rows_file"]
+    check_rows(manifest_path, manifest)
     expected = manifest["row_start"]
     with open(rows_path, encoding="utf-8") as f:
         for line in f:

@@ -10,45 +10,44 @@ third of a 5,000-shard dry run (BENCHMARKS.md, "5,000-shard dry run").
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from ..core.atomic import atomic_write_json
 from ..core.config import REGENERATION_SUMMARY
 from ..core.errors import PipelineError
 from ..core.run import RunSpec
-from .store import read_manifest, rows_problem
+from .store import check_rows, read_manifest
 
 # What the summary copies from each shard's manifest, and sums over the shards.
 COUNTED = ("num_rows", "bad_rows", "output_tokens", "length_limited_replies")
 
 
-def stale_shard_error(manifest_path: str | os.PathLike) -> PipelineError:
-    return PipelineError(
-        f"{manifest_path} is missing or was made under other settings (dataset.regenerate, the "
-        "model or the shard's source rows changed): run snakemake, which regenerates that "
-        "shard first"
-    )
+def fresh_regenerated_manifests(run: RunSpec) -> Iterator[tuple[str, str]]:
+    """(shard, manifest path) of every planned shard, in plan order; a shard that is missing or
+    was made under other settings ends it in one error naming its manifest."""
+    from ..plan.freshness import regeneration_freshness
+    from ..plan.provenance import regenerated_manifest_path, shards
+
+    is_fresh = regeneration_freshness(run)
+    for shard in shards(run):
+        path = regenerated_manifest_path(shard)
+        if not is_fresh(shard):
+            raise PipelineError(
+                f"{path} is missing or was made under other settings (dataset.regenerate, the "
+                "model or the shard's source rows changed): run snakemake, which regenerates "
+                "that shard first"
+            )
+        yield shard, path
 
 
 def summarize_regeneration(run: RunSpec) -> dict:
     """Every planned regenerated shard's counts and rows checksum, and their totals; a shard
     that is missing, stale or damaged ends it in one error naming the shard's files."""
-    from ..plan.freshness import regeneration_freshness
-    from ..plan.provenance import regenerated_manifest_path, shards
-
-    is_fresh = regeneration_freshness(run)
     per_shard = {}
-    for shard in shards(run):
-        path = regenerated_manifest_path(shard)
-        if not is_fresh(shard):
-            raise stale_shard_error(path)
+    for shard, path in fresh_regenerated_manifests(run):
         manifest = read_manifest(path)
-        problem = rows_problem(path, manifest)
-        if problem:
-            raise PipelineError(
-                f"{problem}: run `eaglepipe verify`, which restores it from its journal (or sets "
-                "the shard aside for `snakemake --cores N` to regenerate)"
-            )
+        check_rows(path, manifest)
         per_shard[shard] = {
             **{key: int(manifest.get(key, 0)) for key in COUNTED},
             "xxh3_128": manifest["xxh3_128"],
