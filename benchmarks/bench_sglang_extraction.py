@@ -464,8 +464,10 @@ def stop_group(proc: subprocess.Popen) -> None:
     proc.poll()
 
 
-def run_bare(config: dict, rows, warmup, args, work: Path, name: str = "bare") -> dict:
-    argv, extra_env = bare_command(config, capture=name == "bare_capture")
+def run_bare(
+    config: dict, rows, warmup, args, work: Path, name: str = "bare", capture: bool = False
+) -> dict:
+    argv, extra_env = bare_command(config, capture=capture)
     url = f"http://{config['server']['host']}:{config['server']['port']}"
     log_path = work / f"server_{name}.log"
     result: dict = {"argv": argv}
@@ -886,7 +888,7 @@ def main(argv=None) -> int:
             if args.bare_capture and args.engine == "sglang":
                 try:
                     results["bare_capture"] = run_bare(
-                        config, bare_rows, warmup, args, work, name="bare_capture"
+                        config, bare_rows, warmup, args, work, name="bare_capture", capture=True
                     )
                     log(f"bare_capture: {results['bare_capture']['tokens_per_s']:,.0f} tok/s")
                 except Exception as exc:
