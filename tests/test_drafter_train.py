@@ -205,12 +205,17 @@ def test_killed_training_resumes_to_the_same_step_count(pipeline, tmp_path):
     assert not (tmp_path / "model.safetensors").exists()
     killed_at = len(read_log(tmp_path / "train_log.jsonl"))
     assert killed_at < full_steps
+    # Snakemake deletes a job's outputs before it reruns the job, the training log among them:
+    # the steps before the checkpoint must come back from the history kept with the checkpoints.
+    (tmp_path / "train_log.jsonl").unlink()
 
     resumed = run_script("train.py", *args, cwd=pipeline["root"])
     checkpoint_step = int(resumed.stdout.split("(step ")[1].split(")")[0])
     assert 5 <= checkpoint_step <= killed_at
     log = read_log(tmp_path / "train_log.jsonl")
     assert [r["step"] for r in log] == list(range(1, full_steps + 1))
+    history = tmp_path / "checkpoints" / "train_log.jsonl"
+    assert history.read_bytes() == (tmp_path / "train_log.jsonl").read_bytes()
     assert f"from step {checkpoint_step}" in resumed.stdout
     assert (tmp_path / "model.safetensors").exists()
 
@@ -238,8 +243,11 @@ def test_a_full_disk_at_a_checkpoint_stops_training_in_one_line_and_the_rerun_re
             f"error: no space left on the filesystem of {checkpoints} while writing step-0000001"
         ), error
         assert "Traceback" not in output
-        # Only whole checkpoints are left, and no model.
-        assert [p.name for p in checkpoints.iterdir()] == ["step-00000005.pt"]
+        # Only whole checkpoints are left (beside the steps log), and no model.
+        assert sorted(p.name for p in checkpoints.iterdir()) == [
+            "step-00000005.pt",
+            "train_log.jsonl",
+        ]
         assert not (tmp_path / "model.safetensors").exists()
 
         resize(64 << 20)

@@ -229,23 +229,40 @@ def latest_checkpoint(directory: Path, run_key: str, log) -> dict | None:
     return None
 
 
-def truncate_log(path: Path, last_step: int) -> None:
-    """Keep only the log lines of steps up to `last_step` (a resumed run rewrites the rest)."""
+# The steps log kept beside the checkpoints. The log the caller names is a Snakemake output,
+# which Snakemake deletes before it reruns a job: a resumed training would lose the history of
+# the steps before its checkpoint. This copy is no output, so it survives the rerun.
+HISTORY_NAME = "train_log.jsonl"
+
+
+def logged_steps(path: Path, last_step: int) -> bytes:
+    """The log lines of steps up to `last_step` (a torn or foreign line is dropped)."""
     if not path.exists():
-        return
+        return b""
     kept = []
     for line in path.read_text().splitlines():
         try:
             if json.loads(line)["step"] <= last_step:
                 kept.append(line)
-        except (json.JSONDecodeError, KeyError):
+        except (json.JSONDecodeError, KeyError, TypeError):
             continue
-    atomic_write_bytes(path, ("\n".join(kept) + "\n" if kept else "").encode())
+    return ("\n".join(kept) + "\n" if kept else "").encode()
+
+
+def start_logs(log_file: Path, history: Path, start_step: int) -> None:
+    """Both logs hold the steps before `start_step` (the resumed checkpoint's) and nothing after.
+
+    The history beside the checkpoints is the source; a log from before it existed (a rerun by
+    hand keeps its output) is the fallback."""
+    source = history if history.exists() or not log_file.exists() else log_file
+    kept = logged_steps(source, start_step) if start_step else b""
+    atomic_write_bytes(history, kept)
+    atomic_write_bytes(log_file, kept)
 
 
 def append_log_line(log_out, path: Path, line: str) -> None:
     """One step's line on the unbuffered training log. A full disk ends in one line naming
-    the log; a torn last line is dropped when the next run resumes (`truncate_log`)."""
+    the log; a torn last line is dropped when the next run resumes (`logged_steps`)."""
     data = (line + "\n").encode()
     try:
         while data:
@@ -349,13 +366,11 @@ def train(
         model.load_state_dict(state["model"], strict=False)
         optimizer.load_state_dict(state["optimizer"])
         start_step = int(state["step"])
+    history = ckpt_dir / HISTORY_NAME
     if dist.is_main:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         log_file.parent.mkdir(parents=True, exist_ok=True)
-        if start_step:
-            truncate_log(log_file, start_step)
-        else:
-            log_file.write_text("")
+        start_logs(log_file, history, start_step)
 
     ddp_model = model
     if dist.world_size > 1:
@@ -375,7 +390,10 @@ def train(
     wait_total = 0.0
     last_loss = float("nan")
     # Unbuffered: a write a full disk refuses fails here, not again when the file closes.
-    with open(log_file if dist.is_main else os.devnull, "ab", buffering=0) as log_out:
+    with (
+        open(log_file if dist.is_main else os.devnull, "ab", buffering=0) as log_out,
+        open(history if dist.is_main else os.devnull, "ab", buffering=0) as history_out,
+    ):
         # One stream over every remaining step, so reading ahead crosses epoch boundaries.
         mine = [
             batch_refs
@@ -440,7 +458,9 @@ def train(
                     "seconds": seconds,
                     "data_wait_s": waited,
                 }
-                append_log_line(log_out, log_file, json.dumps(record))
+                line = json.dumps(record)
+                append_log_line(log_out, log_file, line)
+                append_log_line(history_out, history, line)
                 if dist.is_main and (step % 10 == 0 or step == end_step or step == 1):
                     elapsed = time.perf_counter() - began
                     rate = tokens_done / max(elapsed, 1e-9)
