@@ -421,3 +421,103 @@ def test_stale_shards_are_judged_by_the_workflows_rule_for_the_config_given(tmp_
         p.relative_to(tmp_path) for p in tmp_path.rglob("*") if ".eaglepipe" not in p.parts
     )
     assert after == before  # no stamp, no record changed (caches aside)
+
+
+# ---------------------------------------------------------------------------------------------
+# The stages after extraction (eaglepipe/ops/drafter_status.py)
+
+
+def write_steps(path: Path, steps: range, *, total: int, seconds: float = 0.5) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    records = [
+        {
+            "step": s,
+            "total_steps": total,
+            "loss": 10.0 - s / 100,
+            "seconds": seconds,
+            "data_wait_s": 0.0,
+        }
+        for s in steps
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_a_running_training_shows_its_step_loss_and_eta(tmp_path):
+    from eaglepipe.ops.drafter_status import training_line
+
+    assert training_line(tmp_path) == "training: not started"
+    log = tmp_path / "drafter" / "train_log.jsonl"
+    write_steps(log, range(1, 31), total=240)
+    with log.open("a") as f:
+        f.write('{"step": 31, "total_st')  # a step being written: not counted
+    now = log.stat().st_mtime + 5
+    assert training_line(tmp_path, now=now) == (
+        "training: step 30 of 240, loss 9.7000, last step logged 0m 05s ago, "
+        "ETA 1m 45s at the last 20 steps' pace (no drafter yet)"
+    )
+    # Snakemake deleted the rule's log to rerun the job: the copy beside the checkpoints shows it.
+    history = tmp_path / "drafter" / "checkpoints" / "train_log.jsonl"
+    write_steps(history, range(1, 51), total=240, seconds=1.0)
+    log.unlink()
+    line = training_line(tmp_path, now=history.stat().st_mtime + 90)
+    assert line.startswith("training: step 50 of 240, loss 9.5000, last step logged 1m 30s ago")
+    assert "ETA 3m 10s" in line
+
+
+def test_finished_stages_show_their_figures_and_a_damaged_file_is_named(tmp_path):
+    from safetensors.numpy import save_file
+
+    from eaglepipe.ops.drafter_status import drafter_lines
+
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    (tmp_path / "validated").mkdir()
+    (tmp_path / "validated" / "rows_0-8.json").write_text("{}")
+    (tmp_path / "validated" / "rows_8-16.json").write_text("{}")
+    model = drafter / "model.safetensors"
+    save_file(
+        {"w": np.zeros(4, dtype=np.float32)},
+        str(model),
+        metadata={"total_steps": "240", "final_loss": "9.4762"},
+    )
+    (drafter / "eval.json").write_text(
+        json.dumps({"acceptance_length": 2.156, "rows": 30, "positions": 7351})
+    )
+    live = {
+        "acceptance_length": 1.9596,
+        "prompts": 32,
+        "export_engine": "sglang",
+        "harness": "transformers",
+        "offline_same_turns": 1.968,
+        "skipped": None,
+    }
+    (drafter / "live.json").write_text(json.dumps(live))
+    names = ["rows_0-8", "rows_8-16", "rows_16-20"]
+    assert drafter_lines(tmp_path, names, {"rows_8-16": "other settings"}) == [
+        "validated: 3 planned, 1 done, 1 stale, 1 remaining",
+        "training: done, 240 steps, final loss 9.4762 (drafter/model.safetensors)",
+        "evaluation: acceptance length 2.16 offline (decode order, 30 held-out rows, 7351 "
+        "positions; drafter/eval.json)",
+        "live: acceptance length 1.96 on 32 prompts, sglang export through transformers "
+        "(offline on the same turns 1.97)",
+    ]
+
+    (drafter / "live.json").write_text(json.dumps({"skipped": "evaluate.live_prompts is 0"}))
+    (drafter / "eval.json").write_text('{"acceptance_length": 2.1')
+    model.write_bytes(model.read_bytes()[:20])
+    lines = drafter_lines(tmp_path, names, {})
+    assert lines[1].startswith("training: drafter/model.safetensors is unreadable (")
+    assert lines[1].endswith("); `eaglepipe verify` checks it")
+    assert lines[2].startswith("evaluation: drafter/eval.json is unreadable (eval.json is not")
+    assert lines[2].endswith("rerun: snakemake --cores N drafter/eval.json")
+    assert lines[3] == "live: skipped (evaluate.live_prompts is 0)"
+
+
+def test_print_status_goes_on_to_the_drafter_stages(tmp_path):
+    config = twenty_row_config(tmp_path)
+    write_steps(tmp_path / "drafter" / "train_log.jsonl", range(1, 4), total=9)
+    out = io.StringIO()
+    assert status.print_status(resolve(config), workdir=tmp_path, stream=out) == 0
+    lines = out.getvalue().splitlines()
+    assert "validated: 3 planned, 0 done, 3 remaining" in lines
+    assert any(line.startswith("training: step 3 of 9, loss 9.9700") for line in lines)

@@ -447,6 +447,7 @@ def train(
                 last_loss = float(stats[0])
                 record = {
                     "step": step,
+                    "total_steps": total_steps,
                     "epoch": epoch,
                     "loss": last_loss,
                     "step_losses": result.step_losses,

@@ -48,6 +48,7 @@ from ..extract.shard_files import (
     read_journal,
 )
 from ..plan.shard_plan import parse_shard_name
+from .drafter_status import drafter_lines
 
 # Throughput is measured over this trailing window, so an ETA reflects the current pace.
 RECENT_WINDOW_S = 3600.0
@@ -590,6 +591,7 @@ def print_status(
             workdir / REGENERATED_DIR, names, stale=found.regenerated
         )
         text = "\n".join(lines) + "\n" + text
+    text += "\n" + "\n".join(drafter_lines(workdir, names, found.validations))
     extra = [note] if note else []
     if found.prepared:
         extra.append(

@@ -1,0 +1,156 @@
+"""What `eaglepipe status` says of the stages after extraction: the validation reports, the
+training (its step, loss and ETA while it runs), the offline evaluation and the live acceptance.
+
+Each line is read from the files its stage leaves; nothing is computed again and no file is
+written. Whether a changed setting redoes one of these stages is `snakemake -n`'s to say: the
+lines say what is on disk. A file that cannot be read is named in its line, not raised, so one
+damaged file never hides the rest of the status.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+from ..core.config import DRAFTER_DIR, VALIDATED_DIR
+from ..core.errors import PipelineError
+
+MODEL = DRAFTER_DIR / "model.safetensors"
+TRAIN_LOG = DRAFTER_DIR / "train_log.jsonl"
+# The copy a resumed training keeps beside its checkpoints (drafter/train.py, HISTORY_NAME).
+TRAIN_HISTORY = DRAFTER_DIR / "checkpoints" / "train_log.jsonl"
+EVAL = DRAFTER_DIR / "eval.json"
+LIVE = DRAFTER_DIR / "live.json"
+# The ETA uses the pace of the last this many steps.
+RECENT_STEPS = 20
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(0, int(round(seconds)))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}h {rest // 60:02d}m" if hours else f"{rest // 60}m {rest % 60:02d}s"
+
+
+def validation_line(workdir: Path, shard_names: list[str], stale: Iterable[str]) -> str:
+    stale = set(stale)
+    present = {n for n in shard_names if (workdir / VALIDATED_DIR / f"{n}.json").exists()}
+    stale_count = len(present & stale)
+    stale_text = f", {stale_count} stale" if stale_count else ""
+    return (
+        f"validated: {len(shard_names)} planned, {len(present - stale)} done{stale_text}, "
+        f"{len(shard_names) - len(present)} remaining"
+    )
+
+
+def _last_steps(path: Path, count: int) -> list[dict]:
+    """The last `count` whole step records of a training log (a torn last line is skipped)."""
+    with open(path, "rb") as f:
+        f.seek(0, 2)
+        size = f.tell()
+        f.seek(max(0, size - 4096 * (count + 1)))
+        tail = f.read().decode(errors="replace").splitlines()
+    records = []
+    for line in tail:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            records.append(record)
+    return records[-count:]
+
+
+def training_line(workdir: Path, *, now: float | None = None) -> str:
+    model = workdir / MODEL
+    if model.exists():
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(model), framework="numpy") as f:
+                meta = f.metadata() or {}
+            loss = float(meta["final_loss"])
+            return f"training: done, {meta['total_steps']} steps, final loss {loss:.4f} ({MODEL})"
+        except Exception as exc:  # a damaged file: say which, keep the rest of the status
+            return f"training: {MODEL} is unreadable ({exc}); `eaglepipe verify` checks it"
+    log = next((workdir / p for p in (TRAIN_LOG, TRAIN_HISTORY) if (workdir / p).exists()), None)
+    recent = _last_steps(log, RECENT_STEPS) if log is not None else []
+    if not recent:
+        return "training: not started"
+    last = recent[-1]
+    now = time.time() if now is None else now
+    age = _duration(now - log.stat().st_mtime)
+    total = last.get("total_steps")
+    line = f"training: step {last['step']}" + (f" of {total}" if total else "")
+    if isinstance(last.get("loss"), int | float):
+        line += f", loss {last['loss']:.4f}"
+    line += f", last step logged {age} ago"
+    paces = [
+        float(r.get("seconds", 0.0)) + float(r.get("data_wait_s", 0.0))
+        for r in recent
+        if isinstance(r.get("seconds"), int | float)
+    ]
+    if total and paces:
+        eta = (int(total) - int(last["step"])) * sum(paces) / len(paces)
+        line += f", ETA {_duration(eta)} at the last {len(paces)} steps' pace"
+    return line + " (no drafter yet)"
+
+
+def _read_record(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise PipelineError(f"{path.name} is not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise PipelineError(f"{path.name} holds no JSON object")
+    return data
+
+
+def evaluation_line(workdir: Path) -> str | None:
+    path = workdir / EVAL
+    if not path.exists():
+        return None
+    try:
+        result = _read_record(path)
+        return (
+            f"evaluation: acceptance length {float(result['acceptance_length']):.2f} offline "
+            f"(decode order, {result['rows']} held-out rows, {result['positions']} positions; "
+            f"{EVAL})"
+        )
+    except (PipelineError, KeyError, TypeError, ValueError) as exc:
+        return f"evaluation: {EVAL} is unreadable ({exc}); rerun: snakemake --cores N {EVAL}"
+
+
+def live_line(workdir: Path) -> str | None:
+    path = workdir / LIVE
+    if not path.exists():
+        return None
+    try:
+        result = _read_record(path)
+        if result.get("skipped"):
+            return f"live: skipped ({result['skipped']})"
+        line = (
+            f"live: acceptance length {float(result['acceptance_length']):.2f} on "
+            f"{result['prompts']} prompts, {result['export_engine']} export through "
+            f"{result['harness']}"
+        )
+        same_turns = result.get("offline_same_turns")
+        if isinstance(same_turns, int | float):
+            line += f" (offline on the same turns {same_turns:.2f})"
+        return line
+    except (PipelineError, KeyError, TypeError, ValueError) as exc:
+        return f"live: {LIVE} is unreadable ({exc}); rerun: snakemake --cores N {LIVE}"
+
+
+def drafter_lines(
+    workdir: Path, shard_names: list[str], stale_validations: Iterable[str], *, now=None
+) -> list[str]:
+    """The status lines of the stages after extraction, in pipeline order."""
+    lines = [
+        validation_line(workdir, shard_names, stale_validations),
+        training_line(workdir, now=now),
+        evaluation_line(workdir),
+        live_line(workdir),
+    ]
+    return [line for line in lines if line is not None]
