@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO_ROOT
 from safetensors.torch import load_file, save
 
 from eaglepipe.core.errors import PipelineError
@@ -112,3 +113,31 @@ def test_rows_the_journal_cannot_restore_set_the_shard_aside(tmp_path, monkeypat
     store.write_manifest(shard_dir, aside["manifest"])
     with pytest.raises(PipelineError, match="run `eaglepipe verify`, which restores it"):
         list(store.iter_regenerated_rows(shard_dir / store.MANIFEST_NAME))
+
+
+def test_verify_refuses_to_pass_what_it_never_looked_at(tmp_path, monkeypatch, capsys):
+    """No config and no shard here, a named config that does not load, a named shard root that
+    is not there: each is an error (exit 1), never `0 problem(s)`."""
+    from eaglepipe.ops.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["verify"]) == 1
+    assert capsys.readouterr().err.startswith(
+        "error: nothing to verify: no config here (config file config.yaml does not exist) and "
+        "no shard directory under hidden_states/"
+    )
+    typo = tmp_path / "typo.yaml"
+    shipped = (REPO_ROOT / "config.yaml").read_text()
+    typo.write_text(shipped.replace("rows_per_shard:", "rows_per_shrd:"))
+    assert main(["verify", "--config", str(typo)]) == 1
+    assert "rows_per_shrd" in capsys.readouterr().err
+    assert main(["verify", "--hidden-states", str(tmp_path / "absent")]) == 1
+    assert capsys.readouterr().err == (
+        f"error: --hidden-states {tmp_path / 'absent'} is not a directory: nothing to verify\n"
+    )
+    # Copied shards without their run are still checked, every directory of them.
+    (tmp_path / "hidden_states" / "rows_0-4").mkdir(parents=True)
+    assert main(["verify"]) == 1
+    captured = capsys.readouterr()
+    assert "note: no shard plan" in captured.err
+    assert "error: shard rows_0-4: no manifest.json (extraction not finished)" in captured.out

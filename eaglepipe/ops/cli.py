@@ -158,13 +158,24 @@ def add_status_command(subparsers) -> None:
     parser.set_defaults(run=status_command)
 
 
-def _planned_shards(args: argparse.Namespace) -> list[str] | None:
-    """The run's shard plan, or None (with a note) when it cannot be computed here."""
+def _planned_shards(args: argparse.Namespace, root: Path) -> list[str] | None:
+    """The run's shard plan, or None (with a note) when no config is named and the default one
+    cannot be read here (copied shards without their run): then every shard directory is
+    checked. A config named with --config must load: verifying against a plan it was not
+    asked for would pass data it never looked at."""
     from .status import planned_shard_names
 
     try:
         return planned_shard_names(load_run_arg(args))
     except PipelineError as exc:
+        if args.config is not None:
+            raise
+        if not any(root.glob("rows_*")):
+            raise PipelineError(
+                f"nothing to verify: no config here ({exc}) and no shard directory under "
+                f"{root}/; run it in the pipeline's working directory, or name the config with "
+                "--config and the shards with --hidden-states"
+            ) from None
         print(f"note: no shard plan ({exc}): every shard directory is checked", file=sys.stderr)
         return None
 
@@ -215,7 +226,9 @@ def verify_command(args: argparse.Namespace) -> int:
     from ..validate.stored import StoredReport, check_stored_stages
 
     root = args.hidden_states or HIDDEN_STATES_DIR
-    planned = _planned_shards(args)
+    if args.hidden_states is not None and not root.is_dir():
+        raise PipelineError(f"--hidden-states {root} is not a directory: nothing to verify")
+    planned = _planned_shards(args, root)
     report = verify_shards(root, planned=planned, progress=True)
     stored, found = StoredReport([], []), Staleness()
     if planned is not None:
