@@ -9,8 +9,10 @@ import pandas as pd
 import pytest
 
 from eaglepipe.core.errors import PipelineError
+from eaglepipe.core.run import HoldoutSettings
 from eaglepipe.plan.shard_plan import (
     Shard,
+    check_holdout,
     count_source_rows,
     parse_shard_name,
     plan_for_source,
@@ -160,3 +162,46 @@ def test_digests_of_empty_source(tmp_path):
     path.write_text("\n")
     assert shard_source_digests(path, 4, tmp_path / "cache") == {}
     assert plan_for_source(path, 4, tmp_path / "cache") == []
+
+
+def holdout(mode="fraction", fraction=0.1, seed=0, shards=()):
+    return HoldoutSettings(mode=mode, fraction=fraction, seed=seed, shards=tuple(shards))
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (
+            holdout(fraction=0.0),
+            "config key dataset.holdout.fraction: 0.0 holds out none of the 40 source rows "
+            "(seed 0): evaluation needs at least one; raise it",
+        ),
+        # Small enough that none of 40 rows falls under it: evaluate found it after training.
+        (holdout(fraction=1e-6), "config key dataset.holdout.fraction: 1e-06 holds out none"),
+        (
+            holdout(fraction=1.0),
+            "config key dataset.holdout.fraction: 1.0 holds out every one of the 40 source rows "
+            "(seed 0): none is left to train on; lower it",
+        ),
+        # Ignored in fraction mode, even a name not in the plan; it reran prepare for nothing.
+        (
+            holdout(shards=["rows_0-999"]),
+            "config key dataset.holdout.shards: lists shards, but dataset.holdout.mode is "
+            "fraction, which ignores them: set mode: shards, or remove the list",
+        ),
+        (
+            holdout(mode="shards", shards=["rows_0-16", "rows_16-32", "rows_32-40"]),
+            "config key dataset.holdout.shards: every shard of the plan is held out: no row is "
+            "left to train on",
+        ),
+    ],
+)
+def test_a_holdout_that_leaves_evaluation_or_training_without_a_row_is_refused(settings, message):
+    with pytest.raises(PipelineError) as raised:
+        check_holdout(settings, 40, 16)
+    assert str(raised.value).startswith(message)
+
+
+def test_a_holdout_with_rows_on_both_sides_passes():
+    check_holdout(holdout(), 40, 16)
+    check_holdout(holdout(mode="shards", shards=["rows_16-32"]), 40, 16)

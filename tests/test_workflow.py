@@ -78,6 +78,15 @@ def test_schema_error_names_the_bad_key(tmp_path):
             {"mode": "shards", "shards": ["rows_0-7"]},
             "config key dataset.holdout.shards: rows_0-7 is not a shard of the plan",
         ),
+        # Found by evaluate, after extraction and training.
+        (
+            "dataset",
+            "holdout",
+            {"mode": "fraction", "fraction": 0.0},
+            "config key dataset.holdout.fraction: 0.0 holds out none of the",
+        ),
+        # A whole float passed the schema's `integer`, then the train job failed in a traceback.
+        ("train", "epochs", 8.0, "config key train.epochs: 8.0 is not of type 'integer'"),
         # Was an InputFunctionException of the live_acceptance rule.
         ("export", "engines", [], "export.engines is empty: live acceptance needs an exported"),
     ],

@@ -55,14 +55,26 @@ def _key_path(error: jsonschema.ValidationError) -> str:
     return ".".join(parts) or "<top level>"
 
 
+def _is_integer(checker, instance) -> bool:
+    return isinstance(instance, int) and not isinstance(instance, bool)
+
+
+def _strict_validator(schema: dict):
+    """The schema's validator, except that `integer` means an int: JSON Schema also counts a
+    whole float (`epochs: 8.0`), which passed the check and then failed a job with a traceback
+    (and, hashed as a float, made every shard of an unchanged setting stale)."""
+    base = jsonschema.validators.validator_for(schema)
+    checker = base.TYPE_CHECKER.redefine("integer", _is_integer)
+    return jsonschema.validators.extend(base, type_checker=checker)(schema)
+
+
 def validate_config(config: dict) -> dict:
     """Check `config` against the schema, fill defaults, and return it.
 
     Raises PipelineError naming the offending key, e.g. `config key shards.rows_per_shard: ...`.
     """
     schema = load_schema()
-    validator_cls = jsonschema.validators.validator_for(schema)
-    errors = sorted(validator_cls(schema).iter_errors(config), key=lambda e: e.path)
+    errors = sorted(_strict_validator(schema).iter_errors(config), key=lambda e: e.path)
     if errors:
         error = jsonschema.exceptions.best_match(errors)
         raise PipelineError(f"config key {_key_path(error)}: {error.message}")

@@ -33,8 +33,8 @@ from ..core.errors import PipelineError
 from ..core.fingerprint import file_identity, hash_file, hash_json
 from ..core.run import RunSpec
 from .shard_plan import (
+    check_holdout,
     count_source_rows,
-    holdout_shard_indices,
     plan_shards,
     shard_source_digests,
 )
@@ -69,13 +69,13 @@ def shards(run: RunSpec) -> list[str]:
 
 def check_shard_plan(run: RunSpec) -> None:
     """What the shard plan makes plainly wrong, refused when the workflow starts (not after a
-    toy target's build or every shard's regeneration): a dataset without a row, and held-out
-    shard names that are not in the plan."""
+    toy target's build or every shard's regeneration): a dataset without a row, and a held-out
+    split that names shards not in the plan or leaves evaluation or training without a row."""
     path = _dataset_path(run)
     rows = count_source_rows(path)
     if rows == 0:
         raise PipelineError(f"dataset.path {path} has no rows: there is nothing to extract")
-    holdout_shard_indices(run.dataset.holdout, rows, run.shards.rows_per_shard)
+    check_holdout(run.dataset.holdout, rows, run.shards.rows_per_shard)
 
 
 def model_fingerprint(run: RunSpec) -> str:

@@ -100,6 +100,43 @@ def holdout_shard_indices(holdout: HoldoutSettings, num_rows: int, rows_per_shar
     return chosen
 
 
+def is_eval_row(row_id: int, fraction: float, seed: int) -> bool:
+    """Seeded, per-row and order-free: a row's split never depends on the other rows."""
+    draw = xxhash.xxh3_64_intdigest(f"{seed}:{row_id}".encode()) / 2**64
+    return draw < fraction
+
+
+def check_holdout(holdout: HoldoutSettings, num_rows: int, rows_per_shard: int) -> None:
+    """A held-out split that leaves evaluation or training without a source row, refused when
+    the workflow starts: prepare or evaluate found it only after every shard's regeneration,
+    extraction and the training."""
+    if holdout.mode == "shards":
+        chosen = holdout_shard_indices(holdout, num_rows, rows_per_shard)
+        if len(chosen) == len(plan_shards(num_rows, rows_per_shard)):
+            raise PipelineError(
+                "config key dataset.holdout.shards: every shard of the plan is held out: no row "
+                "is left to train on"
+            )
+        return
+    if holdout.shards:
+        raise PipelineError(
+            "config key dataset.holdout.shards: lists shards, but dataset.holdout.mode is "
+            "fraction, which ignores them: set mode: shards, or remove the list"
+        )
+    fraction, seed = holdout.fraction, holdout.seed
+    rows = range(num_rows)
+    if fraction == 0 or not any(is_eval_row(r, fraction, seed) for r in rows):
+        raise PipelineError(
+            f"config key dataset.holdout.fraction: {fraction} holds out none of the {num_rows} "
+            f"source rows (seed {seed}): evaluation needs at least one; raise it"
+        )
+    if fraction >= 1 or all(is_eval_row(r, fraction, seed) for r in rows):
+        raise PipelineError(
+            f"config key dataset.holdout.fraction: {fraction} holds out every one of the "
+            f"{num_rows} source rows (seed {seed}): none is left to train on; lower it"
+        )
+
+
 def shard_of_row(row_id: int, rows_per_shard: int) -> int:
     """Index of the shard holding `row_id` in a plan of `rows_per_shard`."""
     return row_id // rows_per_shard

@@ -31,7 +31,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-import xxhash
 
 from ..core import config as config_mod
 from ..core.atomic import dumps_json, write_if_changed
@@ -54,6 +53,7 @@ from ..plan.shard_plan import (
     DEFAULT_CACHE_DIR,
     count_source_rows,
     holdout_shard_indices,
+    is_eval_row,
     plan_shards,
 )
 
@@ -79,12 +79,6 @@ def table_schema():
             ("length_limited_turns", pa.list_(pa.int32())),
         ]
     )
-
-
-def is_eval_row(row_id: int, fraction: float, seed: int) -> bool:
-    """Seeded, per-row and order-free: a row's split never depends on the other rows."""
-    draw = xxhash.xxh3_64_intdigest(f"{seed}:{row_id}".encode()) / 2**64
-    return draw < fraction
 
 
 def _parquet_bytes(
