@@ -471,31 +471,43 @@ def test_the_seed_matters_only_when_sampling(tmp_path, monkeypatch):
 
 
 def test_rows_the_target_cannot_answer_follow_dataset_bad_rows(run_copy):
-    """Row 3's replies come back empty (the server's empty_reply fault) and row 15 is not JSON:
-    under `error` each shard stops naming its row; under `skip` both are counted, and prepare
-    reports them."""
+    """Row 15 is not JSON: under `error` the workflow refuses it at its start, before any job.
+    Row 3's replies come back empty (the server's empty_reply fault), which only its shard's job
+    can find: under `error` that shard stops naming the row. Under `skip` both are counted, and
+    prepare reports them."""
     dataset = run_copy / "conversations.jsonl"
-    lines = dataset.read_text().splitlines(keepends=True)
+    intact = dataset.read_text()
+    lines = intact.splitlines(keepends=True)
     lines[15] = lines[15][:20] + "\n"
     dataset.write_text("".join(lines))
     for shard in SHARDS:
         shutil.rmtree(regen_dir(run_copy, shard))
     env_fault = {"EAGLEPIPE_FAULT": "empty_reply:3"}
     targets = [f"regenerated/{s}/manifest.json" for s in SHARDS]
+    refused = run_fault(run_copy, env_fault, "--cores", "2", "--keep-going", *targets)
+    assert refused.returncode != 0
+    output = refused.stdout + refused.stderr
+    (error,) = [line for line in output.splitlines() if line.startswith("error:")]
+    assert error.startswith(f"error: {dataset} row 15 (line 16): invalid JSON: ")
+    assert error.endswith("(set dataset.bad_rows: skip to skip and count such rows)")
+    assert not any(regen_dir(run_copy, shard).exists() for shard in SHARDS)
+
+    dataset.write_text(intact)
     failed = run_fault(run_copy, env_fault, "--cores", "2", "--keep-going", *targets)
     assert failed.returncode != 0
-    for shard, expected in (
-        ("rows_0-10", "row 3 (line 4): empty regenerated reply: message 1: the target's reply "
-                      "is empty (set dataset.bad_rows: skip to skip and count such rows)"),
-        ("rows_10-20", "row 15 (line 16): invalid JSON"),
-    ):  # fmt: skip
-        log = (run_copy / "logs" / "regenerate" / f"{shard}.log").read_text()
-        (error,) = [line for line in log.splitlines() if line.startswith("error:")]
-        assert expected in error
-        assert not (regen_dir(run_copy, shard) / "manifest.json").exists()
-        recorded = json.loads((regen_dir(run_copy, shard) / "failed.json").read_text())
-        assert expected in recorded["error"]
+    log = (run_copy / "logs" / "regenerate" / "rows_0-10.log").read_text()
+    (error,) = [line for line in log.splitlines() if line.startswith("error:")]
+    expected = (
+        "row 3 (line 4): empty regenerated reply: message 1: the target's reply is empty (set "
+        "dataset.bad_rows: skip to skip and count such rows)"
+    )
+    assert expected in error
+    assert not (regen_dir(run_copy, "rows_0-10") / "manifest.json").exists()
+    recorded = json.loads((regen_dir(run_copy, "rows_0-10") / "failed.json").read_text())
+    assert expected in recorded["error"]
+    assert (regen_dir(run_copy, "rows_10-20") / "manifest.json").exists()
 
+    dataset.write_text("".join(lines))
     edit_config(run_copy, lambda c: c["dataset"].update(bad_rows="skip"))
     result = run_fault(run_copy, env_fault, "--cores", "2", *EXTRACTED)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

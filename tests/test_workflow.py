@@ -103,6 +103,44 @@ def test_a_config_error_is_one_line_without_a_traceback(tmp_path, section, key, 
     assert "Traceback" not in output and "PipelineError in file" not in output
 
 
+@pytest.mark.parametrize(
+    ("bad_line", "expected"),
+    [
+        ('{"messages": [oops\n', "row 7 (line 8): invalid JSON: "),
+        (
+            '{"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "x"}]}\n',
+            "row 7 (line 8): unknown role: message 1 has role 'tool'",
+        ),
+        # A lone surrogate: the toy target's tokenizer training ended in a UnicodeEncodeError.
+        (
+            '{"messages": [{"role": "user", "content": "\\ud800 hi"}, '
+            '{"role": "assistant", "content": "ok"}]}\n',
+            "row 7 (line 8): content not encodable as UTF-8: message 0 'content' holds '\\ud800' "
+            "at character 0 (surrogates not allowed)",
+        ),
+    ],
+)
+def test_a_bad_source_row_is_refused_before_any_job_unless_skipped(tmp_path, bad_line, expected):
+    # Found by the first regenerate or prepare job to read it: hours into a real run.
+    config = small_config(tmp_path)
+    dataset = Path(config["dataset"]["path"])
+    lines = dataset.read_text().splitlines(keepends=True)
+    lines[7] = bad_line
+    dataset.write_text("".join(lines))
+    write_config(tmp_path, config)
+    result = run_snakemake(tmp_path, "-n", check=False)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    (line,) = [line for line in output.splitlines() if line.startswith("error:")]
+    assert line.startswith(f"error: {dataset} {expected}"), line
+    assert line.endswith("(set dataset.bad_rows: skip to skip and count such rows)")
+    assert "Traceback" not in output
+
+    config["dataset"]["bad_rows"] = "skip"
+    write_config(tmp_path, config)
+    run_snakemake(tmp_path, "-n")
+
+
 def test_sglang_flags_the_launcher_sets_are_refused_by_the_dry_run(tmp_path):
     # The first job's server start refused them; the dry run said nothing.
     config = small_config(tmp_path)

@@ -43,6 +43,8 @@ EMPTY_CONVERSATION = "empty conversation"
 MALFORMED_MESSAGE = "malformed message"
 UNKNOWN_ROLE = "unknown role"
 NON_STRING_CONTENT = "non-string content"
+# A lone surrogate (JSON's "\ud800" escape) decodes to a str no tokenizer can encode.
+UNENCODABLE_CONTENT = "content not encodable as UTF-8"
 EMPTY_ASSISTANT_REPLY = "empty assistant reply"
 TURN_ORDER = "turns out of order"
 # Found while tokenizing (eaglepipe.data.chat_mask), listed here so all reasons live in one place.
@@ -191,6 +193,14 @@ def _normalize(
                 NON_STRING_CONTENT,
                 f"message {index} {content_key!r} is {type(content).__name__}, not a string",
             )
+        try:
+            content.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise RowProblem(
+                UNENCODABLE_CONTENT,
+                f"message {index} {content_key!r} holds {exc.object[exc.start]!r} at character "
+                f"{exc.start} ({exc.reason})",
+            ) from None
         role = roles[role.lower()]
         if role == "assistant" and not content.strip():
             # It would train on nothing but an end-of-turn token.
@@ -249,6 +259,12 @@ def iter_rows(path: str | os.PathLike, fmt: str = "auto") -> Iterator[Conversati
                 yield Conversation(row_id, normalize_record(record, fmt))
             except RowProblem as problem:
                 yield BadRow(row_id, problem.reason, problem.detail)
+
+
+def first_bad_row(path: str | os.PathLike, fmt: str = "auto") -> BadRow | None:
+    """The first row `iter_rows` finds unusable, or None. What a tokenizer finds (a template
+    error, no assistant token left) is prepare's to find."""
+    return next((row for row in iter_rows(path, fmt) if isinstance(row, BadRow)), None)
 
 
 def read_conversations(

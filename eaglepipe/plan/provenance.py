@@ -32,9 +32,11 @@ from ..core.config import REGENERATED_DIR
 from ..core.errors import PipelineError
 from ..core.fingerprint import file_identity, hash_file, hash_json
 from ..core.run import RunSpec
+from ..data.dataset import bad_row_error
 from .shard_plan import (
     check_holdout,
     count_source_rows,
+    first_bad_source_row,
     plan_shards,
     shard_source_digests,
 )
@@ -76,6 +78,11 @@ def check_shard_plan(run: RunSpec) -> None:
     if rows == 0:
         raise PipelineError(f"dataset.path {path} has no rows: there is nothing to extract")
     check_holdout(run.dataset.holdout, rows, run.shards.rows_per_shard)
+    if run.dataset.bad_rows == "error":
+        # Else the first regenerate (or prepare) job to reach it stops, hours into a run.
+        bad = first_bad_source_row(path, run.dataset.format)
+        if bad is not None:
+            raise bad_row_error(path, bad)
 
 
 def model_fingerprint(run: RunSpec) -> str:

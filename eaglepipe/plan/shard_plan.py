@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import xxhash
@@ -28,7 +28,13 @@ from ..core.atomic import atomic_write_json
 from ..core.errors import PipelineError
 from ..core.fingerprint import file_identity
 from ..core.run import HoldoutSettings
-from ..data.dataset import iter_jsonl_lines, iter_parquet_records, source_kind
+from ..data.dataset import (
+    BadRow,
+    first_bad_row,
+    iter_jsonl_lines,
+    iter_parquet_records,
+    source_kind,
+)
 
 DEFAULT_CACHE_DIR = ".eaglepipe/cache"
 _CACHE_VERSION = 2  # 2: keyed on file_identity (inode, ctime), not size + mtime
@@ -203,6 +209,22 @@ def count_source_rows(
         cached["num_rows"] = _count_rows(path)
         atomic_write_json(cache_file, cached)
     return cached["num_rows"]
+
+
+def first_bad_source_row(
+    path: str | os.PathLike, fmt: str, cache_dir: str | os.PathLike = DEFAULT_CACHE_DIR
+) -> BadRow | None:
+    """The source's first row that cannot be read as a conversation in `fmt` (cached like the
+    row count, per format), or None."""
+    path = Path(path).resolve()
+    cached, cache_file = _load_cache(path, cache_dir)
+    by_format = cached.setdefault("first_bad_row", {})
+    if fmt not in by_format:
+        bad = first_bad_row(path, fmt)
+        by_format[fmt] = None if bad is None else asdict(bad)
+        atomic_write_json(cache_file, cached)
+    found = by_format[fmt]
+    return None if found is None else BadRow(**found)
 
 
 def shard_source_digests(
