@@ -141,6 +141,33 @@ def test_a_bad_source_row_is_refused_before_any_job_unless_skipped(tmp_path, bad
     run_snakemake(tmp_path, "-n")
 
 
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        ("{not json", "config.json is not valid JSON ("),
+        ('{"hidden_size": 64}', "config.json has no 'num_hidden_layers' (for the language model)"),
+        (None, "config.json does not exist"),  # model.path names a file
+    ],
+)
+def test_a_broken_model_directory_is_one_line_at_the_dry_run(tmp_path, content, expected):
+    # Each was a Python traceback from rules/common.smk (and in eaglepipe status and verify).
+    config = small_config(tmp_path)
+    model = tmp_path / "model"
+    if content is None:
+        model.write_text("weights?")
+    else:
+        model.mkdir()
+        (model / "config.json").write_text(content)
+    config["model"]["path"] = str(model)
+    write_config(tmp_path, config)
+    result = run_snakemake(tmp_path, "-n", check=False)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    (line,) = [line for line in output.splitlines() if line.startswith("error:")]
+    assert line.startswith("error: model.path") and expected in line, line
+    assert "Traceback" not in output and "Error in file" not in output
+
+
 def test_sglang_flags_the_launcher_sets_are_refused_by_the_dry_run(tmp_path):
     # The first job's server start refused them; the dry run said nothing.
     config = small_config(tmp_path)

@@ -267,9 +267,29 @@ class TargetModel:
     def config(self) -> dict:
         """The model's config.json."""
         try:
-            return json.loads(self.config_file.read_text())
-        except FileNotFoundError:
+            config = json.loads(self.config_file.read_text())
+        except (FileNotFoundError, NotADirectoryError):
             raise PipelineError(f"model.path: {self.config_file} does not exist") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise PipelineError(
+                f"model.path: {self.config_file} is not valid JSON ({exc})"
+            ) from None
+        if not isinstance(config, dict):
+            raise PipelineError(f"model.path: {self.config_file} holds no JSON object")
+        return config
+
+    def _text_config_int(self, key: str) -> int:
+        try:
+            return int(self.text_config[key])
+        except KeyError:
+            raise PipelineError(
+                f"model.path: {self.config_file} has no {key!r} (for the language model)"
+            ) from None
+        except (TypeError, ValueError):
+            raise PipelineError(
+                f"model.path: {self.config_file}: {key!r} is {self.text_config[key]!r}, not an "
+                "integer"
+            ) from None
 
     @property
     def text_config(self) -> dict:
@@ -285,13 +305,13 @@ class TargetModel:
         """Decoder depth; the toy's is known from its settings before it is built."""
         if self.is_toy and not self.exists:
             return self.toy.num_layers
-        return int(self.text_config["num_hidden_layers"])
+        return self._text_config_int("num_hidden_layers")
 
     @property
     def hidden_size(self) -> int:
         if self.is_toy and not self.exists:
             return self.toy.hidden_size
-        return int(self.text_config["hidden_size"])
+        return self._text_config_int("hidden_size")
 
     @cached_property
     def config_hash(self) -> str:
