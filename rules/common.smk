@@ -10,7 +10,7 @@ from eaglepipe.core.config import RESOLVED_CONFIG
 from eaglepipe.core.run import resolve_at_workflow_start
 from eaglepipe.drafter.live import live_export_engine
 from eaglepipe.server.sglang import check_sglang_settings
-from eaglepipe.drafter.variants import check_export_support
+from eaglepipe.drafter.variants import check_draft_layer, check_export_support
 from eaglepipe.core.errors import one_line_errors
 from snakemake.utils import validate
 
@@ -28,6 +28,10 @@ with one_line_errors():
     validate(config, schema="../schemas/config.schema.yaml")
     # A drafter variant an exported engine cannot load is refused before anything runs.
     check_export_support(RUN.train.drafter.as_dict(), RUN.export.engines)
+    # An MLA draft layer for a target without MLA (the toy is a Llama), not at the train job.
+    check_draft_layer(
+        RUN.train.drafter.layer, RUN.model.text_config if RUN.model.exists else {}
+    )
     # And live acceptance without the export it serves, in one line, not as a rule's error.
     LIVE_EXPORT_ENGINE = live_export_engine(RUN)
     # SGLang flags the launcher sets itself or capture cannot take, before any job starts.

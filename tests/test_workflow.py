@@ -85,6 +85,13 @@ def test_schema_error_names_the_bad_key(tmp_path):
             {"mode": "fraction", "fraction": 0.0},
             "config key dataset.holdout.fraction: 0.0 holds out none of the",
         ),
+        # Refused by the train job, after extraction (the toy target is a Llama).
+        (
+            "train",
+            "drafter",
+            {"layer": "mla"},
+            "train.drafter.layer is mla, but the target has no multi-latent attention",
+        ),
         # A whole float passed the schema's `integer`, then the train job failed in a traceback.
         ("train", "epochs", 8.0, "config key train.epochs: 8.0 is not of type 'integer'"),
         # Was an InputFunctionException of the live_acceptance rule.

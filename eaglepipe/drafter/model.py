@@ -45,6 +45,7 @@ from torch import nn
 from ..core.drafter_options import MLA_DIMS, NORM_FLAGS, default_options, drafter_options
 from ..core.errors import PipelineError
 from . import causal_plus_own
+from .variants import check_draft_layer
 
 # RoPE types the drafter carries from the target, with the scaling keys SGLang, vLLM and
 # transformers all read alike (`attention_factor` is transformers-only, `attn_factor`
@@ -164,12 +165,8 @@ class DrafterConfig:
             layer=options["layer"],
             **{flag: bool(options[flag]) for flag in NORM_FLAGS},
         )
+        check_draft_layer(config.layer, text)
         if config.layer == "mla":
-            if not is_mla:
-                raise PipelineError(
-                    "train.drafter.layer is mla, but the target has no multi-latent attention "
-                    "(no kv_lora_rank in its config): use layer llama"
-                )
             given = options.get("mla") or {}
             dims = {k: given[k] if given.get(k) is not None else text.get(k) for k in MLA_DIMS}
             missing = [k for k, v in dims.items() if v is None]

@@ -117,6 +117,17 @@ def unsupported_options(engine: str, options: dict) -> list[str]:
     return [flag for flag in NORM_FLAGS if options[flag] and flag not in loaded]
 
 
+def check_draft_layer(layer: str, target_text_config: dict) -> None:
+    """An MLA draft layer needs a multi-latent-attention target (the DeepSeek family's
+    `kv_lora_rank`). Called at parse time (with the toy target's config, a Llama, before it is
+    built) and when the drafter is built."""
+    if layer == "mla" and target_text_config.get("kv_lora_rank") is None:
+        raise PipelineError(
+            "train.drafter.layer is mla, but the target has no multi-latent attention "
+            "(no kv_lora_rank in its config): use layer llama"
+        )
+
+
 def check_export_support(options: dict, engines: list[str]) -> None:
     """Refuse, in one line naming engine and option, an export an engine cannot load."""
     for engine in engines:
