@@ -85,6 +85,14 @@ def test_schema_error_names_the_bad_key(tmp_path):
             {"mode": "fraction", "fraction": 0.0},
             "config key dataset.holdout.fraction: 0.0 holds out none of the",
         ),
+        # Every regenerate request failed on it, blamed on its row.
+        (
+            "dataset",
+            "max_length",
+            4096,
+            "config key dataset.max_length: 4096 is more than the target's "
+            "max_position_embeddings, 2048 (model.toy): lower it",
+        ),
         # Refused by the train job, after extraction (the toy target is a Llama).
         (
             "train",
@@ -173,6 +181,32 @@ def test_a_broken_model_directory_is_one_line_at_the_dry_run(tmp_path, content, 
     (line,) = [line for line in output.splitlines() if line.startswith("error:")]
     assert line.startswith("error: model.path") and expected in line, line
     assert "Traceback" not in output and "Error in file" not in output
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (
+            lambda c: c["dataset"]["regenerate"].update(max_new_tokens=2048),
+            "config key dataset.regenerate.max_new_tokens: 2048 leaves no room for a prompt "
+            "within the target's max_position_embeddings, 2048 (",
+        ),
+        # Was refused by the toy build, the first job.
+        (
+            lambda c: c["model"]["toy"].update(hidden_size=66),
+            "config key model.toy.hidden_size must be divisible by num_heads",
+        ),
+    ],
+)
+def test_what_the_target_cannot_hold_is_refused_when_the_run_is_resolved(tmp_path, edit, expected):
+    from eaglepipe.core.run import resolve_at_workflow_start
+
+    config = small_config(tmp_path)
+    config["dataset"]["regenerate"]["enabled"] = True
+    edit(config)
+    with pytest.raises(PipelineError) as raised:
+        resolve_at_workflow_start(config)
+    assert str(raised.value).startswith(expected)
 
 
 def test_sglang_flags_the_launcher_sets_are_refused_by_the_dry_run(tmp_path):

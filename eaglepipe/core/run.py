@@ -76,6 +76,14 @@ class ToySettings(Section):
     train_batch_size: int
 
 
+def check_toy_shape(toy: dict) -> None:
+    """Head counts the toy target's hidden size cannot be split into (also the build's check)."""
+    if toy["hidden_size"] % toy["num_heads"]:
+        raise PipelineError("config key model.toy.hidden_size must be divisible by num_heads")
+    if toy["num_heads"] % toy["num_kv_heads"]:
+        raise PipelineError("config key model.toy.num_heads must be divisible by num_kv_heads")
+
+
 @dataclass(frozen=True)
 class HoldoutSettings(Section):
     mode: str
@@ -313,6 +321,15 @@ class TargetModel:
             return self.toy.hidden_size
         return self._text_config_int("hidden_size")
 
+    @property
+    def max_positions(self) -> int | None:
+        """The target's max_position_embeddings (the toy's from its settings before it is
+        built), or None when its config does not say."""
+        if self.is_toy and not self.exists:
+            return self.toy.max_position_embeddings
+        value = self.text_config.get("max_position_embeddings")
+        return int(value) if isinstance(value, int) else None
+
     @cached_property
     def config_hash(self) -> str:
         return model_config_hash(self.directory)
@@ -400,6 +417,8 @@ def resolve(config: dict) -> RunSpec:
     if not path and not model_cfg.get("toy"):
         raise PipelineError("config key model.toy: needed when model.path is null (the toy target)")
     toy = _build(ToySettings, model_cfg["toy"]) if model_cfg.get("toy") else None
+    if toy is not None and not path:
+        check_toy_shape(model_cfg["toy"])
     dataset = dict(config["dataset"])
     dataset["holdout"] = _build(HoldoutSettings, dataset["holdout"])
     dataset["regenerate"] = _build(RegenerateSettings, dataset["regenerate"])
@@ -463,4 +482,26 @@ def resolve_at_workflow_start(
     run = resolve(cfg.validate_config(config))
     run.facts()  # reads the target's depth and checks the aux layer ids: one clear error here
     run.model.require_weights()
+    check_token_budgets(run)
     return run
+
+
+def check_token_budgets(run: RunSpec) -> None:
+    """Lengths the target cannot hold, refused at the start: every regenerate request failed
+    on them, each blamed on its row (and `bad_rows: skip` would have dropped every row)."""
+    limit = run.model.max_positions
+    if limit is None:
+        return
+    where = "model.toy" if run.model.is_toy and not run.model.exists else run.model.config_file
+    if run.dataset.max_length > limit:
+        raise PipelineError(
+            f"config key dataset.max_length: {run.dataset.max_length} is more than the target's "
+            f"max_position_embeddings, {limit} ({where}): lower it"
+        )
+    regenerate = run.dataset.regenerate
+    if regenerate.enabled and regenerate.max_new_tokens >= limit:
+        raise PipelineError(
+            f"config key dataset.regenerate.max_new_tokens: {regenerate.max_new_tokens} leaves "
+            f"no room for a prompt within the target's max_position_embeddings, {limit} "
+            f"({where}): lower it"
+        )

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from ..core.atomic import atomic_write_json, fsync_dir
 from ..core.errors import PipelineError
+from ..core.run import check_toy_shape
 from . import toy_cache
 from .dataset import Conversation, read_conversations
 
@@ -66,10 +67,7 @@ def _check_toy_config(toy_cfg: dict) -> None:
     missing = [k for k in TOY_KEYS if k not in toy_cfg]
     if missing:
         raise PipelineError(f"config key model.toy.{missing[0]} is missing")
-    if toy_cfg["hidden_size"] % toy_cfg["num_heads"]:
-        raise PipelineError("config key model.toy.hidden_size must be divisible by num_heads")
-    if toy_cfg["num_heads"] % toy_cfg["num_kv_heads"]:
-        raise PipelineError("config key model.toy.num_heads must be divisible by num_kv_heads")
+    check_toy_shape(toy_cfg)
 
 
 def corpus_texts(conversations: list[Conversation]) -> list[str]:
