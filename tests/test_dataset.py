@@ -208,6 +208,9 @@ def test_unknown_format_and_policy_are_errors(tmp_path):
 def test_missing_file_and_bad_parquet_are_named(tmp_path):
     with pytest.raises(PipelineError, match="missing.jsonl does not exist"):
         list(iter_rows(tmp_path / "missing.jsonl"))
+    (tmp_path / "folder.jsonl").mkdir()  # it "did not exist"
+    with pytest.raises(PipelineError, match="folder.jsonl is a directory, not a .jsonl or"):
+        list(iter_rows(tmp_path / "folder.jsonl"))
     broken = tmp_path / "broken.parquet"
     broken.write_bytes(b"this is not parquet")
     with pytest.raises(PipelineError, match="broken.parquet: cannot read Parquet"):

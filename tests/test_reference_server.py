@@ -23,6 +23,7 @@ import aiohttp
 import pytest
 import torch
 
+from eaglepipe.core.errors import PipelineError
 from eaglepipe.server.faults import DIE_EXIT_CODE, ENV_VAR, parse_faults
 from eaglepipe.server.handoff import prepare_dump_dir, read_dump
 from eaglepipe.server.reference_engine import ReferenceEngine
@@ -533,3 +534,15 @@ def test_sigterm_stops_cleanly(fleet):
     with socket.socket() as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a new server would
         sock.bind(("127.0.0.1", server.port))  # nobody listens there any more
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_asked_of_a_machine_without_it_names_the_config_key():
+    from eaglepipe.server.reference_engine import resolve_device
+
+    with pytest.raises(PipelineError) as raised:
+        resolve_device("cuda")
+    assert str(raised.value) == (
+        "server.device cuda (the server's --device): CUDA is not available on this machine (no "
+        "GPU, or a CPU build of torch): use auto or cpu"
+    )

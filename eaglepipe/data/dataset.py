@@ -109,6 +109,8 @@ def source_kind(path: str | os.PathLike) -> str:
 
 
 def _require_file(path: Path) -> None:
+    if path.is_dir():
+        raise PipelineError(f"dataset.path {path} is a directory, not a .jsonl or .parquet file")
     if not path.is_file():
         raise PipelineError(f"dataset.path {path} does not exist")
 

@@ -28,7 +28,10 @@ def resolve_device(name: str) -> torch.device:
     except RuntimeError:
         raise PipelineError(f"--device {name!r} is not a torch device (auto, cpu, cuda)") from None
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise PipelineError(f"--device {name}: CUDA is not available on this machine")
+        raise PipelineError(
+            f"server.device {name} (the server's --device): CUDA is not available on this "
+            "machine (no GPU, or a CPU build of torch): use auto or cpu"
+        )
     return device
 
 
