@@ -368,6 +368,12 @@ def test_a_working_directory_keeps_its_port_and_steps_past_a_taken_one(tmp_path)
         assert ports.working_directory_port("127.0.0.1", tmp_path / "a") != first
 
 
+def test_a_server_host_that_does_not_resolve_is_named_not_blamed_on_the_ports(tmp_path):
+    # Every port "was taken", and the advice was to set server.port.
+    with pytest.raises(PipelineError, match=r"^server.host no.such.host.invalid does not resolve"):
+        ports.working_directory_port("no.such.host.invalid", tmp_path / "a")
+
+
 def test_a_server_host_other_than_loopback_is_warned_about_in_one_line(run, monkeypatch, capsys):
     for host in ("127.0.0.1", "::1", "localhost"):
         assert ports.exposure_warning(host, 8000) is None

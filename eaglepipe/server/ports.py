@@ -105,6 +105,11 @@ def working_directory_port(host: str, directory: str | os.PathLike) -> int:
     when that port is taken, the next free one. The server state records the port chosen, and
     every job reads its server's address from there.
     """
+    try:
+        socket.getaddrinfo(host, None)
+    except socket.gaierror as exc:
+        # Else every port looks taken and the advice would be to set server.port.
+        raise PipelineError(f"server.host {host} does not resolve to an address ({exc})") from None
     key = str(Path(directory).resolve()).encode()
     first = xxhash.xxh3_64_intdigest(key) % len(DRAWN_PORTS)
     for offset in range(PORT_TRIES):
