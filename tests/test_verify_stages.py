@@ -141,3 +141,42 @@ def test_verify_refuses_to_pass_what_it_never_looked_at(tmp_path, monkeypatch, c
     captured = capsys.readouterr()
     assert "note: no shard plan" in captured.err
     assert "error: shard rows_0-4: no manifest.json (extraction not finished)" in captured.out
+
+
+def test_a_damaged_drafter_file_stops_its_reader_in_one_line_naming_the_repair(tmp_path):
+    """The vocabulary, the model and an export were read as they were: a flipped byte trained,
+    evaluated, exported (sealed afresh) and served from damaged weights, a truncated one ended
+    in safetensors' traceback."""
+    from eaglepipe.core.fingerprint import hash_file
+    from eaglepipe.core.sealed import CONFIG_SEAL_KEY
+    from eaglepipe.drafter.live_run import ExportInfo
+    from eaglepipe.drafter.model import load_drafter
+    from eaglepipe.drafter.vocab import load_vocab
+
+    repair = ": repair: `eaglepipe verify` sets it aside, then `snakemake --cores N` makes it again"
+    for load in (load_vocab, load_drafter):
+        path = sealed_file(tmp_path / f"{load.__name__}.safetensors")
+        flipped = bytearray(path.read_bytes())
+        flipped[-3] ^= 0x40
+        path.write_bytes(bytes(flipped))
+        with pytest.raises(PipelineError) as raised:
+            load(path)
+        assert str(raised.value).startswith(f"{path} re-hashes to xxh3-128 ")
+        assert str(raised.value).endswith(repair)
+        path.write_bytes(bytes(flipped)[:40])
+        with pytest.raises(PipelineError, match=r"is not a readable safetensors file .*: repair"):
+            load(path)
+
+    export = tmp_path / "export" / "sglang"
+    export.mkdir(parents=True)
+    config = {"eaglepipe": {"engine": "sglang"}, "eagle_config": {}}
+    (export / "config.json").write_text(json.dumps(config))
+    tensors = {"w": torch.arange(8, dtype=torch.float32)}
+    metadata = seal_metadata({CONFIG_SEAL_KEY: hash_file(export / "config.json")})
+    (export / "model.safetensors").write_bytes(seal(save(tensors, metadata=metadata)))
+    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [1, 2, 3]  # edited by hand
+    (export / "config.json").write_text(json.dumps(config))
+    with pytest.raises(PipelineError) as raised:
+        ExportInfo.read(export)
+    assert str(raised.value).startswith(f"{export / 'config.json'} re-hashes to xxh3-128 ")
+    assert str(raised.value).endswith(repair)

@@ -93,6 +93,36 @@ def seal_problem(path: str | os.PathLike) -> str | None:
     return None
 
 
+def config_seal_problem(weights: str | os.PathLike, config: str | os.PathLike) -> str | None:
+    """Why an export's `config` does not match the checksum its `weights` record, or None
+    (also when the weights record none, or the config is missing: a target to build)."""
+    from .fingerprint import hash_file
+
+    recorded = read_metadata(weights).get(CONFIG_SEAL_KEY)
+    if not recorded or not Path(config).exists():
+        return None
+    actual = hash_file(config)
+    if actual != recorded:
+        return f"{config} re-hashes to xxh3-128 {actual}, {weights} records {recorded}"
+    return None
+
+
+def require_intact(*paths: str | os.PathLike) -> None:
+    """Stop before a damaged sealed file is used (trained on, evaluated, exported, served), in
+    one line naming it and the repair. An export's config.json is checked with its weights."""
+    from .errors import PipelineError
+
+    for path in paths:
+        problem = seal_problem(path)
+        if problem is None and Path(path).name == "model.safetensors":
+            problem = config_seal_problem(path, Path(path).parent / "config.json")
+        if problem is not None:
+            raise PipelineError(
+                f"{problem}: repair: `eaglepipe verify` sets it aside, then `snakemake --cores N` "
+                "makes it again"
+            )
+
+
 def is_sealed(path: str | os.PathLike) -> bool:
     try:
         return SEAL_KEY in read_metadata(path)

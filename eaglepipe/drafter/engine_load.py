@@ -34,6 +34,7 @@ from safetensors import safe_open
 
 from ..core.drafter_options import MLA_DIMS, NORM_FLAGS
 from ..core.errors import PipelineError
+from ..core.sealed import require_intact
 from .model import DrafterConfig, Eagle3Drafter, target_rope
 from .variants import ARCHITECTURES, ENGINE_OPTIONS
 
@@ -328,4 +329,5 @@ def load_exported_drafter(export) -> Eagle3Drafter:
     """The drafter as its export's engine would load it (embed_tokens left for the caller);
     `export` is a live.ExportInfo or an export directory."""
     directory = getattr(export, "directory", export)
+    require_intact(Path(directory) / "model.safetensors")
     return drafter_from_engine_params(*load_like_engine(directory))

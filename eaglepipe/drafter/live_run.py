@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ..core.atomic import atomic_write_json
 from ..core.errors import PipelineError
+from ..core.sealed import require_intact
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,8 @@ class ExportInfo:
             config = json.loads(path.read_text())
         except FileNotFoundError:
             raise PipelineError(f"{path} does not exist: run the export rule first") from None
+        # Served as it is (SGLang reads the directory): a damaged export would be measured.
+        require_intact(directory / "model.safetensors")
         engine = (config.get("eaglepipe") or {}).get("engine")
         if engine == "sglang":
             written = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")

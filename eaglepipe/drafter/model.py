@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import asdict, dataclass
 
 import torch
@@ -44,6 +45,7 @@ from torch import nn
 
 from ..core.drafter_options import MLA_DIMS, NORM_FLAGS, default_options, drafter_options
 from ..core.errors import PipelineError
+from ..core.sealed import require_intact
 from . import causal_plus_own
 from .variants import check_draft_layer
 
@@ -517,12 +519,12 @@ def load_drafter(path, device="cpu") -> Eagle3Drafter:
     """Load our own model.safetensors (config in its metadata); embed_tokens stays zero."""
     from safetensors import safe_open
 
-    try:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            metadata = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except FileNotFoundError:
-        raise PipelineError(f"drafter checkpoint {path} does not exist") from None
+    if not os.path.exists(path):
+        raise PipelineError(f"drafter checkpoint {path} does not exist")
+    require_intact(path)
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        metadata = f.metadata() or {}
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
     if "drafter_config" not in metadata:
         raise PipelineError(f"{path} has no drafter_config metadata: not an eaglepipe drafter")
     model = Eagle3Drafter(DrafterConfig.from_json(metadata["drafter_config"]))

@@ -20,7 +20,7 @@ from safetensors.torch import save
 
 from ..core.atomic import atomic_write_bytes
 from ..core.errors import PipelineError
-from ..core.sealed import seal, seal_metadata
+from ..core.sealed import require_intact, seal, seal_metadata
 
 
 @dataclass
@@ -96,6 +96,9 @@ def save_vocab(vocab: DraftVocab, path: str | os.PathLike, stats: dict | None = 
 
 def load_vocab(path: str | os.PathLike) -> DraftVocab:
     path = Path(path)
+    if not path.exists():
+        raise PipelineError(f"draft vocabulary {path} does not exist")
+    require_intact(path)
     try:
         with safe_open(str(path), framework="pt") as f:
             keys = set(f.keys())

@@ -31,7 +31,7 @@ from ..core.config import DRAFTER_DIR, PREPARED_DIR, PREPARED_SUMMARY
 from ..core.errors import PipelineError
 from ..core.fingerprint import hash_file
 from ..core.run import RunSpec
-from ..core.sealed import CONFIG_SEAL_KEY, is_sealed, read_metadata, seal_problem
+from ..core.sealed import config_seal_problem, is_sealed, seal_problem
 from ..plan.provenance import regenerated_manifest_path
 from ..prepare.table import SUMMARY_FILES_KEY
 from ..regenerate.store import (
@@ -190,10 +190,8 @@ def check_drafter(run: RunSpec) -> StoredReport:
             report.damaged.append(Damage(stage, path, problem, _setting_aside(path)))
         elif stage == "export":
             config = path.parent / "config.json"
-            recorded = read_metadata(path).get(CONFIG_SEAL_KEY)
             # A missing config is a target the next run builds: nothing to set aside.
-            if recorded and config.exists() and (actual := hash_file(config)) != recorded:
-                problem = f"{config} re-hashes to xxh3-128 {actual}, {path} records {recorded}"
+            if problem := config_seal_problem(path, config):
                 report.damaged.append(Damage(stage, config, problem, _setting_aside(config)))
     return report
 
