@@ -461,8 +461,24 @@ def test_gate_needs_a_matching_validation_report(tmp_path):
     from eaglepipe.core.fingerprint import hash_file
 
     report = tmp_path / "rows_0-4.json"
-    report.write_text(json.dumps({"shard": "rows_0-4", "manifest_xxh3_128": hash_file(manifest)}))
+    passed = {"shard": "rows_0-4", "manifest_xxh3_128": hash_file(manifest)}
+    passed["checks"] = {"integrity": {"ok": True}, "values": {"ok": True}}
+    report.write_text(json.dumps(passed))
     check_validated([str(manifest)], [str(report)])
+    # A report that records a failed check (the validate job never writes one: edited by hand),
+    # or none, was accepted: training read the shard.
+    failed = {**passed, "checks": {"integrity": {"ok": False}, "values": {"ok": True}}}
+    report.write_text(json.dumps(failed))
+    with pytest.raises(PipelineError) as raised:
+        check_validated([str(manifest)], [str(report)])
+    assert str(raised.value) == (
+        f"validation report {report} records check(s) integrity as not passed: its shard was "
+        f"not validated; `rm {report}`, then `snakemake --cores N` validates it again"
+    )
+    report.write_text(json.dumps({k: v for k, v in passed.items() if k != "checks"}))
+    with pytest.raises(PipelineError, match="records no checks: its shard was not validated"):
+        check_validated([str(manifest)], [str(report)])
+    report.write_text(json.dumps(passed))
     manifest.write_text(manifest.read_text().replace('"num_rows"', '"num_rows" ', 1))
     with pytest.raises(PipelineError, match="changed after it was validated"):
         check_validated([str(manifest)], [str(report)])
@@ -517,7 +533,8 @@ def test_gate_names_a_missing_manifest_or_report_in_one_line(tmp_path):
     from eaglepipe.core.fingerprint import hash_file
 
     report = tmp_path / "rows_0-4.json"
-    report.write_text(json.dumps({"shard": "rows_0-4", "manifest_xxh3_128": hash_file(manifest)}))
+    passed = {"shard": "rows_0-4", "manifest_xxh3_128": hash_file(manifest)}
+    report.write_text(json.dumps({**passed, "checks": {"integrity": {"ok": True}}}))
     with pytest.raises(PipelineError, match="validation report .*missing.json does not exist"):
         check_validated([str(manifest)], [str(report), str(tmp_path / "missing.json")])
     manifest.unlink()

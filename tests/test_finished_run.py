@@ -85,6 +85,16 @@ def test_a_deleted_validation_report_revalidates_and_retrains(run):
     assert jobs["validate"] == 1 and jobs["train"] == 1 and "extract" not in jobs
 
 
+def test_a_validation_report_recording_a_failed_check_is_revalidated(run):
+    # The validate job writes none: an edited one was trusted, and training read its shard.
+    report = run / "validated" / "rows_20-30.json"
+    data = json.loads(report.read_text())
+    data["checks"]["integrity"]["ok"] = False
+    report.write_text(json.dumps(data))
+    jobs = dry_run_jobs(run)
+    assert jobs["validate"] == 1 and jobs["train"] == 1 and "extract" not in jobs
+
+
 def test_a_manifest_changed_under_an_old_mtime_is_revalidated(run):
     # cp -p / rsync -a of an edited manifest keeps the old mtime: Snakemake's own check misses it.
     manifest = shard_file(run, "rows_30-40", "manifest.json")

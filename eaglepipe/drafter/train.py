@@ -29,6 +29,7 @@ from ..core.jsonio import read_json_object
 from ..core.run import RunSpec, TrainSettings
 from ..core.sealed import seal, seal_metadata
 from ..core.space import disk_full_error, is_disk_full
+from ..plan.freshness import failed_checks
 from .chunks import Chunk, check_chunks, damage_error, list_chunks
 from .data import BatchStream, index_rows, plan_batches, split_row_ids
 from .loss import ttt_loss
@@ -56,6 +57,17 @@ def check_validated(manifests: list[str], validated: list[str]) -> None:
         )
         if "shard" not in report or "manifest_xxh3_128" not in report:
             raise PipelineError(f"validation report {path} lacks shard/manifest_xxh3_128")
+        failed = failed_checks(report)
+        if failed != []:
+            what = (
+                f"records check(s) {', '.join(failed)} as not passed"
+                if failed
+                else "records no checks"
+            )
+            raise PipelineError(
+                f"validation report {path} {what}: its shard was not validated; "
+                f"`rm {path}`, then `snakemake --cores N` validates it again"
+            )
         reports[report["shard"]] = report
     for manifest in manifests:
         shard = Path(manifest).parent.name

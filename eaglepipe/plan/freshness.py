@@ -72,16 +72,34 @@ def validation_report_path(shard: str) -> str:
     return os.path.join(VALIDATED_DIR, f"{shard}.json")
 
 
+def failed_checks(report: dict) -> list[str] | None:
+    """The checks a validation report records as not passed (None when it records none at all).
+    The validate job writes a report only when every check passed: anything else was edited."""
+    checks = report.get("checks")
+    if not isinstance(checks, dict) or not checks:
+        return None
+    return sorted(
+        name
+        for name, check in checks.items()
+        if not (isinstance(check, dict) and check.get("ok") is True)
+    )
+
+
 def _report_facts(manifest: str, report: str) -> dict:
     """What a validation report says of its shard: does it describe this manifest, under which
-    validate settings. Unreadable reports describe nothing."""
+    validate settings, did every check pass. Unreadable reports describe nothing."""
     try:
         recorded = json.loads(Path(report).read_text())
         manifest_hash = recorded["manifest_xxh3_128"]
         settings = recorded.get("validation_settings")
-    except (OSError, ValueError, KeyError, TypeError):
-        return {"describes_manifest": False, "settings": None}
-    return {"describes_manifest": manifest_hash == hash_file(manifest), "settings": settings}
+        failed = failed_checks(recorded)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {"describes_manifest": False, "settings": None, "passed": False}
+    return {
+        "describes_manifest": manifest_hash == hash_file(manifest),
+        "settings": settings,
+        "passed": failed == [],
+    }
 
 
 def _validation_staleness(run: RunSpec, shard_names: list[str]) -> tuple[dict, dict, dict]:
@@ -104,7 +122,7 @@ def _validation_staleness(run: RunSpec, shard_names: list[str]) -> tuple[dict, d
             why = "its manifest is missing"
         else:
             facts = cache.get(shard)
-            if not facts or facts.get("key") != key:
+            if not facts or facts.get("key") != key or "passed" not in facts:
                 facts = {"key": key, **_report_facts(manifest, report)}
             new_cache[shard] = facts
             why = None
@@ -112,6 +130,8 @@ def _validation_staleness(run: RunSpec, shard_names: list[str]) -> tuple[dict, d
                 why = "its manifest changed after it was validated"
             elif facts["settings"] != settings:
                 why = "the validate settings changed"
+            elif not facts.get("passed", False):
+                why = "it records a check that did not pass (edited by hand?)"
         if why is not None:
             stale[shard] = (why, key)
     return stale, cache, new_cache
