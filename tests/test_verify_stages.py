@@ -180,3 +180,42 @@ def test_a_damaged_drafter_file_stops_its_reader_in_one_line_naming_the_repair(t
         ExportInfo.read(export)
     assert str(raised.value).startswith(f"{export / 'config.json'} re-hashes to xxh3-128 ")
     assert str(raised.value).endswith(repair)
+
+
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [
+        ('{"model": ', "is not valid JSON: "),
+        ("[]", "must hold a JSON object"),
+        ('{"model": {"bogus": 1}}', ": config key "),
+    ],
+)
+def test_a_damaged_resolved_config_is_named_by_status_and_verify(
+    tmp_path, monkeypatch, capsys, content, why
+):
+    """status ended in a JSONDecodeError traceback; verify checked the shards without a plan,
+    skipped every other stage and passed (exit 0)."""
+    from eaglepipe.ops.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / ".eaglepipe").mkdir()
+    (tmp_path / ".eaglepipe" / "config.json").write_text(content)
+    (tmp_path / "hidden_states" / "rows_0-4").mkdir(parents=True)
+    for command in ("status", "verify"):
+        assert main([command]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("error: resolved config .eaglepipe/config.json"), err
+        assert why in err
+        assert err.endswith(
+            ": delete .eaglepipe/config.json (config.yaml is then used) or rerun snakemake, "
+            "which writes it again\n"
+        )
+
+
+def test_a_torn_offline_evaluation_stops_live_acceptance_in_one_line(tmp_path):
+    from eaglepipe.drafter.live import walked_turns
+
+    path = tmp_path / "eval.json"
+    path.write_text('{"acceptance_length": 2.1, ')
+    with pytest.raises(PipelineError, match=r"^offline evaluation .*eval.json is not valid JSON"):
+        walked_turns(path)

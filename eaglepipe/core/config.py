@@ -9,7 +9,6 @@ into the run description (`eaglepipe.core.run`), whose resolved copy is written 
 from __future__ import annotations
 
 import copy
-import json
 import os
 from pathlib import Path
 
@@ -191,13 +190,24 @@ def write_resolved(config: dict, path: str | os.PathLike = RESOLVED_CONFIG) -> P
 
 
 def read_resolved(path: str | os.PathLike = RESOLVED_CONFIG) -> dict:
-    try:
-        return validate_config(json.loads(Path(path).read_text()))
-    except FileNotFoundError:
+    from .jsonio import read_json_object
+
+    path = Path(path)
+    if not path.exists():
         raise PipelineError(
             f"resolved config {path} is missing: run the step through snakemake, "
             "or pass --config config.yaml"
-        ) from None
+        )
+    # Written by the workflow: a damaged one is a hand edit or a torn copy.
+    repair = f"delete {path} (config.yaml is then used) or rerun snakemake, which writes it again"
+    try:
+        config = read_json_object(path, what="resolved config")
+    except PipelineError as exc:
+        raise PipelineError(f"{exc}: {repair}") from None
+    try:
+        return validate_config(config)
+    except PipelineError as exc:
+        raise PipelineError(f"resolved config {path}: {exc}: {repair}") from None
 
 
 def config_from_arg(path: str | os.PathLike) -> dict:

@@ -31,12 +31,12 @@ This module stays free of torch at import: the Snakefile asks it which export th
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.atomic import atomic_write_json
 from ..core.errors import PipelineError
+from ..core.jsonio import read_json_object
 from ..core.run import RunSpec
 from .live_run import (
     ExportInfo,
@@ -118,7 +118,9 @@ def walked_turns(eval_path) -> tuple[float | None, dict]:
     """eval.json's headline and its decode-order walk per (row_id, turn); (None, {}) without it."""
     if not eval_path or not Path(eval_path).exists():
         return None, {}
-    evaluation = json.loads(Path(eval_path).read_text())
+    evaluation = read_json_object(
+        eval_path, what="offline evaluation", missing="does not exist: run the evaluate rule"
+    )
     walked = {(t["row_id"], t["turn"]): t for t in evaluation.get("turns", [])}
     return evaluation.get("acceptance_length"), walked
 

@@ -159,16 +159,16 @@ def add_status_command(subparsers) -> None:
 
 
 def _planned_shards(args: argparse.Namespace, root: Path) -> list[str] | None:
-    """The run's shard plan, or None (with a note) when no config is named and the default one
-    cannot be read here (copied shards without their run): then every shard directory is
-    checked. A config named with --config must load: verifying against a plan it was not
-    asked for would pass data it never looked at."""
+    """The run's shard plan, or None (with a note) when no config is named and there is none
+    here (copied shards without their run): then every shard directory is checked. A config
+    named with --config, or the one here, must load: verifying without the plan and the stages
+    it names would pass data it never looked at."""
     from .status import planned_shard_names
 
     try:
         return planned_shard_names(load_run_arg(args))
     except PipelineError as exc:
-        if args.config is not None:
+        if args.config is not None or default_config_path().exists():
             raise
         if not any(root.glob("rows_*")):
             raise PipelineError(
