@@ -394,3 +394,30 @@ def test_length_limited_replies_are_recorded_as_assistant_turn_ordinals():
     assert assistant_ordinals(messages, [4]) == (1,)
     assert assistant_ordinals(messages, [2, 4]) == (0, 1)
     assert assistant_ordinals(messages, [3]) == ()  # a user turn is never one
+
+
+def test_a_damaged_table_is_refused_before_it_is_read_whole(tmp_path, toy_dir, sample_rows):
+    """A flipped bit that pyarrow still reads moved rows between the splits: vocab, training,
+    evaluation and live acceptance each read the table whole, unchecked."""
+    config = _config(toy_dir, _jsonl(tmp_path / "d.jsonl", list(sample_rows)))
+    _run(config, tmp_path)
+    path = tmp_path / "prepared" / "tokenized.parquet"
+    whole = load_prepared(path, columns=["row_id", "split"])
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(PipelineError) as raised:
+        load_prepared(path, columns=["row_id", "split"])
+    summary = tmp_path / "prepared" / "summary.json"
+    assert str(raised.value).startswith(f"{path} re-hashes to xxh3-128 ")
+    listed = json.loads(summary.read_text())["files"]["tokenized.parquet"]["xxh3_128"]
+    assert str(raised.value).endswith(
+        f"{summary} lists {listed}: repair: `eaglepipe verify` sets it aside, then "
+        "`snakemake --cores N` prepares it again"
+    )
+    path.write_bytes(bytes(data[:-10]))
+    with pytest.raises(
+        PipelineError, match=r"tokenized.parquet is \d+ bytes, .* lists \d+: repair"
+    ):
+        load_prepared(path)
+    assert len(whole) == len(sample_rows)

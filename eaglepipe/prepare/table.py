@@ -25,6 +25,7 @@ falls below `fraction`; `holdout.mode: shards` takes every row of the listed sha
 from __future__ import annotations
 
 import io
+import json
 import os
 from collections import Counter
 from collections.abc import Iterator
@@ -35,7 +36,7 @@ import numpy as np
 from ..core import config as config_mod
 from ..core.atomic import dumps_json, write_if_changed
 from ..core.errors import PipelineError
-from ..core.fingerprint import hash_bytes
+from ..core.fingerprint import hash_bytes, hash_file
 from ..core.progress import Progress
 from ..core.run import RunSpec
 from ..data.chat_mask import tokenize_conversation
@@ -362,6 +363,34 @@ def _print_outcome(summary: dict, skipped: dict, prepared_dir: Path, written: di
     )
 
 
+def listed_file_problem(path: Path, listed: dict, summary: Path) -> str | None:
+    """Why a prepared file does not match the size and xxh3-128 its summary lists, or None."""
+    size = path.stat().st_size
+    if size != listed["bytes"]:
+        return f"{path} is {size} bytes, {summary} lists {listed['bytes']}"
+    digest = hash_file(path)
+    if digest != listed["xxh3_128"]:
+        return f"{path} re-hashes to xxh3-128 {digest}, {summary} lists {listed['xxh3_128']}"
+    return None
+
+
+def check_table_intact(path: Path) -> None:
+    """The whole table against its summary (written last, beside it), before it is read whole:
+    a flipped bit pyarrow still reads would move rows between the splits. A summary that lists
+    no checksum (an older run) has nothing to check against."""
+    summary = path.parent / "summary.json"
+    try:
+        listed = json.loads(summary.read_text())[SUMMARY_FILES_KEY][path.name]
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    problem = listed_file_problem(path, listed, summary)
+    if problem is not None:
+        raise PipelineError(
+            f"{problem}: repair: `eaglepipe verify` sets it aside, then `snakemake --cores N` "
+            "prepares it again"
+        )
+
+
 def load_prepared(
     path: str | os.PathLike = config_mod.PREPARED_TABLE,
     start: int | None = None,
@@ -378,6 +407,10 @@ def load_prepared(
     path = Path(path)
     if not path.is_file():
         raise PipelineError(f"prepared table {path} does not exist: run the prepare rule first")
+    if start is None and end is None:
+        # Whole-table readers (vocab, training, evaluation, live); a shard job reads its own
+        # row group only, and hashing the whole table in each would cost its start.
+        check_table_intact(path)
     filters = []
     if start is not None:
         filters.append(("row_id", ">=", start))

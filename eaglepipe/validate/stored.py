@@ -29,11 +29,10 @@ from pathlib import Path
 
 from ..core.config import DRAFTER_DIR, PREPARED_DIR, PREPARED_SUMMARY
 from ..core.errors import PipelineError
-from ..core.fingerprint import hash_file
 from ..core.run import RunSpec
 from ..core.sealed import config_seal_problem, is_sealed, seal_problem
 from ..plan.provenance import regenerated_manifest_path
-from ..prepare.table import SUMMARY_FILES_KEY
+from ..prepare.table import SUMMARY_FILES_KEY, listed_file_problem
 from ..regenerate.store import (
     ROWS_NAME,
     read_manifest,
@@ -149,16 +148,7 @@ def check_prepared() -> StoredReport:
         path = PREPARED_DIR / name
         if not path.exists():
             continue  # missing: a target the next run builds (nothing to set aside)
-        size = path.stat().st_size
-        problem = None
-        if size != listed["bytes"]:
-            problem = f"{path} is {size} bytes, {PREPARED_SUMMARY} lists {listed['bytes']}"
-        elif (digest := hash_file(path)) != listed["xxh3_128"]:
-            problem = (
-                f"{path} re-hashes to xxh3-128 {digest}, {PREPARED_SUMMARY} lists "
-                f"{listed['xxh3_128']}"
-            )
-        if problem:
+        if problem := listed_file_problem(path, listed, PREPARED_SUMMARY):
             report.damaged.append(Damage("prepare", path, problem, _setting_aside(path)))
     return report
 
