@@ -243,9 +243,10 @@ def test_a_full_disk_at_a_checkpoint_stops_training_in_one_line_and_the_rerun_re
             f"error: no space left on the filesystem of {checkpoints} while writing step-0000001"
         ), error
         assert "Traceback" not in output
-        # Only whole checkpoints are left (beside the steps log), and no model.
+        # Only whole checkpoints are left (with their checksum, beside the steps log), no model.
         assert sorted(p.name for p in checkpoints.iterdir()) == [
             "step-00000005.pt",
+            "step-00000005.pt.xxh3",
             "train_log.jsonl",
         ]
         assert not (tmp_path / "model.safetensors").exists()
@@ -296,3 +297,40 @@ def test_a_changed_drafter_variant_never_resumes_another_variants_checkpoint(
         assert summary["resumed_from"] == 2
     finally:
         os.chdir(cwd)
+
+
+def test_a_damaged_checkpoint_is_passed_over_for_the_one_before(tmp_path):
+    """torch.load reads a flipped bit in a tensor without complaint: training resumed from it
+    and wrote a broken drafter, sealed as if it were whole."""
+    from eaglepipe.drafter.train import latest_checkpoint, save_checkpoint
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.arange(4096, dtype=torch.float32))
+
+        def trainable_state_dict(self):
+            return {"w": self.w.detach().clone()}
+
+    model = Model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    save_checkpoint(tmp_path, 1, model, optimizer, "key")
+    with torch.no_grad():
+        model.w += 1
+    newest = save_checkpoint(tmp_path, 2, model, optimizer, "key")
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    newest.write_bytes(bytes(data))
+    lines = []
+    state = latest_checkpoint(tmp_path, "key", lines.append)
+    assert state["step"] == 1 and torch.equal(state["model"]["w"], torch.arange(4096.0))
+    assert lines[0].startswith(f"checkpoint {newest} is damaged (re-hashes to xxh3-128 ")
+    assert lines[0].endswith("); ignoring it")
+    # The newest two are kept, each with its checksum.
+    save_checkpoint(tmp_path, 3, model, optimizer, "key")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "step-00000002.pt",
+        "step-00000002.pt.xxh3",
+        "step-00000003.pt",
+        "step-00000003.pt.xxh3",
+    ]

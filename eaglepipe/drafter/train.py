@@ -24,7 +24,7 @@ from safetensors.torch import save
 
 from ..core.atomic import atomic_write_bytes
 from ..core.errors import PipelineError
-from ..core.fingerprint import hash_file, hash_json
+from ..core.fingerprint import hash_bytes, hash_file, hash_json
 from ..core.jsonio import read_json_object
 from ..core.run import RunSpec, TrainSettings
 from ..core.sealed import seal, seal_metadata
@@ -213,10 +213,31 @@ def save_checkpoint(directory: Path, step: int, model, optimizer, run_key: str) 
         buffer,
     )
     path = directory / f"step-{step:08d}.pt"
-    atomic_write_bytes(path, buffer.getvalue())
+    data = buffer.getvalue()
+    atomic_write_bytes(path, data)
+    # Its checksum beside it: torch.load reads a flipped bit in a tensor without complaint.
+    atomic_write_bytes(checksum_path(path), hash_bytes(data).encode())
     for _, old in list_checkpoints(directory)[:-KEEP_CHECKPOINTS]:
         old.unlink(missing_ok=True)
+        checksum_path(old).unlink(missing_ok=True)
     return path
+
+
+def checksum_path(checkpoint: Path) -> Path:
+    return checkpoint.with_name(checkpoint.name + ".xxh3")
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why a checkpoint does not match the checksum written beside it, or None (also for one
+    without a checksum: written by an older version)."""
+    try:
+        recorded = checksum_path(path).read_text().strip()
+    except FileNotFoundError:
+        return None
+    actual = hash_file(path)
+    if actual != recorded:
+        return f"re-hashes to xxh3-128 {actual}, {checksum_path(path).name} records {recorded}"
+    return None
 
 
 def latest_checkpoint(directory: Path, run_key: str, log) -> dict | None:
@@ -226,6 +247,9 @@ def latest_checkpoint(directory: Path, run_key: str, log) -> dict | None:
     a file that needs anything else (code to run when unpickled) is refused, never executed.
     """
     for step, path in reversed(list_checkpoints(directory)):
+        if problem := checkpoint_problem(path):
+            log(f"checkpoint {path} is damaged ({problem}); ignoring it")
+            continue
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as exc:  # not ours, or damaged (our writes are atomic)
