@@ -214,10 +214,15 @@ def test_training_figure(tmp_path):
     assert_png(out)
 
 
-def test_training_log_with_a_bad_line_is_named(tmp_path):
+def test_training_log_with_a_bad_line_is_named_and_a_torn_last_line_dropped(tmp_path):
     log = write_train_log(tmp_path, steps=3)
-    log.write_text(log.read_text() + "{not json\n")
-    with pytest.raises(PipelineError, match="train_log.jsonl line 4 is not valid JSON"):
+    intact = log.read_text()
+    log.write_text(intact + '{"step": 4, "lo')  # torn: every rerun of the report stopped on it
+    assert_png(report.training_figure(log, tmp_path / "training.png"))
+    assert len(report.read_jsonl(log)) == 3
+    lines = intact.splitlines(keepends=True)
+    log.write_text(lines[0] + "{not json\n" + "".join(lines[1:]))
+    with pytest.raises(PipelineError, match="train_log.jsonl line 2 is not valid JSON"):
         report.training_figure(log, tmp_path / "training.png")
 
 

@@ -27,6 +27,7 @@ from aiohttp import web
 from conftest import PYTHON, REPO_ROOT, build_tiny_deepseek_v3
 
 from eaglepipe.core.config import load_config
+from eaglepipe.core.errors import PipelineError
 from eaglepipe.core.fingerprint import hash_bytes
 from eaglepipe.core.run import resolve
 from eaglepipe.extract.chunk_file import RowTensors, write_chunk
@@ -928,3 +929,21 @@ def test_an_moe_target_dumped_one_layer_off_fails(workspace, flippy_moe_dir, sgl
         failure = expect_failure(workspace, "spot_check")
     assert "independent transformers fp32 forwards on CPU" in str(failure)
     assert "aux_0 (decoder layer 1 output)" in str(failure)
+
+
+def test_a_truncated_table_or_a_torn_skip_record_is_one_line(tmp_path):
+    """Each ended the validate job in a pyarrow or json traceback."""
+    from eaglepipe.validate.coverage import load_prepared_rows
+
+    table = tmp_path / "tokenized.parquet"
+    table.write_bytes(b"PAR1 and then nothing")
+    with pytest.raises(PipelineError, match=r"^prepared table .* cannot be read \(.*\): repair"):
+        load_prepared_rows(table, tmp_path / "skipped.json", 0, 4)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    columns = {"row_id": [0], "input_ids": [[1, 2]], "loss_mask": [[0, 1]]}
+    pq.write_table(pa.table(columns), table)
+    (tmp_path / "skipped.json").write_text('{"count": 0, "rea')
+    with pytest.raises(PipelineError, match=r"^prepare's skipped rows .* is not valid JSON"):
+        load_prepared_rows(table, tmp_path / "skipped.json", 0, 4)

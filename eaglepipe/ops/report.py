@@ -53,6 +53,8 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError as exc:
+            if number == len(lines):
+                break  # a line torn by a killed writer: what was written before it stands
             raise PipelineError(f"{path} line {number} is not valid JSON: {exc}") from None
     return records
 
@@ -128,6 +130,11 @@ def dataset_figure(
         table = pq.read_table(prepared_table, columns=["num_tokens", "split", "truncated"])
     except FileNotFoundError:
         raise PipelineError(f"report input {prepared_table} does not exist") from None
+    except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
+        raise PipelineError(
+            f"report input {prepared_table} cannot be read ({exc}): repair: `eaglepipe verify` "
+            "sets it aside, then `snakemake --cores N` prepares it again"
+        ) from None
     summary = read_json(summary_json)
     skipped = read_json(skipped_json)
     lengths = table.column("num_tokens").to_numpy().astype(np.int64)

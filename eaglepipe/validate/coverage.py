@@ -3,13 +3,13 @@ without duplicates; input ids and loss masks equal the prepared table's."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ..core.errors import PipelineError
+from ..core.jsonio import read_json_object
 from .checks import ValidationFailure
 from .schema import ChunkLayout
 
@@ -35,6 +35,11 @@ def load_prepared_rows(table_path: Path, skipped_path: Path, start: int, end: in
         )
     except FileNotFoundError:
         raise PipelineError(f"prepared table {table_path} does not exist: run prepare") from None
+    except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
+        raise PipelineError(
+            f"prepared table {table_path} cannot be read ({exc}): repair: `eaglepipe verify` "
+            "sets it aside, then `snakemake --cores N` prepares it again"
+        ) from None
     row_ids = table.column("row_id").to_numpy()
     token_ids, loss_masks = {}, {}
     for name, into, dtype in (
@@ -48,7 +53,7 @@ def load_prepared_rows(table_path: Path, skipped_path: Path, start: int, end: in
             into[row] = flat[bounds[i] : bounds[i + 1]]
     skipped = {}
     if skipped_path.exists():
-        record = json.loads(skipped_path.read_text())
+        record = read_json_object(skipped_path, what="prepare's skipped rows")
         for item in record.get("rows", []):
             if start <= item["row_id"] < end:
                 skipped[int(item["row_id"])] = str(item.get("reason", "skipped"))
