@@ -508,7 +508,7 @@ def test_finished_stages_show_their_figures_and_a_damaged_file_is_named(tmp_path
     lines = drafter_lines(tmp_path, names, {})
     assert lines[1].startswith("training: drafter/model.safetensors is unreadable (")
     assert lines[1].endswith("); `eaglepipe verify` checks it")
-    assert lines[2].startswith("evaluation: drafter/eval.json is unreadable (eval.json is not")
+    assert lines[2].startswith("evaluation: drafter/eval.json is unreadable (Expecting")
     assert lines[2].endswith("rerun: snakemake --cores N drafter/eval.json")
     assert lines[3] == "live: skipped (evaluate.live_prompts is 0)"
 

@@ -15,7 +15,6 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ..core.config import DRAFTER_DIR, VALIDATED_DIR
-from ..core.errors import PipelineError
 
 MODEL = DRAFTER_DIR / "model.safetensors"
 TRAIN_LOG = DRAFTER_DIR / "train_log.jsonl"
@@ -97,50 +96,40 @@ def training_line(workdir: Path, *, now: float | None = None) -> str:
     return line + " (no drafter yet)"
 
 
-def _read_record(path: Path) -> dict:
+def _report_line(workdir: Path, relative: Path, stage: str, describe) -> str | None:
+    """`stage: <describe(record)>` for a JSON report, None when it is not there yet, and a line
+    naming it and the rerun when it cannot be read."""
+    path = workdir / relative
+    if not path.exists():
+        return None
     try:
         data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise PipelineError(f"{path.name} is not valid JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise PipelineError(f"{path.name} holds no JSON object")
-    return data
+        if not isinstance(data, dict):
+            raise ValueError("it holds no JSON object")
+        return f"{stage}: {describe(data)}"
+    except (KeyError, TypeError, ValueError) as exc:  # JSONDecodeError is a ValueError
+        why = f"no {exc}" if isinstance(exc, KeyError) else str(exc)
+        return f"{stage}: {relative} is unreadable ({why}); rerun: snakemake --cores N {relative}"
 
 
-def evaluation_line(workdir: Path) -> str | None:
-    path = workdir / EVAL
-    if not path.exists():
-        return None
-    try:
-        result = _read_record(path)
-        return (
-            f"evaluation: acceptance length {float(result['acceptance_length']):.2f} offline "
-            f"(decode order, {result['rows']} held-out rows, {result['positions']} positions; "
-            f"{EVAL})"
-        )
-    except (PipelineError, KeyError, TypeError, ValueError) as exc:
-        return f"evaluation: {EVAL} is unreadable ({exc}); rerun: snakemake --cores N {EVAL}"
+def _evaluation(result: dict) -> str:
+    return (
+        f"acceptance length {float(result['acceptance_length']):.2f} offline (decode order, "
+        f"{result['rows']} held-out rows, {result['positions']} positions; {EVAL})"
+    )
 
 
-def live_line(workdir: Path) -> str | None:
-    path = workdir / LIVE
-    if not path.exists():
-        return None
-    try:
-        result = _read_record(path)
-        if result.get("skipped"):
-            return f"live: skipped ({result['skipped']})"
-        line = (
-            f"live: acceptance length {float(result['acceptance_length']):.2f} on "
-            f"{result['prompts']} prompts, {result['export_engine']} export through "
-            f"{result['harness']}"
-        )
-        same_turns = result.get("offline_same_turns")
-        if isinstance(same_turns, int | float):
-            line += f" (offline on the same turns {same_turns:.2f})"
-        return line
-    except (PipelineError, KeyError, TypeError, ValueError) as exc:
-        return f"live: {LIVE} is unreadable ({exc}); rerun: snakemake --cores N {LIVE}"
+def _live(result: dict) -> str:
+    if result.get("skipped"):
+        return f"skipped ({result['skipped']})"
+    line = (
+        f"acceptance length {float(result['acceptance_length']):.2f} on {result['prompts']} "
+        f"prompts, {result['export_engine']} export through {result['harness']}"
+    )
+    same_turns = result.get("offline_same_turns")
+    if isinstance(same_turns, int | float):
+        line += f" (offline on the same turns {same_turns:.2f})"
+    return line
 
 
 def drafter_lines(
@@ -150,7 +139,7 @@ def drafter_lines(
     lines = [
         validation_line(workdir, shard_names, stale_validations),
         training_line(workdir, now=now),
-        evaluation_line(workdir),
-        live_line(workdir),
+        _report_line(workdir, EVAL, "evaluation", _evaluation),
+        _report_line(workdir, LIVE, "live", _live),
     ]
     return [line for line in lines if line is not None]
