@@ -502,9 +502,21 @@ def test_finished_stages_show_their_figures_and_a_damaged_file_is_named(tmp_path
         "(offline on the same turns 1.97)",
     ]
 
+    # A new drafter trains (Snakemake deleted the model): the reports are the earlier drafter's.
+    model_bytes = model.read_bytes()
+    model.unlink()
+    lines = drafter_lines(tmp_path, names, {})
+    assert lines[2].endswith(
+        "drafter/eval.json) (an earlier drafter's: the next run makes it again)"
+    )
+    assert lines[3].endswith("(an earlier drafter's: the next run makes it again)")
+    model.write_bytes(model_bytes)
+    os.utime(model, (1e9, 1e9))  # older than the reports again
+
     (drafter / "live.json").write_text(json.dumps({"skipped": "evaluate.live_prompts is 0"}))
     (drafter / "eval.json").write_text('{"acceptance_length": 2.1')
     model.write_bytes(model.read_bytes()[:20])
+    os.utime(model, (1e9, 1e9))
     lines = drafter_lines(tmp_path, names, {})
     assert lines[1].startswith("training: drafter/model.safetensors is unreadable (")
     assert lines[1].endswith("); `eaglepipe verify` checks it")

@@ -98,7 +98,8 @@ def training_line(workdir: Path, *, now: float | None = None) -> str:
 
 def _report_line(workdir: Path, relative: Path, stage: str, describe) -> str | None:
     """`stage: <describe(record)>` for a JSON report, None when it is not there yet, and a line
-    naming it and the rerun when it cannot be read."""
+    naming it and the rerun when it cannot be read. A report older than the drafter, or left
+    while a new one trains, is an earlier drafter's and says so."""
     path = workdir / relative
     if not path.exists():
         return None
@@ -106,7 +107,10 @@ def _report_line(workdir: Path, relative: Path, stage: str, describe) -> str | N
         data = json.loads(path.read_text())
         if not isinstance(data, dict):
             raise ValueError("it holds no JSON object")
-        return f"{stage}: {describe(data)}"
+        model = workdir / MODEL
+        earlier = not model.exists() or path.stat().st_mtime < model.stat().st_mtime
+        note = " (an earlier drafter's: the next run makes it again)" if earlier else ""
+        return f"{stage}: {describe(data)}{note}"
     except (KeyError, TypeError, ValueError) as exc:  # JSONDecodeError is a ValueError
         why = f"no {exc}" if isinstance(exc, KeyError) else str(exc)
         return f"{stage}: {relative} is unreadable ({why}); rerun: snakemake --cores N {relative}"
