@@ -259,6 +259,7 @@ def latest_checkpoint(directory: Path, run_key: str, log) -> dict | None:
         if state.get("run_key") != run_key:
             log(f"checkpoint {path} was made from other inputs or settings; removing it")
             path.unlink(missing_ok=True)
+            checksum_path(path).unlink(missing_ok=True)
             continue
         log(f"resuming from {path} (step {step})")
         return state
