@@ -60,6 +60,16 @@ def test_schema_error_names_the_bad_key(tmp_path):
     assert "config key shards.rows_per_shrd" in result.stdout + result.stderr
 
 
+def refused_dry_run(workdir: Path, config: dict) -> tuple[str, str]:
+    """`snakemake -n` with `config`, which must fail: (its one `error:` line, all it printed)."""
+    write_config(workdir, config)
+    result = run_snakemake(workdir, "-n", check=False)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    (line,) = [line for line in output.splitlines() if line.startswith("error:")]
+    return line, output
+
+
 @pytest.mark.parametrize(
     ("section", "key", "value", "expected"),
     [
@@ -109,11 +119,7 @@ def test_schema_error_names_the_bad_key(tmp_path):
 def test_a_config_error_is_one_line_without_a_traceback(tmp_path, section, key, value, expected):
     config = small_config(tmp_path)
     config[section][key] = value
-    write_config(tmp_path, config)
-    result = run_snakemake(tmp_path, "-n", check=False)
-    output = result.stdout + result.stderr
-    assert result.returncode != 0
-    (line,) = [line for line in output.splitlines() if line.startswith("error:")]
+    line, output = refused_dry_run(tmp_path, config)
     assert expected in line
     assert "Traceback" not in output and "PipelineError in file" not in output
 
@@ -142,11 +148,7 @@ def test_a_bad_source_row_is_refused_before_any_job_unless_skipped(tmp_path, bad
     lines = dataset.read_text().splitlines(keepends=True)
     lines[7] = bad_line
     dataset.write_text("".join(lines))
-    write_config(tmp_path, config)
-    result = run_snakemake(tmp_path, "-n", check=False)
-    output = result.stdout + result.stderr
-    assert result.returncode != 0
-    (line,) = [line for line in output.splitlines() if line.startswith("error:")]
+    line, output = refused_dry_run(tmp_path, config)
     assert line.startswith(f"error: {dataset} {expected}"), line
     assert line.endswith("(set dataset.bad_rows: skip to skip and count such rows)")
     assert "Traceback" not in output
@@ -174,11 +176,7 @@ def test_a_broken_model_directory_is_one_line_at_the_dry_run(tmp_path, content, 
         model.mkdir()
         (model / "config.json").write_text(content)
     config["model"]["path"] = str(model)
-    write_config(tmp_path, config)
-    result = run_snakemake(tmp_path, "-n", check=False)
-    output = result.stdout + result.stderr
-    assert result.returncode != 0
-    (line,) = [line for line in output.splitlines() if line.startswith("error:")]
+    line, output = refused_dry_run(tmp_path, config)
     assert line.startswith("error: model.path") and expected in line, line
     assert "Traceback" not in output and "Error in file" not in output
 
@@ -214,11 +212,7 @@ def test_sglang_flags_the_launcher_sets_are_refused_by_the_dry_run(tmp_path):
     config = small_config(tmp_path)
     config["server"]["engine"] = "sglang"
     config["server"]["sglang"]["extra_args"] = ["--port", "1234"]
-    write_config(tmp_path, config)
-    result = run_snakemake(tmp_path, "-n", check=False)
-    output = result.stdout + result.stderr
-    assert result.returncode != 0
-    (line,) = [line for line in output.splitlines() if line.startswith("error:")]
+    line, output = refused_dry_run(tmp_path, config)
     assert line == (
         "error: server.sglang.extra_args: --port is set by the launcher from config key server.port"
     )
@@ -231,11 +225,7 @@ def test_a_dataset_without_rows_is_refused_before_anything_runs(tmp_path, conten
     empty = tmp_path / "empty.jsonl"
     empty.write_text(content)
     config["dataset"]["path"] = str(empty)
-    write_config(tmp_path, config)
-    result = run_snakemake(tmp_path, "-n", check=False)
-    output = result.stdout + result.stderr
-    assert result.returncode != 0
-    (line,) = [line for line in output.splitlines() if line.startswith("error:")]
+    line, output = refused_dry_run(tmp_path, config)
     assert line == f"error: dataset.path {empty} has no rows: there is nothing to extract"
     assert "Traceback" not in output
 
@@ -253,11 +243,7 @@ def fake_model_dir(directory: Path) -> Path:
 def test_a_model_directory_without_weights_is_refused_by_the_dry_run(tmp_path):
     config = small_config(tmp_path)
     config["model"]["path"] = str(fake_model_dir(tmp_path / "model"))
-    write_config(tmp_path, config)
-    result = run_snakemake(tmp_path, "-n", check=False)
-    output = result.stdout + result.stderr
-    assert result.returncode != 0
-    (line,) = [line for line in output.splitlines() if line.startswith("error:")]
+    line, output = refused_dry_run(tmp_path, config)
     assert f"model.path {tmp_path / 'model'} holds no weights" in line
     assert "Traceback" not in output
 
