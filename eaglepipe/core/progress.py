@@ -89,3 +89,16 @@ class Progress:
         rate = self.amount(counter) / elapsed
         parts.append(f"ETA {(total - self.amount(counter)) / rate:.0f}s" if rate > 0 else "ETA ?")
         return ", ".join(parts)
+
+
+def human_duration(seconds: float) -> str:
+    """`1d 2h 03m`, `2h 03m` or `3m 04s`: an ETA or an age, for people."""
+    seconds = int(round(seconds))
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d {hours}h {minutes:02d}m"
+    if hours:
+        return f"{hours}h {minutes:02d}m"
+    return f"{minutes}m {secs:02d}s"

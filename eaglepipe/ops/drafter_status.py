@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ..core.config import DRAFTER_DIR, VALIDATED_DIR
+from ..core.progress import human_duration
 
 MODEL = DRAFTER_DIR / "model.safetensors"
 TRAIN_LOG = DRAFTER_DIR / "train_log.jsonl"
@@ -24,12 +25,6 @@ EVAL = DRAFTER_DIR / "eval.json"
 LIVE = DRAFTER_DIR / "live.json"
 # The ETA uses the pace of the last this many steps.
 RECENT_STEPS = 20
-
-
-def _duration(seconds: float) -> str:
-    seconds = max(0, int(round(seconds)))
-    hours, rest = divmod(seconds, 3600)
-    return f"{hours}h {rest // 60:02d}m" if hours else f"{rest // 60}m {rest % 60:02d}s"
 
 
 def validation_line(workdir: Path, shard_names: list[str], stale: Iterable[str]) -> str:
@@ -79,7 +74,7 @@ def training_line(workdir: Path, *, now: float | None = None) -> str:
         return "training: not started"
     last = recent[-1]
     now = time.time() if now is None else now
-    age = _duration(now - log.stat().st_mtime)
+    age = human_duration(max(0.0, now - log.stat().st_mtime))
     total = last.get("total_steps")
     line = f"training: step {last['step']}" + (f" of {total}" if total else "")
     if isinstance(last.get("loss"), int | float):
@@ -92,7 +87,7 @@ def training_line(workdir: Path, *, now: float | None = None) -> str:
     ]
     if total and paces:
         eta = (int(total) - int(last["step"])) * sum(paces) / len(paces)
-        line += f", ETA {_duration(eta)} at the last {len(paces)} steps' pace"
+        line += f", ETA {human_duration(eta)} at the last {len(paces)} steps' pace"
     return line + " (no drafter yet)"
 
 

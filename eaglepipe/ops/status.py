@@ -37,6 +37,7 @@ import psutil
 
 from ..core.config import HIDDEN_STATES_DIR, PREPARED_DIR, PREPARED_TABLE, REGENERATED_DIR
 from ..core.errors import PipelineError
+from ..core.progress import human_duration
 from ..core.run import RunSpec
 from ..core.shard_job import LOCK_NAME, read_failure
 from ..core.space import format_bytes
@@ -412,18 +413,6 @@ def human_count(n: float) -> str:
             return f"{n:.0f}{unit}" if unit == "" else f"{n:.1f}{unit}"
         n /= 1000
     return f"{n:.1f}T"
-
-
-def human_duration(seconds: float) -> str:
-    seconds = int(round(seconds))
-    days, rest = divmod(seconds, 86400)
-    hours, rest = divmod(rest, 3600)
-    minutes, secs = divmod(rest, 60)
-    if days:
-        return f"{days}d {hours}h {minutes:02d}m"
-    if hours:
-        return f"{hours}h {minutes:02d}m"
-    return f"{minutes}m {secs:02d}s"
 
 
 def format_status(summary: StatusSummary, *, list_all: bool = False, max_listed: int = 20) -> str:
