@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..core.config import DRAFTER_DIR, VALIDATED_DIR
 from ..core.progress import human_duration
+from ..core.sealed import read_metadata
 
 MODEL = DRAFTER_DIR / "model.safetensors"
 TRAIN_LOG = DRAFTER_DIR / "train_log.jsonl"
@@ -59,14 +60,11 @@ def _last_steps(path: Path, count: int) -> list[dict]:
 def training_line(workdir: Path, *, now: float | None = None) -> str:
     model = workdir / MODEL
     if model.exists():
-        from safetensors import safe_open
-
         try:
-            with safe_open(str(model), framework="numpy") as f:
-                meta = f.metadata() or {}
+            meta = read_metadata(model)
             loss = float(meta["final_loss"])
             return f"training: done, {meta['total_steps']} steps, final loss {loss:.4f} ({MODEL})"
-        except Exception as exc:  # a damaged file: say which, keep the rest of the status
+        except (OSError, KeyError, ValueError, UnicodeDecodeError) as exc:  # damaged: say which
             return f"training: {MODEL} is unreadable ({exc}); `eaglepipe verify` checks it"
     log = next((workdir / p for p in (TRAIN_LOG, TRAIN_HISTORY) if (workdir / p).exists()), None)
     recent = _last_steps(log, RECENT_STEPS) if log is not None else []
