@@ -78,10 +78,12 @@ from common import (  # noqa: E402
     machine_info,
     markdown_table,
     prefill_batches,
+    prefill_timeline,
     random_llama,
     ratio,
     seeded_rows,
     shard_jobs_in_parallel,
+    split_by_jobs_alive,
     verify_and_delete,
     working_directory,
     write_prepared,
@@ -147,7 +149,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="the plan's bare prefill rate (2026-12-01 on the H200: 35,977 tok/s)",
     )  # fmt: skip
     parser.add_argument("--chunk-mb", type=float, default=1024.0)
-    parser.add_argument("--inflight-requests", type=int, default=32, help="per shard job")
+    parser.add_argument(
+        "--inflight-requests", default="32",
+        help="requests in flight per shard job; a comma list runs the pipeline once per value "
+        "on the same server (e.g. 32,64)",
+    )  # fmt: skip
     parser.add_argument("--bare-inflight", type=int, default=64, help="the bare run's client")
     parser.add_argument(
         "--bare-fraction", type=float, default=1.0,
@@ -176,6 +182,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.set_defaults(**PRESETS[args.preset])
         args = parser.parse_args(argv)
     args.storages = [s.strip() for s in args.storages.split(",") if s.strip()]
+    args.inflight_variants = [int(n) for n in str(args.inflight_requests).split(",") if n.strip()]
+    if not args.inflight_variants or min(args.inflight_variants) < 1:
+        parser.error("--inflight-requests: one or more positive integers, comma-separated")
+    args.inflight_requests = args.inflight_variants[0]
     if not set(args.storages) <= {"shm", "disk"}:
         parser.error("--storages: shm and/or disk")
     if args.dry_run and not args.sglang_version:
@@ -303,7 +313,7 @@ def storage_plan(args) -> dict:
         MODEL_BUILD_S
         + (1 + bare_runs) * SERVER_START_S
         + bare_runs * args.bare_fraction * bare_s
-        + len(args.storages) * bare_s / 0.95
+        + len(args.storages) * len(args.inflight_variants) * bare_s / 0.95
     )
     return {
         "shape": "8b",
@@ -563,6 +573,16 @@ def hook_delta(now: dict | None, before: dict | None) -> dict | None:
     }
 
 
+def variant_settings(args) -> list[tuple[str, int]]:
+    """The pipeline runs of one call: each storage at each in-flight value, in order."""
+    return [(storage, n) for storage in args.storages for n in args.inflight_variants]
+
+
+def variant_name(storage: str, inflight: int, args) -> str:
+    """`shm` / `disk` for the first in-flight value (what the ratios use), `shm@64` after."""
+    return storage if inflight == args.inflight_variants[0] else f"{storage}@{inflight}"
+
+
 def run_pipeline(run_dir: Path, config: dict, rows, warmup, args, deadline) -> dict:
     from eaglepipe.core.run import resolve
     from eaglepipe.plan.provenance import shards
@@ -584,12 +604,15 @@ def run_pipeline(run_dir: Path, config: dict, rows, warmup, args, deadline) -> d
             asyncio.run(send_rows(handle.url, warmup, args.bare_inflight, "warm"))
             names = shards(resolve(config))
             result["shards"] = len(names)
-            for storage in args.storages:
+            for storage, inflight in variant_settings(args):
+                name = variant_name(storage, inflight, args)
                 left = deadline - time.monotonic()
                 if left < 45:
-                    result["variants"][storage] = {"skipped": f"{left:.0f}s of the budget left"}
+                    result["variants"][name] = {"skipped": f"{left:.0f}s of the budget left"}
                     continue
-                entry = result["variants"][storage] = {"storage": storage}
+                entry = {"storage": storage, "inflight_per_job": inflight}
+                result["variants"][name] = entry
+                config["extract"]["max_inflight_requests"] = inflight
                 shm_dir = chunk_storage(run_dir, storage)
                 try:
                     offset = handle.log_path.stat().st_size
@@ -626,8 +649,13 @@ def run_pipeline(run_dir: Path, config: dict, rows, warmup, args, deadline) -> d
                         # From the manifests: each job's process start to its first request.
                         first_request=first_request_summary(manifests),
                         shard_tokens=[m["num_tokens"] for m in manifests],
+                        # Steady state (every job slot busy) apart from start, turnover, tail.
+                        by_jobs_alive=split_by_jobs_alive(
+                            [m["job_window"] for m in manifests], gpu.points,
+                            prefill_timeline(text),
+                        ),
                         **gpu.summary(),
-                    )
+                    )  # fmt: skip
                     if args.verify_delete:
                         checked = [m["verified"] for m in manifests]
                         entry["verified"] = {
@@ -638,7 +666,7 @@ def run_pipeline(run_dir: Path, config: dict, rows, warmup, args, deadline) -> d
                         }
                     entry["chunk_gb_per_s"] = round(entry["bytes_written"] / seconds / 1e9, 3)
                     previous_hook = hook_stats(text) or previous_hook
-                    log(f"pipeline ({storage}): {entry['tokens_per_s']:,.0f} tok/s, "
+                    log(f"pipeline ({name}): {entry['tokens_per_s']:,.0f} tok/s, "
                         f"{entry['chunk_gb_per_s']} GB/s of chunks")  # fmt: skip
                 except Exception as exc:  # the next storage still runs
                     traceback.print_exc()
@@ -681,6 +709,16 @@ def summarise(results: dict) -> None:
         "disk_tokens_per_s_raw": round(disk_tokens_per_s, 1) if disk_tokens_per_s else None,
         "disk_vs_ceiling": ratio(disk, ceiling),
     }
+    for name, entry in variants.items():
+        results["ratios"][f"{name}_vs_bare"] = ratio(entry.get("tokens_per_s"), bare)
+        parallel = str(results["setup"]["parallel_shards"])
+        steady = (entry.get("by_jobs_alive") or {}).get(parallel)
+        if steady and steady["prefill_tokens"]:
+            # The server's rate while every job slot is busy: what a run of many shards
+            # approaches once jobs no longer start and end together.
+            results["ratios"][f"{name}_steady_vs_bare"] = ratio(
+                steady["prefill_tokens_per_s"], bare
+            )
     bare_ms = (results.get("bare", {}).get("prefill") or {}).get("ms_per_1k_tokens_median")
     for entry in variants.values():
         pipe = entry.get("prefill") or {}
@@ -720,7 +758,8 @@ def report(results: dict) -> str:
     for name, entry in results.get("pipeline", {}).get("variants", {}).items():
         hook = entry.get("hook") or {}
         rows.append([
-            f"pipeline: hook + {results['setup']['parallel_shards']} shard jobs, chunks on {name}",
+            f"pipeline: hook + {results['setup']['parallel_shards']} shard jobs x "
+            f"{entry.get('inflight_per_job')} in flight, chunks on {entry.get('storage', name)}",
             entry.get("tokens"), entry.get("seconds"), entry.get("tokens_per_s"),
             ratio(entry.get("tokens_per_s"), bare.get("tokens_per_s")),
             entry.get("gpu_util_mean_pct"), (entry.get("prefill") or {}).get("tokens_per_batch"),
@@ -743,6 +782,13 @@ def report(results: dict) -> str:
                                entry.get("job_seconds_in_extract"),
                                entry.get("job_startup_s"),
                                *[br.get(k) for k in BREAKDOWN_KEYS]])  # fmt: skip
+    alive_rows = [
+        [name, alive, group["seconds"], group["prefill_tokens"], group["prefill_tokens_per_s"],
+         ratio(group["prefill_tokens_per_s"], bare.get("tokens_per_s")),
+         group["gpu_util_mean_pct"]]
+        for name, entry in results.get("pipeline", {}).get("variants", {}).items()
+        for alive, group in (entry.get("by_jobs_alive") or {}).items()
+    ]  # fmt: skip
     setup = results["setup"]
     version = results.get("pipeline", {}).get("engine_version")
     return (
@@ -776,6 +822,11 @@ def report(results: dict) -> str:
             ],
             breakdown_rows,
         )  # fmt: skip
+        + "\nBy shard jobs alive (whole seconds; prefill tokens from SGLang's log):\n\n"
+        + markdown_table(
+            ["variant", "jobs alive", "s", "prefill tokens", "tok/s", "x bare", "GPU util %"],
+            alive_rows,
+        )
         + f"\nCommand: `{results['command']}`\n"
     )
 
@@ -809,6 +860,7 @@ def main(argv=None) -> int:
             "seed": args.seed,
             "parallel_shards": args.parallel_shards,
             "inflight_per_job": args.inflight_requests,
+            "inflight_variants": args.inflight_variants,
             "bare_inflight": args.bare_inflight,
             "shard_gb": args.shard_gb,
             "chunk_mb": args.chunk_mb,

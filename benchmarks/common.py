@@ -326,13 +326,17 @@ def shard_jobs_in_parallel(
         argv = [sys.executable, "-u", str(REPO_ROOT / "scripts" / f"{stage}.py")]
         argv += ["--config", str(resolved), "--shard", name]
         started = time.perf_counter()
+        born = time.time()
         done = subprocess.run(argv, cwd=run_dir, capture_output=True, text=True)
+        ended = time.time()
         if done.returncode != 0:
             raise RuntimeError(f"{name} failed: {done.stderr[-2000:]}")
         shard_dir = run_dir / outputs / name
         manifest = json.loads((shard_dir / "manifest.json").read_text())
         # The job's whole life (interpreter start, imports, lease) beside the manifest's timing.
         manifest["job_wall_s"] = round(time.perf_counter() - started, 3)
+        # Wall-clock life of the job's process, to line up with the server's log and the GPU.
+        manifest["job_window"] = [born, ended]
         if stage == "extract":
             if finishing is None:
                 shutil.rmtree(shard_dir)
@@ -402,17 +406,19 @@ def verify_and_delete(shard_dir: Path, manifest: dict) -> dict:
 
 
 class GpuUtilisation:
-    """Samples `nvidia-smi` GPU utilisation every 200 ms while in use (mean and samples)."""
+    """Samples `nvidia-smi` GPU utilisation every 200 ms while in use (mean and samples; each
+    sample's wall-clock time in `points`)."""
 
     def __init__(self):
         self.samples: list[int] = []
+        self.points: list[tuple[float, int]] = []
         self._proc = None
 
     def __enter__(self) -> GpuUtilisation:
         if shutil.which("nvidia-smi"):
             self._proc = subprocess.Popen(
-                ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
-                 "-lms", "200", "-i", "0"],
+                ["nvidia-smi", "--query-gpu=timestamp,utilization.gpu",
+                 "--format=csv,noheader,nounits", "-lms", "200", "-i", "0"],
                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
             )  # fmt: skip
         return self
@@ -422,7 +428,8 @@ class GpuUtilisation:
             return
         self._proc.terminate()
         out, _ = self._proc.communicate(timeout=10)
-        self.samples = [int(x) for x in out.split() if x.strip().isdigit()]
+        self.points = [p for p in map(_gpu_sample, out.splitlines()) if p is not None]
+        self.samples = [util for _, util in self.points]
 
     def summary(self) -> dict:
         if not self.samples:
@@ -431,6 +438,18 @@ class GpuUtilisation:
             "gpu_util_mean_pct": round(sum(self.samples) / len(self.samples), 1),
             "gpu_util_samples": len(self.samples),
         }
+
+
+def _gpu_sample(line: str) -> tuple[float, int] | None:
+    """One `timestamp, utilization.gpu` line of nvidia-smi (local time) as (epoch s, percent)."""
+    stamp, _, util = line.rpartition(",")
+    if not util.strip().isdigit():
+        return None
+    try:
+        when = datetime.strptime(stamp.strip(), "%Y/%m/%d %H:%M:%S.%f").timestamp()
+    except ValueError:
+        return None
+    return when, int(util)
 
 
 BREAKDOWN_KEYS = (
@@ -517,6 +536,58 @@ def prefill_batches(log_text: str) -> list[dict]:
         }
         for m in _PREFILL_LINE.finditer(log_text)
     ]
+
+
+_LOG_STAMP = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\]")
+
+
+def prefill_timeline(log_text: str) -> list[tuple[float, int]]:
+    """(epoch second, tokens) of each SGLang "Prefill batch" line that carries a timestamp
+    (SGLang logs local time to the second)."""
+    points = []
+    for line in log_text.splitlines():
+        batch, stamp = _PREFILL_LINE.search(line), _LOG_STAMP.match(line)
+        if batch and stamp:
+            when = datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S").timestamp()
+            points.append((when, int(batch.group(2))))
+    return points
+
+
+def split_by_jobs_alive(
+    windows: Sequence[Sequence[float]],
+    gpu_points: Sequence[tuple[float, int]],
+    prefill_points: Sequence[tuple[float, int]],
+) -> dict:
+    """A run's whole seconds grouped by how many shard-job processes were alive at mid-second:
+    per group the seconds, the tokens the server prefilled in them (from its log, to the
+    second) and the mean GPU utilisation. It separates the steady state (every job slot busy)
+    from the start-up, turnover and tail of the run."""
+    if not windows:
+        return {}
+    first = int(min(start for start, _ in windows))
+    last = int(max(end for _, end in windows))
+    groups: dict[int, dict] = {}
+    second_group: dict[int, dict] = {}
+    for second in range(first, last + 1):
+        alive = sum(1 for start, end in windows if start <= second + 0.5 < end)
+        group = groups.setdefault(alive, {"seconds": 0, "prefill_tokens": 0, "util": []})
+        group["seconds"] += 1
+        second_group[second] = group
+    for when, tokens in prefill_points:
+        if int(when) in second_group:
+            second_group[int(when)]["prefill_tokens"] += tokens
+    for when, util in gpu_points:
+        if int(when) in second_group:
+            second_group[int(when)]["util"].append(util)
+    return {
+        str(alive): {
+            "seconds": g["seconds"],
+            "prefill_tokens": g["prefill_tokens"],
+            "prefill_tokens_per_s": round(g["prefill_tokens"] / g["seconds"], 1),
+            "gpu_util_mean_pct": round(sum(g["util"]) / len(g["util"]), 1) if g["util"] else None,
+        }
+        for alive, g in sorted(groups.items(), reverse=True)
+    }
 
 
 def log_between(path: Path, start: int, end: int | None = None) -> str:
