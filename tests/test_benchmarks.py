@@ -266,3 +266,45 @@ def test_first_request_summary_reports_the_start_ups_steps_where_manifests_recor
         "shards": 1, "sum_s": 2.0, "median_s": 2.0, "max_s": 2.0
     }  # fmt: skip
     assert first_request_summary([{"timing": {}}]) is None
+
+
+def test_a_run_splits_by_jobs_alive_with_the_servers_log_and_the_gpu_samples():
+    """Whole seconds are grouped by the shard jobs alive at mid-second; the prefill lines of
+    SGLang's log (local time, to the second) and nvidia-smi's timed samples fall in their
+    second's group; a line without a timestamp or a batch is not counted."""
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    try:
+        from common import _gpu_sample, prefill_timeline, split_by_jobs_alive
+    finally:
+        sys.path.pop(0)
+    from datetime import datetime
+
+    def at(clock: str) -> float:
+        return datetime.strptime(f"2026-12-05 {clock}", "%Y-%m-%d %H:%M:%S").timestamp()
+
+    log_text = "\n".join([
+        "[2026-12-05 03:46:40] Prefill batch, #new-seq: 6, #new-token: 14000, #cached-token: 0",
+        "[2026-12-05 03:46:41] Prefill batch, #new-seq: 5, #new-token: 13000, #cached-token: 0",
+        "[2026-12-05 03:46:43] Prefill batch, #new-seq: 2, #new-token: 4000, #cached-token: 0",
+        "Prefill batch, #new-seq: 9, #new-token: 99999 (no timestamp)",
+        '[2026-12-05 03:46:43] INFO:     127.0.0.1:57360 - "POST /generate HTTP/1.1" 200 OK',
+    ])  # fmt: skip
+    prefills = prefill_timeline(log_text)
+    assert prefills == [(at("03:46:40"), 14000), (at("03:46:41"), 13000), (at("03:46:43"), 4000)]
+    gpu = [_gpu_sample(line) for line in (
+        "2026/12/05 03:46:40.100, 100", "2026/12/05 03:46:41.500, 90",
+        "2026/12/05 03:46:43.300, 40", "[N/A], 7", "2026/12/05 03:46:44.000, [N/A]",
+    )]  # fmt: skip
+    assert gpu[3] is None and gpu[4] is None
+    # Two jobs alive over 03:46:40-03:46:42, one over 03:46:43.
+    windows = [(at("03:46:40"), at("03:46:42") + 0.9), (at("03:46:40") + 0.2, at("03:46:44"))]
+    split = split_by_jobs_alive(windows, [g for g in gpu if g], prefills)
+    assert split == {
+        "2": {"seconds": 3, "prefill_tokens": 27000, "prefill_tokens_per_s": 9000.0,
+              "gpu_util_mean_pct": 95.0},
+        "1": {"seconds": 1, "prefill_tokens": 4000, "prefill_tokens_per_s": 4000.0,
+              "gpu_util_mean_pct": 40.0},
+        "0": {"seconds": 1, "prefill_tokens": 0, "prefill_tokens_per_s": 0.0,
+              "gpu_util_mean_pct": None},
+    }  # fmt: skip
+    assert split_by_jobs_alive([], gpu, prefills) == {}

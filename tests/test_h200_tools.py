@@ -1141,6 +1141,11 @@ def test_the_extraction_benchmark_end_to_end_on_the_reference_server(tmp_path):
     assert set(shm["client_breakdown_s"]) == {
         "budget_wait_s", "dump_wait_s", "read_dump_s", "lookahead_wait_s", "chunk_write_s",
     }  # fmt: skip
+    # The jobs' own span (no verification after it) and the run split by jobs alive.
+    assert 0 < shm["jobs_span_s"] <= shm["seconds"]
+    assert shm["jobs_span_tokens_per_s"] >= shm["tokens_per_s"]
+    alive = shm["by_jobs_alive"]
+    assert "2" in alive and sum(g["seconds"] for g in alive.values()) >= shm["jobs_span_s"]
     assert results["bare"] == {"skipped": "the reference engine has no bare server"}
 
 
