@@ -86,7 +86,10 @@ def make_rows(n: int, seed: int = 0) -> list[RowRequest]:
 
 
 def settings_for(config: dict, **overrides) -> ClientSettings:
-    base = ClientSettings.from_run(resolve(config), H, Path(config["server"]["dump_root"]))
+    dump_root = Path(config["server"]["dump_root"])
+    base = ClientSettings.from_run(
+        resolve(config), H, dump_root, {"engine": "reference", "device": "cpu"}
+    )
     return ClientSettings(**{**base.__dict__, **overrides})
 
 
@@ -192,6 +195,24 @@ def test_extract_rows_entry_point_uses_the_lifecycle_handle(server):
 
     stats = extract_rows(handle, rows, on_row, settings_for(config), log=lambda s: None)
     assert sorted(got) == [0, 1, 2] and stats.requests_sent == 3
+
+
+def test_requests_in_flight_default_to_what_saturated_the_server_on_its_device(server):
+    """`extract.max_inflight_requests: null` takes AUTO_INFLIGHT_REQUESTS by the server's own
+    report: 32 a job from the CPU reference server here; from SGLang or a reference server on
+    CUDA the H200's figures (64 an extraction job, 128 a regeneration job); a set value wins."""
+    config, handle = server
+    auto = {**config, "extract": {**config["extract"], "max_inflight_requests": None}}
+    run = resolve(auto)
+    assert handle.info["device"] == "cpu"
+    settings = ClientSettings.from_run(run, H, Path(handle.dump_dir), handle.info)
+    assert settings.max_inflight_requests == 32
+    assert run.extract.inflight_requests("regenerate", handle.info) == 32
+    on_gpu = [{**handle.info, "device": "cuda:0"}, {"engine": "sglang", "engine_version": "0.5.14"}]
+    for info in on_gpu:
+        assert run.extract.inflight_requests("extract", info) == 64
+        assert run.extract.inflight_requests("regenerate", info) == 128
+    assert resolve(config).extract.inflight_requests("regenerate", on_gpu[1]) == 4
 
 
 def test_handoff_bytes_are_bounded(server):

@@ -43,6 +43,16 @@ from .fingerprint import (
 )
 
 RUN_FACTS = cfg.STATE_DIR / "run.json"
+# Requests in flight per job when `extract.max_inflight_requests` is null, by what the job does
+# and where its server computes. Measured on the H200 (8B-shaped target, SGLang 0.5.14, issue 28
+# in BENCHMARKS.md): two extraction jobs x 64 kept the prefill at 0.977x of bare SGLang with
+# every job running (0.945x at 32); generation rose up to 256 requests in flight (bench_serving
+# 4,171 / 4,885 / 5,496 / 5,694 output tok/s at 64 / 128 / 256 / 512), so two regeneration
+# jobs x 128. A CPU server batches few tokens at once: more would only queue.
+AUTO_INFLIGHT_REQUESTS = {
+    "extract": {"gpu": 64, "cpu": 32},
+    "regenerate": {"gpu": 128, "cpu": 32},
+}
 
 
 def _build(cls, values: dict):
@@ -182,11 +192,25 @@ class ServerSettings(Section):
 @dataclass(frozen=True)
 class ExtractSettings(Section):
     request_prefix: str
-    max_inflight_requests: int
+    max_inflight_requests: int | None  # None: AUTO_INFLIGHT_REQUESTS, by the server's device
     max_inflight_bytes: int | None
     lookahead_bytes: int | None
     retries: int
     request_timeout_s: float
+
+    def inflight_requests(self, job: str, server_info: dict) -> int:
+        """Requests one `job` ("extract" or "regenerate") keeps in flight against the server
+        whose `/server_info` (in the pipeline's terms) is `server_info`."""
+        if self.max_inflight_requests is not None:
+            return int(self.max_inflight_requests)
+        return AUTO_INFLIGHT_REQUESTS[job]["gpu" if server_on_gpu(server_info) else "cpu"]
+
+
+def server_on_gpu(server_info: dict) -> bool:
+    """Whether the server computes on a GPU, from its `/server_info` in the pipeline's terms."""
+    if server_info.get("engine") == "sglang":  # always on GPUs
+        return True
+    return str(server_info.get("device", "")).startswith("cuda")  # the reference server's torch
 
 
 @dataclass(frozen=True)

@@ -72,14 +72,16 @@ class ClientSettings:
     num_aux_layers: int = 3
 
     @classmethod
-    def from_run(cls, run: RunSpec, hidden_size: int, dump_dir: Path) -> ClientSettings:
+    def from_run(
+        cls, run: RunSpec, hidden_size: int, dump_dir: Path, server_info: dict
+    ) -> ClientSettings:
         extract = run.extract
         max_bytes = extract.max_inflight_bytes
         if max_bytes is None:
             max_bytes = max(1, handoff_free_bytes(dump_dir) // 4)
         return cls(
             request_prefix=extract.request_prefix,
-            max_inflight_requests=int(extract.max_inflight_requests),
+            max_inflight_requests=extract.inflight_requests("extract", server_info),
             max_inflight_bytes=int(max_bytes),
             retries=int(extract.retries),
             request_timeout_s=float(extract.request_timeout_s),

@@ -272,7 +272,7 @@ def _extract_chunks(
         info = dict(handle.info)
         check_server_info(info, aux_ids, hidden_size, handle.url)
         check_server_engine(info, engine, handle.url)
-        settings = ClientSettings.from_run(run, hidden_size, Path(handle.dump_dir))
+        settings = ClientSettings.from_run(run, hidden_size, Path(handle.dump_dir), info)
         log(
             f"{progress.label}: requesting {len(requests)} rows from {handle.url} "
             f"({info.get('engine')} {info.get('engine_version')}), up to "

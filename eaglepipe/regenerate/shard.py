@@ -184,7 +184,8 @@ async def _regenerate_rows(
 ) -> None:
     """Regenerate `rows` concurrently; each finished (or, under skip, bad) row goes to
     `on_record` at once. Under `dataset.bad_rows: error` the first bad row stops everything."""
-    slots = asyncio.Semaphore(run.extract.max_inflight_requests)
+    inflight = run.extract.inflight_requests("regenerate", handle.info)
+    slots = asyncio.Semaphore(inflight)
     policy = run.dataset.bad_rows
 
     async def one(session, row: Conversation) -> None:
@@ -198,7 +199,7 @@ async def _regenerate_rows(
                 record = bad_record(row.row_id, problem.reason, problem.detail)
             on_record(record)
 
-    connector = aiohttp.TCPConnector(limit=run.extract.max_inflight_requests)
+    connector = aiohttp.TCPConnector(limit=inflight)
     try:
         async with aiohttp.ClientSession(connector=connector) as session:
             async with asyncio.TaskGroup() as group:
@@ -305,7 +306,7 @@ def regenerate_shard(
                 log(
                     f"{shard_name}: regenerating {len(conversations)} rows through {handle.url} "
                     f"({handle.info.get('engine')} {handle.info.get('engine_version')}), up to "
-                    f"{run.extract.max_inflight_requests} rows at a time"
+                    f"{run.extract.inflight_requests('regenerate', handle.info)} rows at a time"
                 )
                 progress.restart_clock()
                 regenerator = ShardRegenerator(run, tokenizer, client, log)
