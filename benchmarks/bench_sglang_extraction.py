@@ -94,6 +94,8 @@ from common import (  # noqa: E402
     write_results,
 )
 
+from eaglepipe.core.run import AUTO_INFLIGHT_REQUESTS  # noqa: E402
+
 SHAPES = {
     "8b": dict(
         hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336, vocab=128256, max_pos=8192
@@ -112,8 +114,9 @@ HOOK_LINE = re.compile(
 
 # Realistic sizes on the lent H200 (issue 28, item 1), one device call each (tools/h200.sh
 # perf-scale, perf-scale-disk); `plan` in the results checks them against its storage and call.
-# On /dev/shm: >= 1 M tokens per shard and 5 M in the run; 2 jobs x 32 requests in flight, what
-# the bare run sends (64); 4 shards, 2 waves of 2 jobs. On disk (64 GiB, 49 GB at most at once)
+# On /dev/shm: >= 1 M tokens per shard and 5 M in the run; 2 jobs x 64 requests in flight (the
+# pipeline's GPU default), the bare run 64 (its GPU is busy all the time at 64); 4 shards, 2 waves
+# of 2 jobs. On disk (64 GiB, 49 GB at most at once)
 # shards of 0.5 M tokens.
 PRESETS = {
     "scale-shm": dict(tokens=5_000_000, shard_tokens=1_250_000, parallel_shards=2,
@@ -154,9 +157,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     )  # fmt: skip
     parser.add_argument("--chunk-mb", type=float, default=1024.0)
     parser.add_argument(
-        "--inflight-requests", default="32",
-        help="requests in flight per shard job; a comma list runs the pipeline once per value "
-        "on the same server (e.g. 32,64)",
+        "--inflight-requests", default=str(AUTO_INFLIGHT_REQUESTS["extract"]["gpu"]),
+        help="requests in flight per shard job (default: the pipeline's on a GPU); a comma list "
+        "runs the pipeline once per value on the same server (e.g. 32,64)",
     )  # fmt: skip
     parser.add_argument("--bare-inflight", type=int, default=64, help="the bare run's client")
     parser.add_argument(
