@@ -11,6 +11,7 @@ from eaglepipe.core.run import resolve_at_workflow_start
 from eaglepipe.drafter.live import live_export_engine
 from eaglepipe.server.sglang import check_sglang_settings
 from eaglepipe.drafter.variants import check_draft_layer, check_export_support
+from eaglepipe.data.tokenizer import check_chat_template_files
 from eaglepipe.core.errors import one_line_errors
 from snakemake.utils import validate
 
@@ -32,6 +33,8 @@ with one_line_errors():
     check_draft_layer(
         RUN.train.drafter.layer, RUN.model.text_config if RUN.model.exists else {}
     )
+    # A target without a chat template, before the toy build or a server start.
+    check_chat_template_files(RUN)
     # And live acceptance without the export it serves, in one line, not as a rule's error.
     LIVE_EXPORT_ENGINE = live_export_engine(RUN)
     # SGLang flags the launcher sets itself or capture cannot take, before any job starts.

@@ -240,6 +240,49 @@ def fake_model_dir(directory: Path) -> Path:
     return directory
 
 
+def test_a_target_without_a_chat_template_is_refused_by_the_dry_run(tmp_path):
+    # It was found by the first prepare or regenerate job, after the toy build or a server start.
+    config = small_config(tmp_path)
+    model = fake_model_dir(tmp_path / "model")
+    (model / "model.safetensors").write_bytes(b"")  # weights present: the check after them
+    config["model"]["path"] = str(model)
+    line, output = refused_dry_run(tmp_path, config)
+    assert line == (
+        f"error: model.path: the tokenizer of {model} has no chat template (none in "
+        "tokenizer_config.json, no chat_template.jinja): prepare and regeneration render every "
+        "conversation with it; use the model's chat (instruct) release or add its template as "
+        "chat_template.jinja"
+    )
+    assert "Traceback" not in output
+
+
+@pytest.mark.parametrize(
+    "give_template",
+    [
+        lambda m: (m / "chat_template.jinja").write_text("{{ messages }}"),
+        lambda m: (m / "tokenizer_config.json").write_text('{"chat_template": "{{ messages }}"}'),
+        lambda m: (
+            (m / "additional_chat_templates").mkdir()
+            or (m / "additional_chat_templates" / "tool_use.jinja").write_text("{{ messages }}")
+        ),
+        None,  # model.trust_remote_code: the tokenizer's code may bring one
+    ],
+)
+def test_a_chat_template_is_found_where_transformers_looks(tmp_path, give_template):
+    from eaglepipe.core.run import resolve_at_workflow_start
+    from eaglepipe.data.tokenizer import check_chat_template_files
+
+    config = small_config(tmp_path)
+    model = fake_model_dir(tmp_path / "model")
+    (model / "model.safetensors").write_bytes(b"")
+    config["model"]["path"] = str(model)
+    if give_template is None:
+        config["model"]["trust_remote_code"] = True
+    else:
+        give_template(model)
+    check_chat_template_files(resolve_at_workflow_start(config))
+
+
 def test_a_model_directory_without_weights_is_refused_by_the_dry_run(tmp_path):
     config = small_config(tmp_path)
     config["model"]["path"] = str(fake_model_dir(tmp_path / "model"))

@@ -40,6 +40,39 @@ def tokenizer_loader(model_dir: Path):
     return AutoTokenizer
 
 
+def check_chat_template_files(run: RunSpec) -> None:
+    """A target whose tokenizer files carry no chat template, refused before any job runs
+    (prepare and regeneration render every conversation with it; it was found by their first
+    job). Looks where transformers does: tokenizer_config.json's `chat_template`,
+    chat_template.jinja, additional_chat_templates/*.jinja. With model.trust_remote_code the
+    tokenizer's own code may bring one: left to the jobs."""
+    import json
+
+    model = run.model
+    if not model.exists or model.trust_remote_code:
+        return
+    directory = model.directory
+    if (directory / "chat_template.jinja").is_file() or any(
+        (directory / "additional_chat_templates").glob("*.jinja")
+    ):
+        return
+    settings_file = directory / "tokenizer_config.json"
+    try:
+        settings = json.loads(settings_file.read_text())
+    except FileNotFoundError:
+        settings = {}
+    except (OSError, ValueError) as exc:
+        raise PipelineError(f"model.path: {settings_file} cannot be read: {exc}") from None
+    if isinstance(settings, dict) and settings.get("chat_template"):
+        return
+    raise PipelineError(
+        f"model.path: the tokenizer of {directory} has no chat template (none in "
+        "tokenizer_config.json, no chat_template.jinja): prepare and regeneration render every "
+        "conversation with it; use the model's chat (instruct) release or add its template as "
+        "chat_template.jinja"
+    )
+
+
 def load_target_tokenizer(run: RunSpec):
     """The target's tokenizer (with remote code only when model.trust_remote_code is set)."""
     model_dir = run.model.directory
