@@ -808,3 +808,17 @@ def test_extraction_jobs_starting_together_replace_the_generation_server(run, mo
         assert "is a capture server, this job needs a generation one" in message
         assert f"in use by PID {os.getpid()}" in message
     lifecycle.stop_server()
+
+
+def test_server_stop_outside_a_run_leaves_the_directory_untouched(tmp_path):
+    # It created .eaglepipe/server/<host>/ (a lock and a leases dir) wherever it was typed.
+    stopped = subprocess.run(
+        [PYTHON, "-u", str(REPO_ROOT / "scripts" / "server.py"), "stop"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+    )
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    assert stopped.stdout == "no server running on this node\n"
+    assert list(tmp_path.iterdir()) == []

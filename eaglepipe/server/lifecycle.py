@@ -588,6 +588,8 @@ def stop_if_started_by(run_token: str, *, paths: ServerPaths | None = None) -> b
 def stop_server(*, paths: ServerPaths | None = None) -> dict | None:
     """Stop this node's server, whoever started it (it is ours: the state file names it)."""
     paths = paths or ServerPaths.for_this_host()
+    if not paths.root.is_dir():  # never started here (not a run directory): leave no trace
+        return None
     with _locked(paths):
         state = read_json(paths.state)
         if not state:
