@@ -123,6 +123,9 @@ def workspace(tmp_path, monkeypatch, tiny_llama_dir) -> Workspace:
     config = load_config(REPO_ROOT / "config.yaml")
     config["model"]["path"] = str(tiny_llama_dir)
     config["validate"]["spot_check_rows"] = 0  # synthetic tensors: no server to agree with
+    # The plan (read only when a manifest is missing) holds SHARD and the shards after it.
+    config["dataset"]["path"] = str(REPO_ROOT / config["dataset"]["path"])
+    config["shards"]["rows_per_shard"] = 16
     input_ids, loss_masks = write_prepared(tmp_path, config, 32, {SKIPPED_ROW})
     return Workspace(tmp_path, config, input_ids, loss_masks)
 
@@ -522,6 +525,15 @@ def test_verify_all_lists_every_problem_and_nothing_on_clean_data(workspace, cap
 
 
 # --- the script ---------------------------------------------------------------------------
+
+
+def test_a_shard_outside_the_plan_is_refused_naming_the_plan(workspace):
+    # It said the shard's manifest did not exist, as if extracting it would help.
+    with pytest.raises(PipelineError) as raised:
+        validate_shard(resolve(workspace.config), "rows_0-17", progress=False)
+    assert str(raised.value).startswith("shard rows_0-17 is not in the plan of ")
+    assert str(raised.value).endswith("with shards.rows_per_shard=16")
+    assert not (workspace.root / "validated").exists()
 
 
 def test_script_prints_one_error_line_and_exits_1_on_failure(workspace):

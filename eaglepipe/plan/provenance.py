@@ -142,6 +142,12 @@ def _not_in_plan(run: RunSpec, shard: str) -> PipelineError:
     )
 
 
+def require_planned(run: RunSpec, shard: str) -> None:
+    """A shard name the plan does not hold, refused naming the plan (not its missing files)."""
+    if shard not in shards(run):
+        raise _not_in_plan(run, shard)
+
+
 def shard_provenance(run: RunSpec, shard: str) -> str:
     """Hash of everything a shard's hidden states depend on; a change makes only it stale."""
     shared, digests = _shard_provenance_inputs(run)

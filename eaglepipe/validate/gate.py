@@ -14,8 +14,9 @@ from tqdm import tqdm
 
 from ..core import config as cfg
 from ..core.atomic import atomic_write_json
+from ..core.errors import PipelineError
 from ..core.run import RunSpec
-from ..plan.provenance import validation_settings
+from ..plan.provenance import require_planned, validation_settings
 from ..plan.shard_plan import parse_shard_name
 from .checks import CHECKS
 from .coverage import check_chunk_tokens, check_coverage_rows, load_prepared_rows
@@ -69,7 +70,11 @@ def validate_shard(
 
     # The report records the hash of the very bytes checked: no window in which the manifest
     # could be replaced between hashing and reading.
-    manifest, manifest_hash = read_manifest_and_hash(shard_dir, shard)
+    try:
+        manifest, manifest_hash = read_manifest_and_hash(shard_dir, shard)
+    except PipelineError:
+        require_planned(run, shard)  # a name outside the plan is said so, not "no manifest"
+        raise
     checks: dict[str, dict] = {}
     checks["provenance"] = check_provenance(
         shard, manifest, expected_provenance(run, paths.prepared_summary)
