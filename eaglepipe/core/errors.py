@@ -45,3 +45,8 @@ def one_line_errors() -> Iterator[None]:
             flush=True,
         )
         sys.exit(1)
+
+
+def set_aside_repair(remade_by: str = "makes it again") -> str:
+    """The repair for a damaged file the pipeline wrote: verify moves it aside, a run remakes it."""
+    return f"repair: `eaglepipe verify` sets it aside, then `snakemake --cores N` {remade_by}"

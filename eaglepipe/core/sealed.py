@@ -110,17 +110,14 @@ def config_seal_problem(weights: str | os.PathLike, config: str | os.PathLike) -
 def require_intact(*paths: str | os.PathLike) -> None:
     """Stop before a damaged sealed file is used (trained on, evaluated, exported, served), in
     one line naming it and the repair. An export's config.json is checked with its weights."""
-    from .errors import PipelineError
+    from .errors import PipelineError, set_aside_repair
 
     for path in paths:
         problem = seal_problem(path)
         if problem is None and Path(path).name == "model.safetensors":
             problem = config_seal_problem(path, Path(path).parent / "config.json")
         if problem is not None:
-            raise PipelineError(
-                f"{problem}: repair: `eaglepipe verify` sets it aside, then `snakemake --cores N` "
-                "makes it again"
-            )
+            raise PipelineError(f"{problem}: {set_aside_repair()}")
 
 
 def is_sealed(path: str | os.PathLike) -> bool:

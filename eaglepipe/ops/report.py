@@ -24,7 +24,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from ..core.atomic import atomic_write_bytes  # noqa: E402
-from ..core.errors import PipelineError  # noqa: E402
+from ..core.errors import PipelineError, set_aside_repair  # noqa: E402
 from ..core.jsonio import read_json_object  # noqa: E402
 
 LAYER_NAMES = ("aux_0", "aux_1", "aux_2", "final")
@@ -132,8 +132,8 @@ def dataset_figure(
         raise PipelineError(f"report input {prepared_table} does not exist") from None
     except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
         raise PipelineError(
-            f"report input {prepared_table} cannot be read ({exc}): repair: `eaglepipe verify` "
-            "sets it aside, then `snakemake --cores N` prepares it again"
+            f"report input {prepared_table} cannot be read ({exc}): "
+            + set_aside_repair("prepares it again")
         ) from None
     summary = read_json(summary_json)
     skipped = read_json(skipped_json)

@@ -35,7 +35,7 @@ import numpy as np
 
 from ..core import config as config_mod
 from ..core.atomic import dumps_json, write_if_changed
-from ..core.errors import PipelineError
+from ..core.errors import PipelineError, set_aside_repair
 from ..core.fingerprint import hash_bytes, hash_file
 from ..core.progress import Progress
 from ..core.run import RunSpec
@@ -385,10 +385,7 @@ def check_table_intact(path: Path) -> None:
         return
     problem = listed_file_problem(path, listed, summary)
     if problem is not None:
-        raise PipelineError(
-            f"{problem}: repair: `eaglepipe verify` sets it aside, then `snakemake --cores N` "
-            "prepares it again"
-        )
+        raise PipelineError(f"{problem}: {set_aside_repair('prepares it again')}")
 
 
 def load_prepared(

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..core.errors import PipelineError
+from ..core.errors import PipelineError, set_aside_repair
 from ..core.jsonio import read_json_object
 from .checks import ValidationFailure
 from .schema import ChunkLayout
@@ -37,8 +37,8 @@ def load_prepared_rows(table_path: Path, skipped_path: Path, start: int, end: in
         raise PipelineError(f"prepared table {table_path} does not exist: run prepare") from None
     except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
         raise PipelineError(
-            f"prepared table {table_path} cannot be read ({exc}): repair: `eaglepipe verify` "
-            "sets it aside, then `snakemake --cores N` prepares it again"
+            f"prepared table {table_path} cannot be read ({exc}): "
+            + set_aside_repair("prepares it again")
         ) from None
     row_ids = table.column("row_id").to_numpy()
     token_ids, loss_masks = {}, {}
