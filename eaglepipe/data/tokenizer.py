@@ -45,11 +45,12 @@ def check_chat_template_files(run: RunSpec) -> None:
     (prepare and regeneration render every conversation with it; it was found by their first
     job). Looks where transformers does: tokenizer_config.json's `chat_template`,
     chat_template.jinja, additional_chat_templates/*.jinja. With model.trust_remote_code the
-    tokenizer's own code may bring one: left to the jobs."""
+    tokenizer's own code may bring one: left to the jobs. The embedded toy target is built
+    with its template (data/toy_target.py)."""
     import json
 
     model = run.model
-    if not model.exists or model.trust_remote_code:
+    if model.is_toy or not model.exists or model.trust_remote_code:
         return
     directory = model.directory
     if (directory / "chat_template.jinja").is_file() or any(
