@@ -822,3 +822,25 @@ def test_server_stop_outside_a_run_leaves_the_directory_untouched(tmp_path):
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
     assert stopped.stdout == "no server running on this node\n"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_port_that_answers_its_own_request_is_not_healthy_yet():
+    """Polling a port before its server listens can connect the socket to itself (Linux), and
+    it reads back its own request line: that was a BadStatusLine traceback out of the start-up
+    wait (a benchmark run on the 2-core VM, 2026-12-05). An echo server stands in for it."""
+    import socketserver
+
+    class Echo(socketserver.StreamRequestHandler):
+        def handle(self):
+            self.wfile.write(self.rfile.readline())
+
+    with socketserver.TCPServer(("127.0.0.1", 0), Echo) as echo:
+        thread = threading.Thread(target=echo.serve_forever, daemon=True)
+        thread.start()
+        try:
+            url = f"http://127.0.0.1:{echo.server_address[1]}"
+            assert lifecycle.probe_health(url) == "BadStatusLine: GET /health HTTP/1.1\r\n"
+            state = {"url": url, "instance_id": "x", "engine": "reference"}
+            assert lifecycle._server_info_if_healthy(state, health_probe=False) is None
+        finally:
+            echo.shutdown()

@@ -9,6 +9,7 @@ a request.
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import os
 import threading
@@ -47,7 +48,9 @@ def probe_health(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
             return None if response.status == 200 else f"HTTP {response.status}"
     except urllib.error.HTTPError as exc:
         return f"HTTP {exc.code}"
-    except (urllib.error.URLError, OSError) as exc:
+    # Not HTTP on that port: another program, or this very socket connected to itself (a port
+    # with no listener yet can do that on Linux), which reads back its own request line.
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
         reason = getattr(exc, "reason", exc)
         return f"{type(reason).__name__}: {reason}" if str(reason) else type(reason).__name__
 
