@@ -525,32 +525,32 @@ _PREFILL_LINE = re.compile(
 )
 
 
-def prefill_batches(log_text: str) -> list[dict]:
-    """SGLang's "Prefill batch" log lines: requests, tokens and (when logged) the input
-    throughput SGLang measured for each prefill."""
-    return [
-        {
-            "seqs": int(m.group(1)),
-            "tokens": int(m.group(2)),
-            "tokens_per_s": float(m.group(3)) if m.group(3) else None,
-        }
-        for m in _PREFILL_LINE.finditer(log_text)
-    ]
-
-
 _LOG_STAMP = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\]")
 
 
-def prefill_timeline(log_text: str) -> list[tuple[float, int]]:
-    """(epoch second, tokens) of each SGLang "Prefill batch" line that carries a timestamp
-    (SGLang logs local time to the second)."""
-    points = []
+def prefill_batches(log_text: str) -> list[dict]:
+    """SGLang's "Prefill batch" log lines: requests, tokens, (when logged) the input
+    throughput SGLang measured for each prefill, and when (`at`: epoch seconds of the line's
+    local-time stamp, to the second; None without one)."""
+    batches = []
     for line in log_text.splitlines():
-        batch, stamp = _PREFILL_LINE.search(line), _LOG_STAMP.match(line)
-        if batch and stamp:
-            when = datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S").timestamp()
-            points.append((when, int(batch.group(2))))
-    return points
+        batch = _PREFILL_LINE.search(line)
+        if batch is None:
+            continue
+        stamp = _LOG_STAMP.match(line)
+        batches.append({
+            "seqs": int(batch.group(1)),
+            "tokens": int(batch.group(2)),
+            "tokens_per_s": float(batch.group(3)) if batch.group(3) else None,
+            "at": datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S").timestamp()
+            if stamp else None,
+        })  # fmt: skip
+    return batches
+
+
+def prefill_timeline(log_text: str) -> list[tuple[float, int]]:
+    """(epoch second, tokens) of each prefill batch whose log line carries a timestamp."""
+    return [(b["at"], b["tokens"]) for b in prefill_batches(log_text) if b["at"] is not None]
 
 
 def split_by_jobs_alive(
