@@ -181,10 +181,11 @@ async def _regenerate_rows(
     on_record: Callable[[dict], None],
     source: str,
     handle,
+    inflight: int,
 ) -> None:
-    """Regenerate `rows` concurrently; each finished (or, under skip, bad) row goes to
-    `on_record` at once. Under `dataset.bad_rows: error` the first bad row stops everything."""
-    inflight = run.extract.inflight_requests("regenerate", handle.info)
+    """Regenerate `rows` concurrently, `inflight` at a time; each finished (or, under skip,
+    bad) row goes to `on_record` at once. Under `dataset.bad_rows: error` the first bad row
+    stops everything."""
     slots = asyncio.Semaphore(inflight)
     policy = run.dataset.bad_rows
 
@@ -303,16 +304,19 @@ def regenerate_shard(
                     is_alive=liveness_check(handle),
                     log=log,
                 )
+                inflight = run.extract.inflight_requests("regenerate", handle.info)
                 log(
                     f"{shard_name}: regenerating {len(conversations)} rows through {handle.url} "
                     f"({handle.info.get('engine')} {handle.info.get('engine_version')}), up to "
-                    f"{run.extract.inflight_requests('regenerate', handle.info)} rows at a time"
+                    f"{inflight} rows at a time"
                 )
                 progress.restart_clock()
                 regenerator = ShardRegenerator(run, tokenizer, client, log)
                 try:
                     asyncio.run(
-                        _regenerate_rows(run, regenerator, conversations, finished, source, handle)
+                        _regenerate_rows(
+                            run, regenerator, conversations, finished, source, handle, inflight
+                        )
                     )
                 finally:
                     requests_sent = client.requests_sent
