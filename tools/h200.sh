@@ -162,10 +162,11 @@ print('server env: sglang', sglang.__version__, '| sgl_kernel', sgl_kernel.__ver
 assert transformers.__version__ == '5.8.1', transformers.__version__
 " || return 1
     timeout 180 python3 -c "
-import sys, torch, transformers, snakemake, jsonschema, eaglepipe
+import sys, torch, transformers, tokenizers, huggingface_hub, snakemake, jsonschema, eaglepipe
 from eaglepipe.server import sglang as recipe
 print('pipeline env: python', sys.version.split()[0], '| torch', torch.__version__,
-      '| transformers', transformers.__version__, '| snakemake', snakemake.__version__,
+      '| transformers', transformers.__version__, '| tokenizers', tokenizers.__version__,
+      '| huggingface_hub', huggingface_hub.__version__, '| snakemake', snakemake.__version__,
       '| eaglepipe from', eaglepipe.__file__)
 assert eaglepipe.__file__.startswith('$REPO/'), 'eaglepipe must come from the repository'
 version = recipe.check_supported(recipe.installed_sglang_version())
