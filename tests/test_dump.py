@@ -334,7 +334,10 @@ def test_waiting_for_a_dump_returns_once_the_writer_has_renamed_it(tmp_path, mon
 
 def test_a_dump_that_never_lands_names_the_request(tmp_path):
     path = dump_path(prepare_dump_dir(tmp_path / "dumps"), rid(4))
-    with pytest.raises(DumpNotWritten, match=rf"answered request {rid(4)} but wrote no dump"):
+    with pytest.raises(
+        DumpNotWritten,
+        match=rf"answered request {rid(4)} but wrote no dump .*; the handoff .* has .* free",
+    ):
         wait_for_dump(path, within_s=0.05)
     # A temp file of a write in progress is not a dump.
     temp_dump_path(path.parent, rid(4)).write_bytes(b"partial")
@@ -433,8 +436,10 @@ def test_dump_is_invisible_until_complete(tmp_path, monkeypatch):
     ]
 
 
-def test_failed_write_leaves_no_file(tmp_path, monkeypatch):
-    """A write that dies half-way (disk full) leaves neither a partial dump nor a temp file."""
+def test_failed_write_leaves_no_dump_and_tells_the_reader_why_at_once(tmp_path, monkeypatch):
+    """A write that dies half-way (disk full) leaves neither a partial dump nor a temp file,
+    but a note with the error: SGLang's hook writes after the answer (no on_done), so the
+    reader learns why the dump is not coming instead of waiting DUMP_WAIT_S for it."""
     dump_dir = prepare_dump_dir(tmp_path / "dumps")
 
     def half_then_full(tensors, filename, metadata=None):
@@ -449,7 +454,15 @@ def test_failed_write_leaves_no_file(tmp_path, monkeypatch):
     with pytest.raises(PipelineError, match=f"dump of request {rid(3)}.*No space left"):
         writer.close()
     assert "No space left" in str(errors[rid(3)])
-    assert list(dump_dir.iterdir()) == []
+    assert [p.name for p in dump_dir.iterdir()] == [f"{rid(3)}.failed"]
+    # Had the note not been read, this wait would end in "wrote no dump ... within 600s".
+    with pytest.raises(DumpNotWritten) as caught:
+        wait_for_dump(dump_path(dump_dir, rid(3)), within_s=600)
+    message = str(caught.value)
+    assert f"could not write dump {dump_path(dump_dir, rid(3))}" in message
+    assert "No space left on device" in message
+    assert f"the handoff {dump_dir} has " in message and " free" in message
+    assert list(dump_dir.iterdir()) == []  # the note is taken with the error
 
 
 def test_write_error_reaches_on_done_and_flush(tmp_path):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -28,6 +29,7 @@ from eaglepipe.extract.chunk_file import open_chunk
 from eaglepipe.extract.shard import extract_shard
 from eaglepipe.extract.shard_files import iter_rows, read_manifest
 from eaglepipe.server.dump_writer import DumpWriter
+from eaglepipe.server.handoff import mark_dump_failed
 from eaglepipe.server.lifecycle import server_status, stop_server
 from eaglepipe.server.request_ids import make_rid
 
@@ -375,17 +377,20 @@ def test_stale_dump_of_another_nonce_is_swept_never_ingested(main_run, in_dir, t
                 torch.full((n, 96), 1000.0),
                 torch.full((n, 32), 1000.0),
             )
+    # A note of a dump the stale run's server could not write (handoff.mark_dump_failed).
+    for row_id in (row_in_shard, row_elsewhere):
+        mark_dump_failed(dump_dir, make_rid("eaglepipe", stale_nonce, row_id, 1), "disk full")
     shard_dir = workdir / "hidden_states" / SHARD
     shutil.rmtree(shard_dir)
     lines: list[str] = []
     extract_shard(resolve(run_config(workdir)), SHARD, log=lines.append)
-    assert not (
-        dump_dir / f"{make_rid('eaglepipe', stale_nonce, row_in_shard, 0)}.safetensors"
-    ).exists()
-    elsewhere = dump_dir / f"{make_rid('eaglepipe', stale_nonce, row_elsewhere, 0)}.safetensors"
-    assert elsewhere.exists()  # another shard's business
-    elsewhere.unlink()
-    assert any("swept 1 stale dump" in line for line in lines)
+    stale = sorted(p.name for p in dump_dir.iterdir() if stale_nonce in p.name)
+    elsewhere = make_rid("eaglepipe", stale_nonce, row_elsewhere, 0)
+    elsewhere_note = make_rid("eaglepipe", stale_nonce, row_elsewhere, 1)
+    assert stale == [f"{elsewhere}.safetensors", f"{elsewhere_note}.failed"]  # another shard's
+    for name in stale:
+        (dump_dir / name).unlink()
+    assert any("swept 2 stale dump" in line for line in lines)
     row = dict(iter_rows(shard_dir))[row_in_shard]
     aux, _ = direct_forward(
         tiny_llama_dir, next(r for r in prepared_rows() if r["row_id"] == 3)["input_ids"]
@@ -423,6 +428,43 @@ def test_too_little_free_space_writes_nothing(tmp_path, tiny_llama_dir, in_dir, 
         extract_shard(resolve(run_config(workdir)), SHARD, log=lambda line: None)
     assert not (workdir / "hidden_states").exists()
     assert not (workdir / ".eaglepipe" / "server").exists()  # no server was started
+
+
+def test_a_full_handoff_fails_the_job_naming_the_row_the_error_and_the_free_space(
+    tmp_path, tiny_llama_dir, in_dir
+):
+    """The server's dumps land on a tmpfs with room for the supervisor's owner file and one
+    page more: a dump of 16+ tokens cannot be written. The job ends in one line naming the row,
+    the writer's error and the handoff's free space, and leaves no dump or note behind."""
+    workdir = in_dir(make_workdir(tmp_path / "run", tiny_llama_dir))
+    config = json.loads((workdir / "config.json").read_text())
+    config["extract"]["max_inflight_bytes"] = 10**9  # the tmpfs, not the budget, is the limit
+    (workdir / "config.json").write_text(json.dumps(config))
+    dump_root = Path(config["server"]["dump_root"])
+    dump_root.mkdir(mode=0o700)
+    mount = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=8k,mode=0700", "eaglepipe-test", str(dump_root)],
+        capture_output=True,
+        text=True,
+    )
+    if mount.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {mount.stderr.strip()}")
+    try:
+        with pytest.raises(PipelineError) as caught:
+            extract_shard(resolve(run_config(workdir)), SHARD, log=lambda line: None)
+        dump_dir = Path(server_status()["state"]["dump_dir"])
+        left = sorted(p.name for p in dump_dir.iterdir())
+    finally:
+        stop_server()
+        subprocess.run(["umount", str(dump_root)], check=False)
+    message = str(caught.value)
+    assert re.match(
+        r"row \d+ failed after 4 attempt\(s\): the server could not write dump ", message
+    )
+    assert "No space left on device" in message
+    assert re.search(rf"the handoff {re.escape(str(dump_dir))} has [\d.]+ [KMG]?B free", message)
+    assert left == []
+    assert not (workdir / "hidden_states" / SHARD / "manifest.json").exists()
 
 
 def test_weights_fingerprint_tells_a_fine_tune_from_its_base(tiny_llama_dir, tmp_path):

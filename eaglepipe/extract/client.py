@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import shutil
 import sys
 import time
@@ -30,7 +31,15 @@ from ..core.errors import PipelineError, ServerLost
 from ..core.run import RunSpec
 from ..core.shard_job import process_age_s
 from ..core.tensor_bytes import RawTensor, dtype_name, dtype_text
-from ..server.handoff import DUMP_WAIT_S, DumpNotWritten, await_dump, read_dump_raw
+from ..server.handoff import (
+    DUMP_SUFFIX,
+    DUMP_WAIT_S,
+    FAILED_SUFFIX,
+    DumpNotWritten,
+    await_dump,
+    read_dump_raw,
+    take_dump_failure,
+)
 from ..server.request_ids import is_pipeline_rid, make_rid, new_nonce, parse_rid
 from ..server.watch import (
     BACKOFF_BASE_S,
@@ -143,7 +152,8 @@ class ByteBudget:
 
 
 def sweep_stale_dumps(dump_dir: Path, prefix: str, nonce: str, row_ids: set[int]) -> int:
-    """Delete dumps (and temp dumps) for these rows left by other client runs; never read them.
+    """Delete dumps (temp dumps, failure notes) of these rows left by other client runs; never
+    read them.
 
     Only rows of this shard are touched: other shards' clients share the handoff dir.
     """
@@ -152,9 +162,9 @@ def sweep_stale_dumps(dump_dir: Path, prefix: str, nonce: str, row_ids: set[int]
         name = path.name
         if name.endswith(".tmp"):
             name = name.removeprefix(".").removesuffix(".tmp")
-        if not name.endswith(".safetensors"):
+        if not name.endswith((DUMP_SUFFIX, FAILED_SUFFIX)):
             continue
-        rid = name.removesuffix(".safetensors")
+        rid = name.removesuffix(DUMP_SUFFIX).removesuffix(FAILED_SUFFIX)
         if not is_pipeline_rid(rid, prefix):
             continue
         try:
@@ -319,7 +329,12 @@ class ExtractionClient:
             async with session.post(f"{self.url}/generate", json=payload, timeout=timeout) as resp:
                 body = await resp.text()
                 if resp.status >= 500:
-                    raise TransientError(f"server answered {resp.status}: {body[:200]}")
+                    # The reference server answers a failed dump write with a 500 (and, like
+                    # SGLang's hook, leaves the writer's note): name it in full.
+                    failure = take_dump_failure(
+                        self.dump_dir / f"{rid}{DUMP_SUFFIX}", _error_message(body)
+                    )
+                    raise TransientError(failure or f"server answered {resp.status}: {body[:200]}")
                 if resp.status != 200:
                     raise PipelineError(
                         f"row {row.row_id}: server refused request {rid} with {resp.status}: "
@@ -368,8 +383,18 @@ class ExtractionClient:
         marker = f"-{self.stats.nonce}-"
         with contextlib.suppress(FileNotFoundError):
             for path in self.dump_dir.iterdir():
-                if marker in path.name and path.name.endswith(".safetensors"):
+                if marker in path.name and path.name.endswith((DUMP_SUFFIX, FAILED_SUFFIX)):
                     path.unlink(missing_ok=True)
+
+
+def _error_message(body: str) -> str | None:
+    """`error.message` of a JSON error answer (the reference server's, SGLang's), else None."""
+    try:
+        error = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return None
+    message = error.get("message") if isinstance(error, dict) else None
+    return message if isinstance(message, str) else None
 
 
 def _first_error(group: BaseExceptionGroup) -> BaseException:

@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..core.errors import PipelineError
-from .handoff import AUX_KEY, FINAL_KEY, dump_path, temp_dump_path
+from .handoff import AUX_KEY, FINAL_KEY, dump_path, mark_dump_failed, temp_dump_path
 from .request_ids import is_pipeline_rid
 
 DEFAULT_MAX_PINNED_BYTES = 2 << 30
@@ -374,6 +374,8 @@ class DumpWriter:
                 error = PipelineError(f"dump of request {rid} to {self.dump_dir} failed: {exc}")
                 with self._errors_lock:
                     self._errors.append(error)
+                # SGLang answered the request already: tell its reader now, not after a timeout.
+                mark_dump_failed(self.dump_dir, rid, str(error))
         self._notify(batch.on_done, rid, error)
 
     def _write_one(self, rid: str, batch: _Batch, offset: int, count: int) -> None:

@@ -9,6 +9,9 @@ request held. The file is written under the dot-prefixed temp name `.<rid>.safet
 renamed into place, so a reader never sees a partial dump: a dump is complete exactly when its
 final name exists, and `await_dump` / `wait_for_dump` are the one way the pipeline waits for that
 (the SGLang hook writes from a background thread, so its dump can land after the HTTP answer).
+A dump the writer could not write (a full handoff, most often) leaves `<rid>.failed` instead,
+holding the error: SGLang has already answered the request, and without it a reader would wait
+`DUMP_WAIT_S` for a file that never comes and then not know why.
 
 The client reads dumps without torch (`read_dump_raw`); `read_dump` gives torch tensors.
 The writer is `dump_writer.py` (shared by the reference server and the SGLang hook); the
@@ -21,6 +24,7 @@ import asyncio
 import os
 import pwd
 import re
+import shutil
 import stat
 import time
 from collections.abc import Sequence
@@ -28,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..core.errors import PipelineError
+from ..core.space import format_bytes
 from ..core.tensor_bytes import RawTensor, read_safetensors, torch_dtype_text
 
 if TYPE_CHECKING:
@@ -37,6 +42,7 @@ AUX_KEY = "aux_hidden_states"
 FINAL_KEY = "final_hidden_states"
 DUMP_SUFFIX = ".safetensors"
 TEMP_SUFFIX = ".safetensors.tmp"
+FAILED_SUFFIX = ".failed"
 # How long a reader waits for the dump of an answered request. The reference server answers
 # after the rename; SGLang answers when the forward is done and its hook's writer thread renames
 # the file a little later (longer behind a backlog of large batches).
@@ -55,6 +61,21 @@ def dump_path(dump_dir: str | os.PathLike, rid: str) -> Path:
 def temp_dump_path(dump_dir: str | os.PathLike, rid: str) -> Path:
     dump_path(dump_dir, rid)
     return Path(dump_dir) / f".{rid}{TEMP_SUFFIX}"
+
+
+def failed_dump_path(dump_dir: str | os.PathLike, rid: str) -> Path:
+    """Where the writer says why the dump of `rid` was not written."""
+    dump_path(dump_dir, rid)
+    return Path(dump_dir) / f"{rid}{FAILED_SUFFIX}"
+
+
+def mark_dump_failed(dump_dir: str | os.PathLike, rid: str, error: str) -> None:
+    """Leave `<rid>.failed` holding `error`; best effort: on a full file system even this
+    small file may not fit, and the reader then times out (naming the handoff's free space)."""
+    try:
+        failed_dump_path(dump_dir, rid).write_text(error)
+    except OSError:
+        pass
 
 
 # ----------------------------------------------------------------------------- directory
@@ -178,7 +199,38 @@ def _user_name(uid: int) -> str:
 
 
 class DumpNotWritten(PipelineError):
-    """The server answered a request but its dump did not appear in time."""
+    """The server answered a request but its dump did not appear in time, or its writer
+    said it could not write it."""
+
+
+def handoff_space_note(dump_dir: str | os.PathLike) -> str:
+    """`the handoff DIR has N free`, for messages about dumps that did not come."""
+    try:
+        free = shutil.disk_usage(dump_dir).free
+    except OSError as exc:
+        return f"the handoff {dump_dir} cannot be read: {exc}"
+    return f"the handoff {dump_dir} has {format_bytes(free)} free"
+
+
+def take_dump_failure(path: str | os.PathLike, known_error: str | None = None) -> str | None:
+    """When the writer left a note for the dump at `path`: one line with its error (or
+    `known_error`, the server's answer, when the note is empty: on a full file system the note
+    is created but its text may not fit) and the handoff's free space; the note is removed.
+    None when there is no note."""
+    path = Path(path)
+    marker = path.with_name(path.name.removesuffix(DUMP_SUFFIX) + FAILED_SUFFIX)
+    try:
+        error = marker.read_text(errors="replace").strip()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        error = f"(its note {marker} is unreadable: {exc})"
+    marker.unlink(missing_ok=True)
+    error = error or known_error or "(its error did not fit there either; the server's log has it)"
+    return (
+        f"the server could not write dump {path}: {error}; {handoff_space_note(path.parent)} "
+        "(free space there, or lower extract.max_inflight_bytes)"
+    )
 
 
 async def await_dump(path: str | os.PathLike, within_s: float = DUMP_WAIT_S) -> Path:
@@ -190,10 +242,13 @@ async def await_dump(path: str | os.PathLike, within_s: float = DUMP_WAIT_S) -> 
     path = Path(path)
     deadline = time.monotonic() + within_s
     while not path.exists():
+        failure = take_dump_failure(path)
+        if failure is not None:
+            raise DumpNotWritten(failure)
         if time.monotonic() > deadline:
             raise DumpNotWritten(
                 f"the server answered request {path.name.removesuffix(DUMP_SUFFIX)} but wrote "
-                f"no dump {path} within {within_s:g}s"
+                f"no dump {path} within {within_s:g}s; {handoff_space_note(path.parent)}"
             )
         await asyncio.sleep(DUMP_POLL_S)
     return path
