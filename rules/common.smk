@@ -10,6 +10,7 @@ from eaglepipe.core.config import RESOLVED_CONFIG
 from eaglepipe.core.run import resolve_at_workflow_start
 from eaglepipe.drafter.live import live_export_engine
 from eaglepipe.server.sglang import check_sglang_settings
+from eaglepipe.server.handoff import check_dump_root
 from eaglepipe.drafter.variants import check_draft_layer, check_export_support
 from eaglepipe.data.tokenizer import check_chat_template_files
 from eaglepipe.core.errors import one_line_errors
@@ -39,6 +40,8 @@ with one_line_errors():
     LIVE_EXPORT_ENGINE = live_export_engine(RUN)
     # SGLang flags the launcher sets itself or capture cannot take, before any job starts.
     check_sglang_settings(RUN)
+    # A handoff root the server's start would refuse (a file, another user's directory).
+    check_dump_root(RUN.server.handoff_root)
     SHARDS = provenance.shards(RUN)
     provenance.check_shard_plan(RUN)
     MODEL_CONFIG = provenance.model_config_file(RUN)

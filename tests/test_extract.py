@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import shard_lock_held_elsewhere
+from conftest import shard_lock_held_elsewhere, small_filesystem
 
 from eaglepipe.core.config import load_config
 from eaglepipe.core.errors import PipelineError
@@ -430,33 +430,41 @@ def test_too_little_free_space_writes_nothing(tmp_path, tiny_llama_dir, in_dir, 
     assert not (workdir / ".eaglepipe" / "server").exists()  # no server was started
 
 
-def test_a_full_handoff_fails_the_job_naming_the_row_the_error_and_the_free_space(
-    tmp_path, tiny_llama_dir, in_dir
-):
-    """The server's dumps land on a tmpfs with room for the supervisor's owner file and one
-    page more: a dump of 16+ tokens cannot be written. The job ends in one line naming the row,
-    the writer's error and the handoff's free space, and leaves no dump or note behind."""
-    workdir = in_dir(make_workdir(tmp_path / "run", tiny_llama_dir))
+@contextlib.contextmanager
+def handoff_on_a_small_tmpfs(workdir: Path, size: int, leave_free: int | None = None):
+    """The run's server.dump_root on a tmpfs of `size` bytes (with `leave_free`, a file stands
+    for other jobs' dumps and leaves that much); the server is stopped before it is unmounted."""
     config = json.loads((workdir / "config.json").read_text())
     config["extract"]["max_inflight_bytes"] = 10**9  # the tmpfs, not the budget, is the limit
     (workdir / "config.json").write_text(json.dumps(config))
     dump_root = Path(config["server"]["dump_root"])
-    dump_root.mkdir(mode=0o700)
-    mount = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=8k,mode=0700", "eaglepipe-test", str(dump_root)],
-        capture_output=True,
-        text=True,
-    )
-    if mount.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {mount.stderr.strip()}")
-    try:
+    with small_filesystem(dump_root, size):
+        try:
+            dump_root.chmod(0o700)  # a handoff root others may write is refused
+            if leave_free is not None:
+                (dump_root / "other-jobs-dumps").write_bytes(b"\0" * (size - leave_free))
+            yield dump_root
+        finally:
+            stop_server()
+
+
+LONGEST_ROW = max(prepared_rows(), key=lambda r: r["num_tokens"])
+LONGEST_DUMP = LONGEST_ROW["num_tokens"] * 4 * 32 * 2  # 3 aux layers + final, H = 32, bf16
+
+
+def test_a_full_handoff_fails_the_job_naming_the_row_the_error_and_the_free_space(
+    tmp_path, tiny_llama_dir, in_dir
+):
+    """Other jobs' dumps leave the handoff's tmpfs room for the supervisor's owner file and 8
+    KB more: the longest rows' dumps cannot be written. The job ends in one line naming the
+    row, the writer's error and the handoff's free space, and leaves no dump or note behind."""
+    workdir = in_dir(make_workdir(tmp_path / "run", tiny_llama_dir))
+    assert LONGEST_DUMP > 8192
+    with handoff_on_a_small_tmpfs(workdir, 64 << 10, leave_free=12 << 10):
         with pytest.raises(PipelineError) as caught:
             extract_shard(resolve(run_config(workdir)), SHARD, log=lambda line: None)
         dump_dir = Path(server_status()["state"]["dump_dir"])
         left = sorted(p.name for p in dump_dir.iterdir())
-    finally:
-        stop_server()
-        subprocess.run(["umount", str(dump_root)], check=False)
     message = str(caught.value)
     assert re.match(
         r"row \d+ failed after 4 attempt\(s\): the server could not write dump ", message
@@ -465,6 +473,30 @@ def test_a_full_handoff_fails_the_job_naming_the_row_the_error_and_the_free_spac
     assert re.search(rf"the handoff {re.escape(str(dump_dir))} has [\d.]+ [KMG]?B free", message)
     assert left == []
     assert not (workdir / "hidden_states" / SHARD / "manifest.json").exists()
+
+
+def test_a_handoff_smaller_than_one_dump_is_refused_before_any_request(
+    tmp_path, tiny_llama_dir, in_dir
+):
+    """A handoff file system smaller than the longest row's dump (a container's 64 MB
+    /dev/shm against a large target) could never take it: refused at once, naming the row,
+    the sizes and the fix, with no request sent."""
+    workdir = in_dir(make_workdir(tmp_path / "run", tiny_llama_dir))
+    with handoff_on_a_small_tmpfs(workdir, 8192):
+        lines: list[str] = []
+        with pytest.raises(PipelineError) as caught:
+            extract_shard(resolve(run_config(workdir)), SHARD, log=lines.append)
+        dump_dir = Path(server_status()["state"]["dump_dir"])
+        left = sorted(p.name for p in dump_dir.iterdir())
+    assert str(caught.value) == (
+        f"row {LONGEST_ROW['row_id']}: its dump ({LONGEST_ROW['num_tokens']} tokens, "
+        f"{LONGEST_DUMP / 1000:.1f} KB) cannot fit in the handoff {dump_dir}, whose file system "
+        "holds 8.2 KB in all: give the server's dumps more room (server.dump_root on a larger "
+        "file system, or a container's /dev/shm: docker run --shm-size)"
+    )
+    assert not any("requesting" in line for line in lines)
+    assert left == []
+    assert not list((workdir / "hidden_states" / SHARD).glob("chunk-*"))
 
 
 def test_weights_fingerprint_tells_a_fine_tune_from_its_base(tiny_llama_dir, tmp_path):

@@ -218,6 +218,31 @@ def test_sglang_flags_the_launcher_sets_are_refused_by_the_dry_run(tmp_path):
     )
 
 
+@pytest.mark.parametrize(
+    "make_root, why",
+    [
+        (lambda root: root.write_text("x"), "exists but is not a directory"),
+        (lambda root: root.mkdir(mode=0o777) or root.chmod(0o777), "has mode 777"),
+    ],
+)
+def test_a_dump_root_the_server_would_refuse_is_refused_by_the_dry_run(tmp_path, make_root, why):
+    # The server's start refused it: after the toy build, or after prepare on a real target.
+    config = small_config(tmp_path)
+    root = tmp_path / "dumps"
+    make_root(root)
+    config["server"]["dump_root"] = str(root)
+    line, output = refused_dry_run(tmp_path, config)
+    assert line.startswith(f"error: server.dump_root {root} {why}"), output[-2000:]
+    assert "Traceback" not in output
+    # A root that does not exist yet is the server's to create (on a cluster, perhaps only on
+    # the compute nodes): the dry run leaves it alone and creates nothing.
+    config["server"]["dump_root"] = str(tmp_path / "not-yet" / "dumps")
+    write_config(tmp_path, config)
+    dry = run_snakemake(tmp_path, "-n", check=False)
+    assert dry.returncode == 0, (dry.stdout + dry.stderr)[-2000:]
+    assert not (tmp_path / "not-yet").exists()
+
+
 @pytest.mark.parametrize("content", ["", "\n\n  \n"])
 def test_a_dataset_without_rows_is_refused_before_anything_runs(tmp_path, content):
     # It planned no shard and built the toy target from nothing before prepare stopped.

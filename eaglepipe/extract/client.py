@@ -30,6 +30,7 @@ import aiohttp
 from ..core.errors import PipelineError, ServerLost
 from ..core.run import RunSpec
 from ..core.shard_job import process_age_s
+from ..core.space import format_bytes
 from ..core.tensor_bytes import RawTensor, dtype_name, dtype_text
 from ..server.handoff import (
     DUMP_SUFFIX,
@@ -130,6 +131,26 @@ def handoff_free_bytes(dump_dir: Path) -> int:
 
 def expected_dump_bytes(num_tokens: int, hidden_size: int, num_aux_layers: int = 3) -> int:
     return num_tokens * (num_aux_layers + 1) * hidden_size * 2
+
+
+def require_handoff_room(dump_dir: Path, requests: Sequence[RowRequest], hidden_size: int) -> None:
+    """Refuse, before any request, a shard whose longest row's dump is larger than the whole
+    file system of the handoff (a container's 64 MB /dev/shm against a large target): it could
+    never be written, and each attempt would only end in the writer's ENOSPC. Space that is
+    merely in use (other jobs' dumps) is not judged here: it frees as they are read."""
+    if not requests:
+        return
+    longest = max(requests, key=lambda r: len(r.input_ids))
+    need = expected_dump_bytes(len(longest.input_ids), hidden_size)
+    total = shutil.disk_usage(dump_dir).total
+    if need > total:
+        raise PipelineError(
+            f"row {longest.row_id}: its dump ({len(longest.input_ids)} tokens, "
+            f"{format_bytes(need)}) cannot fit in the handoff {dump_dir}, whose file system "
+            f"holds {format_bytes(total)} in all: give the server's dumps more room "
+            "(server.dump_root on a larger file system, or a container's /dev/shm: "
+            "docker run --shm-size)"
+        )
 
 
 class ByteBudget:

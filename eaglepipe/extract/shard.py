@@ -56,6 +56,7 @@ from .client import (
     RowRequest,
     expected_dump_bytes,
     handoff_free_bytes,
+    require_handoff_room,
 )
 from .shard_files import (
     INVALID_MANIFEST_NAME,
@@ -272,6 +273,7 @@ def _extract_chunks(
         info = dict(handle.info)
         check_server_info(info, aux_ids, hidden_size, handle.url)
         check_server_engine(info, engine, handle.url)
+        require_handoff_room(Path(handle.dump_dir), requests, hidden_size)
         settings = ClientSettings.from_run(run, hidden_size, Path(handle.dump_dir), info)
         log(
             f"{progress.label}: requesting {len(requests)} rows from {handle.url} "

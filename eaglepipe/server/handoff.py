@@ -111,6 +111,29 @@ def prepare_dump_dir(
             pass  # created concurrently by another process; checked below
         except OSError as exc:
             raise PipelineError(f"cannot create {what} {directory}: {exc}") from None
+    mode = _check_own_directory(path, given, what, refuse_open_mode)
+    if mode != 0o700:
+        try:
+            os.chmod(path, 0o700)
+        except OSError as exc:
+            raise PipelineError(f"cannot set mode 0700 on {what} {given}: {exc}") from None
+    return path
+
+
+def check_dump_root(path: str | os.PathLike, *, what: str = "server.dump_root") -> None:
+    """What `prepare_dump_dir` would refuse about an existing handoff root, found when the
+    workflow starts (before a toy build or a server start) and without creating anything. A
+    root that does not exist yet is left to the server's start: on a cluster it may exist only
+    on the compute nodes."""
+    given = Path(path).absolute()
+    target = _resolve_trusted(given.parent, given, what) / given.name
+    if os.path.lexists(target):
+        _check_own_directory(target, given, what, refuse_open_mode=True)
+
+
+def _check_own_directory(path: Path, given: Path, what: str, refuse_open_mode: bool) -> int:
+    """Refuse `path` unless it is a real directory of this user (and, with `refuse_open_mode`,
+    not writable by group or others); returns its mode bits."""
     info = os.lstat(path)
     if stat.S_ISLNK(info.st_mode):
         raise PipelineError(f"{what} {given} is a symlink; refusing to write through it")
@@ -128,12 +151,7 @@ def prepare_dump_dir(
             f"{what} {given} has mode {mode:o} (writable by group or others): check what is in "
             f"it, then `chmod 700 {path}`, or choose another server.dump_root"
         )
-    if mode != 0o700:
-        try:
-            os.chmod(path, 0o700)
-        except OSError as exc:
-            raise PipelineError(f"cannot set mode 0700 on {what} {given}: {exc}") from None
-    return path
+    return mode
 
 
 _MAX_SYMLINKS = 40  # the kernel's limit on links followed in one lookup
