@@ -109,9 +109,23 @@ def collect(handle, rows, settings, url=None):
 class FaultProxy:
     """An HTTP proxy in front of the real server that fails chosen attempts of chosen rows."""
 
-    def __init__(self, upstream: str, fail: dict[int, tuple[str, int]]):
+    def __init__(
+        self,
+        upstream: str,
+        fail: dict[int, tuple[str, int]],
+        *,
+        dump_dir: Path | None = None,
+        land_dumps_after: int | None = None,
+    ):
         self.upstream = upstream
         self.fail = fail  # row id -> (how, number of first attempts to fail)
+        # With land_dumps_after, answers come before dumps, as with SGLang's hook (it writes
+        # after the answer): each dump is held back under a hidden name until that many
+        # requests have been answered.
+        self.dump_dir = dump_dir
+        self.land_dumps_after = land_dumps_after
+        self.held: list[str] = []
+        self.answered = 0
         self.seen: list[str] = []
         self.in_flight = 0
         self.max_in_flight = 0
@@ -138,9 +152,22 @@ class FaultProxy:
         try:
             async with aiohttp.ClientSession() as session:
                 async with session.post(f"{self.upstream}/generate", json=body) as resp:
-                    return web.Response(status=resp.status, body=await resp.read())
+                    answer = web.Response(status=resp.status, body=await resp.read())
         finally:
             self.in_flight -= 1
+        if self.land_dumps_after is not None:
+            self._hold_dump(body["rid"])
+        return answer
+
+    def _hold_dump(self, rid: str) -> None:
+        dump = self.dump_dir / f"{rid}.safetensors"
+        dump.rename(self.dump_dir / f".held-{rid}")
+        self.held.append(rid)
+        self.answered += 1
+        if self.answered >= self.land_dumps_after:
+            for held in self.held:
+                (self.dump_dir / f".held-{held}").rename(self.dump_dir / f"{held}.safetensors")
+            self.held.clear()
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(text="ok")
@@ -223,6 +250,27 @@ def test_handoff_bytes_are_bounded(server):
         got, _ = collect(handle, rows, settings_for(config, max_inflight_bytes=1), proxy.url)
     assert len(got) == len(rows)
     assert proxy.max_in_flight == 1
+
+
+def test_a_request_frees_its_slot_when_answered_not_when_its_dump_lands(server, monkeypatch):
+    """SGLang answers before its hook writes the dump. Here no dump lands before 6 requests
+    have been answered, with 2 slots: a client that held a slot until the dump was read would
+    keep the server at 2 answered requests and wait for dumps that never come (and fail after
+    DUMP_WAIT_S per attempt); one that frees the slot at the answer sends the rest, and the
+    server never has more than 2 of its requests at once."""
+    import eaglepipe.extract.client as client_module
+
+    monkeypatch.setattr(client_module, "DUMP_WAIT_S", 5.0)
+    config, handle = server
+    rows = make_rows(6, seed=7)
+    settings = settings_for(config, max_inflight_requests=2, retries=0)
+    dump_dir = Path(handle.dump_dir)
+    with FaultProxy(handle.url, {}, dump_dir=dump_dir, land_dumps_after=6) as proxy:
+        got, stats = collect(handle, rows, settings, proxy.url)
+    assert sorted(got) == [r.row_id for r in rows]
+    assert stats.requests_sent == 6 and stats.retries == 0
+    assert proxy.max_in_flight == 2
+    assert not list(dump_dir.iterdir())
 
 
 def test_byte_budget_lets_an_oversized_request_through_alone():

@@ -6,10 +6,13 @@ re-extraction and a request left queued by a dead client never share a dump name
 answered request the client reads `<dump_dir>/<rid>.safetensors`, checks it against the
 request, deletes it and hands the tensors to the caller.
 
-Two bounds keep the handoff directory (a tmpfs, usually) from filling: the number of requests
-in flight and the bytes of dumps requested but not yet read and deleted. A liveness watchdog
-runs beside the requests, so a server that dies or hangs fails the shard within seconds
-instead of after the per-request timeout.
+Two bounds: `max_inflight_requests` requests at the server (sent and not yet answered), and
+`max_inflight_bytes` of dumps requested but not yet read and deleted, which keeps the handoff
+directory (a tmpfs, usually) from filling. A request's slot is freed when the server answers,
+not when its dump has been read: SGLang's hook writes the dump after the answer, and a slot
+held through that wait and the read left the server's queue that much shorter than the slots
+(issue 28, item 1). A liveness watchdog runs beside the requests, so a server that dies or
+hangs fails the shard within seconds instead of after the per-request timeout.
 """
 
 from __future__ import annotations
@@ -153,6 +156,25 @@ def require_handoff_room(dump_dir: Path, requests: Sequence[RowRequest], hidden_
         )
 
 
+class RequestSlot:
+    """One row's place among the requests at the server: taken before each attempt is sent,
+    given back as soon as the server answers it (or the attempt fails)."""
+
+    def __init__(self, slots: asyncio.Semaphore, held: bool = False):
+        self._slots = slots
+        self._held = held
+
+    async def take(self) -> None:
+        if not self._held:
+            await self._slots.acquire()
+            self._held = True
+
+    def give_back(self) -> None:
+        if self._held:
+            self._held = False
+            self._slots.release()
+
+
 class ByteBudget:
     """An async counting limit on bytes; one request larger than the cap runs alone."""
 
@@ -277,9 +299,10 @@ class ExtractionClient:
                         await budget.acquire(size)
                         await slots.acquire()
                         self.stats.budget_wait_s += time.monotonic() - waiting_since
+                        slot = RequestSlot(slots, held=True)
                         row_tasks.append(
                             group.create_task(
-                                self._one_row(session, row, size, budget, slots, on_row)
+                                self._one_row(session, row, size, budget, slot, on_row)
                             )
                         )
                     await asyncio.gather(*row_tasks)
@@ -299,25 +322,28 @@ class ExtractionClient:
         self.log("pausing requests: a validation spot check has the server")
         await asyncio.to_thread(self.gate.yield_to_exclusive)
 
-    async def _one_row(self, session, row, size, budget, slots, on_row) -> None:
+    async def _one_row(self, session, row, size, budget, slot: RequestSlot, on_row) -> None:
         self._in_flight += 1
         try:
-            extracted = await self._request_with_retries(session, row)
+            extracted = await self._request_with_retries(session, row, slot)
         finally:
-            slots.release()
+            slot.give_back()
             await budget.release(size)
             async with self._drained:
                 self._in_flight -= 1
                 self._drained.notify_all()
         await on_row(extracted)
 
-    async def _request_with_retries(self, session, row: RowRequest) -> ExtractedRow:
+    async def _request_with_retries(
+        self, session, row: RowRequest, slot: RequestSlot
+    ) -> ExtractedRow:
         s = self.settings
         last_error = ""
         for attempt in range(s.retries + 1):
             rid = make_rid(s.request_prefix, self.stats.nonce, row.row_id, attempt)
+            await slot.take()
             try:
-                return await self._request_once(session, row, rid)
+                return await self._request_once(session, row, rid, slot)
             except TransientError as exc:
                 last_error = str(exc)
                 self._remove_dump(rid)
@@ -336,7 +362,9 @@ class ExtractionClient:
             f"row {row.row_id} failed after {s.retries + 1} attempt(s): {last_error}"
         )
 
-    async def _request_once(self, session, row: RowRequest, rid: str) -> ExtractedRow:
+    async def _request_once(
+        self, session, row: RowRequest, rid: str, slot: RequestSlot
+    ) -> ExtractedRow:
         payload = {
             "input_ids": [int(t) for t in row.input_ids],
             "rid": rid,
@@ -363,6 +391,8 @@ class ExtractionClient:
                     )
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise TransientError(f"request {rid} failed: {type(exc).__name__} {exc}") from exc
+        finally:
+            slot.give_back()  # answered (or failed): the next request may go to the server
         path = self.dump_dir / f"{rid}.safetensors"
         answered = time.monotonic()
         try:
