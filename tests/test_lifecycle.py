@@ -630,6 +630,17 @@ def test_server_command_line_start_status_stop(run, monkeypatch, capsys):
     status = script("status")
     assert status.returncode == 0 and "healthy" in status.stdout and "pinned" in status.stdout
     assert str(state["pid"]) in status.stdout and state["fingerprint"] in status.stdout
+    assert "  handoff     0 dump(s) waiting (0 B); " in status.stdout
+    # What waits in the handoff: a dump, a write in progress, a failed write's note.
+    dump_dir = Path(state["dump_dir"])
+    (dump_dir / "eaglepipe-0123456789ab-4-0.safetensors").write_bytes(b"x" * 1500)
+    (dump_dir / ".eaglepipe-0123456789ab-5-0.safetensors.tmp").write_bytes(b"x" * 500)
+    (dump_dir / "eaglepipe-0123456789ab-6-0.failed").write_text("No space left on device")
+    handoff = [line for line in script("status").stdout.splitlines() if "handoff" in line]
+    assert len(handoff) == 1 and handoff[0].startswith(
+        "  handoff     2 dump(s) waiting (2.0 KB); "
+    )
+    assert handoff[0].endswith("; 1 failed write(s) not yet collected"), handoff
     # A pinned server belongs to the person who started it, not to a run.
     assert stop_if_started_by(state["owner_run"]) is False
     stopped = script("stop")

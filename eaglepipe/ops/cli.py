@@ -21,6 +21,7 @@ from pathlib import Path
 from ..core.config import HIDDEN_STATES_DIR, RESOLVED_CONFIG, VALIDATED_DIR
 from ..core.errors import PipelineError
 from ..core.run import RunSpec, load_run
+from ..core.space import format_bytes
 
 EXIT_NOT_RUNNING = 3
 
@@ -98,6 +99,17 @@ def server_status(args: argparse.Namespace) -> int:
         print(f"  started by  {state['started_by']}; stopped when {state['owner_run']} ends")
     print(f"  log         {state['log']}")
     print(f"  dump dir    {state['dump_dir']}")
+    handoff = status["handoff"]
+    if handoff is None:
+        print("  handoff     the dump dir is gone")
+    else:
+        notes = handoff["failed_notes"]
+        print(
+            f"  handoff     {handoff['dumps']} dump(s) waiting "
+            f"({format_bytes(handoff['dump_bytes'])}); {format_bytes(handoff['free_bytes'])} "
+            f"free of {format_bytes(handoff['total_bytes'])}"
+            + (f"; {notes} failed write(s) not yet collected" if notes else "")
+        )
     leases = status["leases"]
     print(f"  leases      {len(leases)} live")
     for lease in leases:

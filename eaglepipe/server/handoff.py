@@ -230,6 +230,30 @@ def handoff_space_note(dump_dir: str | os.PathLike) -> str:
     return f"the handoff {dump_dir} has {format_bytes(free)} free"
 
 
+def handoff_usage(dump_dir: str | os.PathLike) -> dict | None:
+    """What waits in a server's dump dir (dumps, with temp files of writes in progress, and
+    failed-write notes) and its file system's free and total bytes; None when it is gone."""
+    dumps = dump_bytes = failed = 0
+    try:
+        with os.scandir(dump_dir) as entries:
+            for entry in entries:
+                if entry.name.endswith(FAILED_SUFFIX):
+                    failed += 1
+                elif entry.name.endswith((DUMP_SUFFIX, TEMP_SUFFIX)):
+                    dumps += 1
+                    dump_bytes += entry.stat(follow_symlinks=False).st_size
+        usage = shutil.disk_usage(dump_dir)
+    except FileNotFoundError:
+        return None
+    return {
+        "dumps": dumps,
+        "dump_bytes": dump_bytes,
+        "failed_notes": failed,
+        "free_bytes": usage.free,
+        "total_bytes": usage.total,
+    }
+
+
 def take_dump_failure(path: str | os.PathLike, known_error: str | None = None) -> str | None:
     """When the writer left a note for the dump at `path`: one line with its error (or
     `known_error`, the server's answer, when the note is empty: on a full file system the note

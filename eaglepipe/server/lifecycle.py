@@ -643,4 +643,7 @@ def server_status(*, paths: ServerPaths | None = None) -> dict:
         status["healthy"] = status["health"] == "ok"
         status["uptime_s"] = time.time() - state["create_time"]
     status["leases"] = live_leases(paths, state["lease_ttl_s"])
+    from .handoff import handoff_usage
+
+    status["handoff"] = handoff_usage(state["dump_dir"])
     return status
