@@ -70,11 +70,13 @@ def failed_dump_path(dump_dir: str | os.PathLike, rid: str) -> Path:
 
 
 def mark_dump_failed(dump_dir: str | os.PathLike, rid: str, error: str) -> None:
-    """Leave `<rid>.failed` holding `error`; best effort: on a full file system even this
-    small file may not fit, and the reader then times out (naming the handoff's free space)."""
+    """Leave `<rid>.failed` holding `error`. Best effort: on a full file system the note may
+    stay empty (its reader then names the server's answer or log) or not be created at all
+    (its reader then times out, naming the handoff's free space); a rid that cannot name a
+    file gets none."""
     try:
         failed_dump_path(dump_dir, rid).write_text(error)
-    except OSError:
+    except (OSError, PipelineError):
         pass
 
 
@@ -260,7 +262,7 @@ def take_dump_failure(path: str | os.PathLike, known_error: str | None = None) -
     is created but its text may not fit) and the handoff's free space; the note is removed.
     None when there is no note."""
     path = Path(path)
-    marker = path.with_name(path.name.removesuffix(DUMP_SUFFIX) + FAILED_SUFFIX)
+    marker = failed_dump_path(path.parent, path.name.removesuffix(DUMP_SUFFIX))
     try:
         error = marker.read_text(errors="replace").strip()
     except FileNotFoundError:
