@@ -637,9 +637,7 @@ def test_server_command_line_start_status_stop(run, monkeypatch, capsys):
     (dump_dir / ".eaglepipe-0123456789ab-5-0.safetensors.tmp").write_bytes(b"x" * 500)
     (dump_dir / "eaglepipe-0123456789ab-6-0.failed").write_text("No space left on device")
     handoff = [line for line in script("status").stdout.splitlines() if "handoff" in line]
-    assert len(handoff) == 1 and handoff[0].startswith(
-        "  handoff     2 dump(s) waiting (2.0 KB); "
-    )
+    assert len(handoff) == 1 and handoff[0].startswith("  handoff     2 dump(s) waiting (2.0 KB); ")
     assert handoff[0].endswith("; 1 failed write(s) not yet collected"), handoff
     # A pinned server belongs to the person who started it, not to a run.
     assert stop_if_started_by(state["owner_run"]) is False
