@@ -29,7 +29,6 @@ whole group. They take `server.sglang` (tp_size, mem_fraction_static, extra_args
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import secrets
@@ -470,5 +469,5 @@ def run_sglang(
 def _server_version(url: str) -> str | None:
     try:
         return http_get_json(f"{url}/server_info", 10.0).get("version")
-    except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError):
+    except (urllib.error.URLError, OSError, ValueError):
         return None

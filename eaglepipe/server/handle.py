@@ -34,25 +34,33 @@ LOG_TAIL_LINES = 20
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
+def _http_get(url: str, timeout_s: float) -> tuple[int, bytes]:
+    """GET `url` straight to the server: (status, body). An answer that is not HTTP (another
+    program on the port, or this very socket connected to itself: a port with no listener yet
+    can do that on Linux, and reads back its own request line) is a URLError, like a refused
+    connection."""
+    try:
+        with _DIRECT.open(url, timeout=timeout_s) as response:
+            return response.status, response.read()
+    except http.client.HTTPException as exc:
+        raise urllib.error.URLError(exc) from None
+
+
 def http_get_json(url: str, timeout_s: float) -> dict:
-    with _DIRECT.open(url, timeout=timeout_s) as response:
-        body = response.read()
+    _status, body = _http_get(url, timeout_s)
     return json.loads(body) if body.strip() else {}
 
 
 def probe_health(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
     """None if GET /health answers 200 in time, else why not."""
     try:
-        with _DIRECT.open(f"{url}/health", timeout=timeout_s) as response:
-            response.read()
-            return None if response.status == 200 else f"HTTP {response.status}"
+        status, _body = _http_get(f"{url}/health", timeout_s)
     except urllib.error.HTTPError as exc:
         return f"HTTP {exc.code}"
-    # Not HTTP on that port: another program, or this very socket connected to itself (a port
-    # with no listener yet can do that on Linux), which reads back its own request line.
-    except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
+    except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
         return f"{type(reason).__name__}: {reason}" if str(reason) else type(reason).__name__
+    return None if status == 200 else f"HTTP {status}"
 
 
 def log_tail(path: str | os.PathLike, lines: int = LOG_TAIL_LINES) -> str:

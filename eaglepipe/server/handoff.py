@@ -21,6 +21,7 @@ request ids are `request_ids.py`'s.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import pwd
 import re
@@ -32,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..core.errors import PipelineError
-from ..core.space import format_bytes
+from ..core.space import format_bytes, free_bytes
 from ..core.tensor_bytes import RawTensor, read_safetensors, torch_dtype_text
 
 if TYPE_CHECKING:
@@ -74,10 +75,8 @@ def mark_dump_failed(dump_dir: str | os.PathLike, rid: str, error: str) -> None:
     stay empty (its reader then names the server's answer or log) or not be created at all
     (its reader then times out, naming the handoff's free space); a rid that cannot name a
     file gets none."""
-    try:
+    with contextlib.suppress(OSError, PipelineError):
         failed_dump_path(dump_dir, rid).write_text(error)
-    except (OSError, PipelineError):
-        pass
 
 
 # ----------------------------------------------------------------------------- directory
@@ -226,7 +225,7 @@ class DumpNotWritten(PipelineError):
 def handoff_space_note(dump_dir: str | os.PathLike) -> str:
     """`the handoff DIR has N free`, for messages about dumps that did not come."""
     try:
-        free = shutil.disk_usage(dump_dir).free
+        free = free_bytes(dump_dir)
     except OSError as exc:
         return f"the handoff {dump_dir} cannot be read: {exc}"
     return f"the handoff {dump_dir} has {format_bytes(free)} free"

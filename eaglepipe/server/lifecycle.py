@@ -21,7 +21,6 @@
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import secrets
@@ -201,7 +200,7 @@ def _server_info_if_healthy(state: dict, *, health_probe: bool = True) -> dict |
         return None
     try:
         info = http_get_json(f"{state['url']}/server_info", PROBE_TIMEOUT_S)
-    except (urllib.error.URLError, OSError, http.client.HTTPException, json.JSONDecodeError):
+    except (urllib.error.URLError, OSError, json.JSONDecodeError):
         return None
     if state.get("engine") == "sglang":
         from .sglang import pipeline_server_info
