@@ -27,8 +27,10 @@ from eaglepipe.server.handoff import (
     await_dump,
     concat_aux,
     dump_path,
+    failed_dump_path,
     prepare_dump_dir,
     read_dump,
+    take_dump_failure,
     temp_dump_path,
     wait_for_dump,
 )
@@ -463,6 +465,24 @@ def test_failed_write_leaves_no_dump_and_tells_the_reader_why_at_once(tmp_path, 
     assert "No space left on device" in message
     assert f"the handoff {dump_dir} has " in message and " free" in message
     assert list(dump_dir.iterdir()) == []  # the note is taken with the error
+
+
+def test_an_empty_failed_write_note_falls_back_to_the_servers_answer(tmp_path):
+    """On a full file system the note is created but its text may not fit: the reader then
+    names the server's own answer, or says where the error is, never an empty reason."""
+    dump_dir = prepare_dump_dir(tmp_path / "dumps")
+    path = dump_path(dump_dir, rid(5))
+    failed_dump_path(dump_dir, rid(5)).write_text("")
+    message = take_dump_failure(path, "dump of request x failed: No space left on device")
+    assert message.startswith(
+        f"the server could not write dump {path}: dump of request x failed: No space left"
+    )
+    failed_dump_path(dump_dir, rid(5)).write_text("")
+    assert "(its error did not fit there either; the server's log has it)" in take_dump_failure(
+        path
+    )
+    assert take_dump_failure(path) is None  # the note was taken
+    assert list(dump_dir.iterdir()) == []
 
 
 def test_write_error_reaches_on_done_and_flush(tmp_path):
