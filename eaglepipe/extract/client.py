@@ -33,7 +33,7 @@ import aiohttp
 from ..core.errors import PipelineError, ServerLost
 from ..core.run import RunSpec
 from ..core.shard_job import process_age_s
-from ..core.space import format_bytes
+from ..core.space import format_bytes, free_bytes
 from ..core.tensor_bytes import RawTensor, dtype_name, dtype_text
 from ..server.handoff import (
     DUMP_SUFFIX,
@@ -91,7 +91,7 @@ class ClientSettings:
         extract = run.extract
         max_bytes = extract.max_inflight_bytes
         if max_bytes is None:
-            max_bytes = max(1, handoff_free_bytes(dump_dir) // 4)
+            max_bytes = max(1, free_bytes(dump_dir) // 4)
         return cls(
             request_prefix=extract.request_prefix,
             max_inflight_requests=extract.inflight_requests("extract", server_info),
@@ -126,10 +126,6 @@ class ClientStats:
             "dump_wait_s": round(self.dump_wait_s, 3),
             "read_dump_s": round(self.read_dump_s, 3),
         }
-
-
-def handoff_free_bytes(dump_dir: Path) -> int:
-    return shutil.disk_usage(dump_dir).free
 
 
 def expected_dump_bytes(num_tokens: int, hidden_size: int, num_aux_layers: int = 3) -> int:

@@ -36,7 +36,7 @@ from ..core.layers import CONVENTION, FINAL_CONVENTION
 from ..core.progress import Progress
 from ..core.run import RunSpec
 from ..core.shard_job import ShardLock, process_age_s, run_shard_job
-from ..core.space import check_free_space, format_bytes
+from ..core.space import check_free_space, format_bytes, free_bytes
 from ..plan.provenance import shard_provenance
 from ..plan.shard_plan import parse_shard_name
 from ..server.identity import chunk_reuse_key, engine_identity
@@ -55,7 +55,6 @@ from .client import (
     ExtractionClient,
     RowRequest,
     expected_dump_bytes,
-    handoff_free_bytes,
     require_handoff_room,
 )
 from .shard_files import (
@@ -286,7 +285,7 @@ def _extract_chunks(
         # look-ahead takes at most a quarter of the handoff's free space, as in-flight dumps do.
         lookahead = run.extract.lookahead_bytes or min(
             4 * run.shards.chunk_max_bytes,
-            max(1, handoff_free_bytes(Path(handle.dump_dir)) // 4),
+            max(1, free_bytes(handle.dump_dir) // 4),
         )
         assembler = ChunkAssembler(
             shard_dir, chunks, todo, rows, digest, hidden_size, engine, progress, log, lookahead
