@@ -270,6 +270,68 @@ def test_two_concurrent_jobs_share_one_server(run):
     assert not group_alive(pid) and port_is_free("127.0.0.1", run.config["server"]["port"])
 
 
+def count_server_info_calls(monkeypatch) -> list[str]:
+    """The /server_info requests this process's leases make from here on (still made)."""
+    calls: list[str] = []
+    real = lifecycle.http_get_json
+
+    def counting(url, timeout_s):
+        calls.append(url)
+        return real(url, timeout_s)
+
+    monkeypatch.setattr(lifecycle, "http_get_json", counting)
+    return calls
+
+
+def test_a_job_joining_a_server_in_use_takes_its_lease_without_asking_it(run, monkeypatch):
+    """A running SGLang's /server_info waits for the scheduler's current batch: a job that joins
+    a server whose /health answered another job's watchdog within seconds takes the info its
+    start recorded. A note gone stale, or of another instance, means asking again."""
+    run.use_fake_engine(monkeypatch)
+    proc, out = run.job("job-a")
+    wait_for(lambda: (out / "holding").exists(), "job-a holding the server")
+    state = read_json(run.paths.state)
+    wait_for(
+        lambda: (
+            run.paths.answered.exists() and run.paths.answered.read_text() == state["instance_id"]
+        ),
+        "job-a's watchdog to note an answer",
+    )
+    calls = count_server_info_calls(monkeypatch)
+    with server_lease(resolve(run.config), run_token="run-jobs") as joined:
+        assert joined.pid == state["pid"] and joined.info == state["info"]
+        assert joined.info["instance_id"] == state["instance_id"]
+    assert calls == [] and len(starts(run.paths)) == 1
+
+    (out / "finish").write_text("")
+    assert proc.wait(timeout=WAIT_S) == 0
+    long_ago = time.time() - 60
+    os.utime(run.paths.answered, (long_ago, long_ago))
+    with server_lease(resolve(run.config), run_token="run-jobs") as asked:
+        assert asked.pid == state["pid"]
+    assert calls == [f"{state['url']}/server_info"]
+
+    run.paths.answered.write_text("another-instance")
+    with server_lease(resolve(run.config), run_token="run-jobs"):
+        pass
+    assert len(calls) == 2 and len(starts(run.paths)) == 1
+    assert stop_if_started_by("run-jobs") is True
+
+
+def test_a_fresh_answer_note_does_not_hide_a_server_that_died(run, monkeypatch):
+    run.use_fake_engine(monkeypatch)
+    with server_lease(resolve(run.config), run_token="run-died") as first:
+        wait_for(lambda: run.paths.answered.exists(), "the watchdog to note an answer")
+        first.stop_watchdog()
+    os.killpg(first.pid, signal.SIGKILL)
+    wait_for(lambda: not group_alive(first.pid), "the killed server to be gone")
+    os.utime(run.paths.answered)  # as fresh as a note can be
+    with server_lease(resolve(run.config), run_token="run-died") as fresh:
+        assert fresh.pid != first.pid and fresh.info["instance_id"] != first.info["instance_id"]
+    assert len(starts(run.paths)) == 2
+    assert stop_if_started_by("run-died") is True
+
+
 def test_reuse_across_runs_and_replace_when_layer_ids_change(run, monkeypatch):
     run.use_fake_engine(monkeypatch)
     with server_lease(resolve(run.config), run_token="run-1") as first:

@@ -9,6 +9,7 @@ a request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import json
 import os
@@ -22,7 +23,7 @@ from pathlib import Path
 import psutil
 
 from ..core.errors import PipelineError, ServerLost
-from .leases import ProcessRef, RequestGate
+from .leases import ProcessRef, RequestGate, note_answer
 
 SUPERVISOR_MODULE = "eaglepipe.server.supervise"
 PROBE_TIMEOUT_S = 5.0
@@ -98,6 +99,8 @@ class ServerHandle:
     info: dict
     state: dict
     gate: RequestGate | None = None
+    # Where the watchdog records each answer of /health (leases.note_answer), for jobs to come.
+    answered_note: Path | None = None
     _watchdog: Watchdog | None = field(default=None, repr=False)
 
     @property
@@ -216,6 +219,7 @@ class Watchdog(threading.Thread):
             why = probe_health(self.handle.url, probe_timeout)
             if why is None:
                 last_answer = time.monotonic()
+                self._note_answer()
             elif time.monotonic() - last_answer > self.unresponsive_after_s:
                 if supervisor_process(self.handle.state) is None:
                     self.failure = self.handle._dead_error()
@@ -224,6 +228,14 @@ class Watchdog(threading.Thread):
                     self.failure = self.handle._unresponsive_error(silent, why)
                 return
             self._stop_event.wait(1.0)
+
+    def _note_answer(self) -> None:
+        note = self.handle.answered_note
+        if note is None:
+            return
+        # A courtesy to jobs to come: a full or read-only state directory must not end the watch.
+        with contextlib.suppress(OSError, PipelineError):
+            note_answer(note, self.handle.state["instance_id"])
 
     def stop(self) -> None:
         self._stop_event.set()

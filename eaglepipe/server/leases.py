@@ -9,6 +9,10 @@ filesystem gives every cluster node its own lock, state, leases and port:
 - `leases/<host>-<pid>-<n>.lease`: one per user of the server; a daemon thread touches it
   every `lease_ttl_s / 4`, so the mtime is a heartbeat. A lease is live while its mtime is
   younger than `lease_ttl_s` and (on this host) its process still exists.
+- `answered`: the instance id of the server whose /health last answered a job's watchdog; its
+  mtime is when. A job that joins a server answering other jobs right now takes its lease on
+  that (`answered_recently`) instead of a `/server_info` round trip, which on a busy SGLang
+  waits for the scheduler's current batch.
 - `pinned`: the server was started by hand (`eaglepipe server start`) and does not idle-stop.
 - `gate.turnstile`, `gate.room`, `exclusive.json`: the readers-writer gate that gives a
   validation spot check the server to itself (see `RequestGate`).
@@ -29,7 +33,7 @@ from pathlib import Path
 
 import psutil
 
-from ..core.atomic import atomic_write_json
+from ..core.atomic import atomic_write_bytes, atomic_write_json
 from ..core.config import STATE_DIR
 
 SERVER_STATE_ROOT = STATE_DIR / "server"
@@ -67,6 +71,10 @@ class ServerPaths:
     @property
     def leases(self) -> Path:
         return self.root / "leases"
+
+    @property
+    def answered(self) -> Path:
+        return self.root / "answered"
 
     @property
     def pinned(self) -> Path:
@@ -126,6 +134,25 @@ def read_json(path: Path) -> dict | None:
         return json.loads(path.read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return None
+
+
+def note_answer(note: Path, instance_id: str) -> None:
+    """Record that the server `instance_id` answered its health check just now."""
+    try:
+        if note.read_text() == instance_id:
+            os.utime(note)
+            return
+    except FileNotFoundError:
+        pass
+    atomic_write_bytes(note, instance_id.encode(), durable=False)
+
+
+def answered_recently(note: Path, instance_id: str, within_s: float) -> bool:
+    """True when the server `instance_id` answered a job's health check within `within_s`."""
+    try:
+        return note.read_text() == instance_id and time.time() - note.stat().st_mtime <= within_s
+    except FileNotFoundError:
+        return False
 
 
 def append_history(paths: ServerPaths, event: str, **fields) -> None:

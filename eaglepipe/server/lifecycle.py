@@ -62,6 +62,7 @@ from .leases import (
     ProcessRef,
     RequestGate,
     ServerPaths,
+    answered_recently,
     append_history,
     hostname,
     live_leases,
@@ -104,6 +105,10 @@ STOP_GRACE_S = 20.0
 PORT_RELEASE_TIMEOUT_S = 15.0
 # How long a running server that does not answer /health gets before it is replaced.
 REUSE_PATIENCE_S = 30.0
+# A server that answered another job's health check this recently is taken as answering. The
+# watchdogs probe about every 1-2 s (SGLang's /health answers a second after its probe at the
+# earliest), so a server in use keeps the note younger than this.
+ANSWERED_FRESH_S = 5.0
 PROGRESS_EVERY_S = 5.0
 
 
@@ -231,6 +236,16 @@ def _server_info_when_answering(state: dict, patience_s: float) -> dict | None:
         time.sleep(1.0)
 
 
+def _info_if_answering_others(state: dict, paths: ServerPaths) -> dict | None:
+    """The server's info as its start recorded it, when the server answered another job's
+    watchdog within the last few seconds (its supervisor alive, checked by the caller): no
+    round trip then. A running SGLang's /server_info waits for the scheduler's current batch,
+    0.3-0.5 s of every job's start at full load (BENCHMARKS.md, issue 28, item 2)."""
+    if not answered_recently(paths.answered, state["instance_id"], ANSWERED_FRESH_S):
+        return None
+    return state.get("info")
+
+
 def _adopt(state: dict, paths: ServerPaths, run_token: str, ttl_s: float) -> None:
     """A run that reuses a server whose starting run is over becomes the run that stops it."""
     owner = state.get("owner_run")
@@ -256,7 +271,9 @@ def _ensure_server(
         if supervisor_process(state) is None:
             _stop_group(state, paths, "stale state: its supervisor is gone")
         elif state["fingerprint"] == fingerprint:
-            info = _server_info_when_answering(state, max(ttl_s, REUSE_PATIENCE_S))
+            info = _info_if_answering_others(state, paths)
+            if info is None:
+                info = _server_info_when_answering(state, max(ttl_s, REUSE_PATIENCE_S))
             if info is not None:
                 _adopt(state, paths, run_token, ttl_s)
                 append_history(paths, "reuse", pid=state["pid"], run_token=run_token)
@@ -412,6 +429,7 @@ def _start(
     engine_children = psutil.Process(proc.pid).children()
     state["engine_pid"] = engine_children[0].pid if engine_children else None
     state["ready_at"] = now_iso()
+    state["info"] = info
     atomic_write_json(paths.state, state)
     append_history(paths, "ready", pid=proc.pid, instance_id=instance_id)
     return state, info
@@ -531,6 +549,7 @@ def server_lease(
                 info=info,
                 state=state,
                 gate=gate,
+                answered_note=paths.answered,
             )
             if exclusive:
                 gate.acquire_exclusive()
