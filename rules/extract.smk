@@ -17,5 +17,5 @@ rule extract:
         script=script("extract.py"),
         config=RESOLVED,
     shell:
-        "python -u {params.script} --config {params.config}"
+        "python -u {params.script:q} --config {params.config}"
         " --shard rows_{wildcards.start}-{wildcards.end} 2>&1 | tee -a {log}"

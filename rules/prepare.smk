@@ -15,7 +15,7 @@ rule build_toy_target:
         config=RESOLVED,
         out_dir=output_dir,
     shell:
-        "python -u {params.script} --config {params.config} --out {params.out_dir}"
+        "python -u {params.script:q} --config {params.config} --out {params.out_dir}"
         " 2>&1 | tee {log}"
 
 
@@ -35,4 +35,4 @@ rule prepare:
         script=script("prepare.py"),
         config=RESOLVED,
     shell:
-        "python -u {params.script} --config {params.config} 2>&1 | tee {log}"
+        "python -u {params.script:q} --config {params.config} 2>&1 | tee {log}"

@@ -16,7 +16,7 @@ rule regenerate:
         script=script("regenerate.py"),
         config=RESOLVED,
     shell:
-        "python -u {params.script} --config {params.config}"
+        "python -u {params.script:q} --config {params.config}"
         " --shard rows_{wildcards.start}-{wildcards.end} 2>&1 | tee -a {log}"
 
 
@@ -39,4 +39,4 @@ rule regeneration_summary:
         script=script("summarize_regeneration.py"),
         config=RESOLVED,
     shell:
-        "python -u {params.script} --config {params.config} --out {output} 2>&1 | tee {log}"
+        "python -u {params.script:q} --config {params.config} --out {output} 2>&1 | tee {log}"

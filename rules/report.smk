@@ -15,7 +15,7 @@ rule report_dataset:
     params:
         script=script("report_figures.py"),
     shell:
-        "python -u {params.script} dataset --table {input.table} --summary {input.summary}"
+        "python -u {params.script:q} dataset --table {input.table} --summary {input.summary}"
         " --skipped {input.skipped} --out {output} 2>&1 | tee {log}"
 
 
@@ -41,7 +41,7 @@ rule report_extraction:
         script=script("report_figures.py"),
         config=RESOLVED,
     shell:
-        "python -u {params.script} extraction --config {params.config}"
+        "python -u {params.script:q} extraction --config {params.config}"
         " --out {output.png} --table {output.csv} 2>&1 | tee {log}"
 
 
@@ -67,7 +67,7 @@ rule report_validation:
         script=script("report_figures.py"),
         config=RESOLVED,
     shell:
-        "python -u {params.script} validation --config {params.config}"
+        "python -u {params.script:q} validation --config {params.config}"
         " --out {output.png} --table {output.csv} 2>&1 | tee {log}"
 
 
@@ -87,7 +87,7 @@ rule report_training:
     params:
         script=script("report_figures.py"),
     shell:
-        "python -u {params.script} training --log {input} --out {output} 2>&1 | tee {log}"
+        "python -u {params.script:q} training --log {input} --out {output} 2>&1 | tee {log}"
 
 
 rule report_acceptance:
@@ -112,5 +112,5 @@ rule report_acceptance:
     params:
         script=script("report_figures.py"),
     shell:
-        "python -u {params.script} acceptance --eval {input.eval} --live {input.live}"
+        "python -u {params.script:q} acceptance --eval {input.eval} --live {input.live}"
         " --out {output.png} --table {output.csv} 2>&1 | tee {log}"

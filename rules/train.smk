@@ -13,7 +13,7 @@ rule vocab:
         script=script("vocab.py"),
         config=RESOLVED,
     shell:
-        "python -u {params.script} --config {params.config} --table {input.table}"
+        "python -u {params.script:q} --config {params.config} --table {input.table}"
         " --out {output} 2>&1 | tee {log}"
 
 
@@ -41,7 +41,7 @@ rule train:
         config=RESOLVED,
         checkpoints="drafter/checkpoints",
     shell:
-        "python -u {params.script} --config {params.config} --vocab {input.vocab}"
+        "python -u {params.script:q} --config {params.config} --vocab {input.vocab}"
         " --table {input.table} --out {output.model} --log {output.log}"
         " --checkpoint-dir {params.checkpoints} 2>&1 | tee {log}"
 
@@ -65,7 +65,7 @@ rule evaluate:
         script=script("evaluate.py"),
         config=RESOLVED,
     shell:
-        "python -u {params.script} --config {params.config} --model {input.model}"
+        "python -u {params.script:q} --config {params.config} --model {input.model}"
         " --vocab {input.vocab} --table {input.table} --out {output.json} --plot {output.plot} 2>&1 | tee {log}"
 
 
@@ -86,7 +86,7 @@ rule export:
         config=RESOLVED,
         out_dir=export_root,
     shell:
-        "python -u {params.script} --config {params.config} --model {input.model}"
+        "python -u {params.script:q} --config {params.config} --model {input.model}"
         " --vocab {input.vocab} --out-dir {params.out_dir} 2>&1 | tee {log}"
 
 
@@ -106,6 +106,6 @@ rule live_acceptance:
         config=RESOLVED,
         export=live_export_arg,
     shell:
-        "python -u {params.script} --config {params.config} {params.export}"
+        "python -u {params.script:q} --config {params.config} {params.export}"
         " --table {input.table} --eval {input.offline} --out {output}"
         " 2>&1 | tee {log}"

@@ -16,5 +16,5 @@ rule validate:
         script=script("validate.py"),
         config=RESOLVED,
     shell:
-        "python -u {params.script} --config {params.config}"
+        "python -u {params.script:q} --config {params.config}"
         " --shard rows_{wildcards.start}-{wildcards.end} 2>&1 | tee {log}"

@@ -8,6 +8,7 @@ import importlib.util
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -144,6 +145,24 @@ def test_dry_run_with_the_slurm_profile_groups_shards(tmp_path):
     group = load_profile("slurm")["groups"]["extract"]
     assert f"Group job {group}" in output
     assert "gres=gpu:8" in output and "slurm_extra=--exclusive" in output
+
+
+@needs_workflow
+def test_every_rule_quotes_its_script_path_for_a_checkout_with_a_space(tmp_path):
+    """A checkout under `My Projects/` runs: each job's command names its script as one word."""
+    workdir = copy_workflow(tmp_path / "my checkout")
+    done = dry_run(workdir, "--forceall", "--printshellcmds")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    prefix = "Shell command: "
+    commands = [
+        line.strip().removeprefix(prefix)
+        for line in done.stdout.splitlines()
+        if line.strip().startswith(prefix + "python -u ")
+    ]
+    assert len({shlex.split(command)[2] for command in commands}) >= 8, done.stdout[-3000:]
+    for command in commands:
+        script = Path(shlex.split(command)[2])
+        assert script.is_file() and " " in str(script), command
 
 
 FAKE_SLURM_COMMAND = """#!/bin/sh
