@@ -25,6 +25,7 @@ with one_line_errors():
     RUN = resolve_at_workflow_start(
         config,
         config_files=workflow.overwrite_configfiles,
+        loaded_files=workflow.configfiles,
         command_line=workflow.config_settings.config,
     )
     validate(config, schema="../schemas/config.schema.yaml")

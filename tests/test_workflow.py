@@ -380,6 +380,47 @@ def test_command_line_values_are_typed_and_config_files_checked(tmp_path):
         check_config_files([good, summary])
 
 
+def test_null_set_with_config_on_the_command_line_is_null_where_the_key_takes_one():
+    # Snakemake hands `--config 'server={dump_root: null}'` over as the text "null": the handoff
+    # landed in a directory named `null` instead of the default.
+    from eaglepipe.core.config import type_command_line_values
+
+    given = {"server": {"dump_root": "null", "host": "~"}, "model": {"path": "~"}}
+    given["dataset"] = {"path": "null"}
+    config = json.loads(json.dumps(given))
+    type_command_line_values(config, given)
+    assert config["server"] == {"dump_root": None, "host": "~"}  # host takes no null
+    assert config["model"] == {"path": None}  # the embedded toy target, as in a config file
+    assert config["dataset"] == {"path": "null"}  # a file named null: the key takes no null
+
+
+def test_a_key_given_twice_in_a_config_file_is_named_not_dropped(tmp_path):
+    from eaglepipe.core.config import load_config
+
+    write_config(tmp_path, small_config(tmp_path))
+    extra = tmp_path / "my.yaml"
+    extra.write_text("train:\n  lr: 0.01\nshards:\n  rows_per_shard: 10\ntrain:\n  epochs: 2\n")
+    result = run_snakemake(tmp_path, "-n", "--configfile", str(extra), check=False)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and "Traceback" not in output
+    (line,) = [line for line in output.splitlines() if line.startswith("error:")]
+    assert "my.yaml: key train appears twice in one mapping (lines 1 and 5)" in line
+    # The run's own config.yaml too, and a nested key; `<<:` merges stay allowed.
+    config = tmp_path / "config.yaml"
+    text = config.read_text()
+    config.write_text(text.replace("server:\n", "server:\n  port: 31002\n  port: 31003\n", 1))
+    result = run_snakemake(tmp_path, "-n", check=False)
+    assert "config.yaml: key port appears twice in one mapping" in result.stdout + result.stderr
+    with pytest.raises(PipelineError, match="key port appears twice"):
+        load_config(config)
+    merged = tmp_path / "merged.yaml"
+    config.write_text(text)
+    merged.write_text("base: &base {lr: 0.01}\ntrain:\n  <<: *base\n  lr: 0.02\n")
+    from eaglepipe.core.config import read_config_yaml
+
+    assert read_config_yaml(merged)["train"] == {"lr": 0.02}
+
+
 def test_wrong_type_names_the_key(tmp_path):
     config = small_config(tmp_path)
     config["server"]["port"] = "eighty"

@@ -93,6 +93,54 @@ def _fill_defaults(node: dict, schema: dict) -> None:
 # --- what Snakemake's command line hands over ----------------------------------------------------
 
 
+class DuplicateKeyError(yaml.YAMLError):
+    pass
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a mapping that names a key twice: the plain loader keeps
+    the last one, and a second `train:` section would silently drop the first one's settings."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<:` merges are meant to be overridden
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise DuplicateKeyError(
+                    f"key {key} appears twice in one mapping (lines {seen[key]} and {line}): "
+                    "YAML keeps only the last, and the settings under the first would be lost; "
+                    "merge them into one"
+                )
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_config_yaml(path: str | os.PathLike):
+    """A config file's YAML (JSON is YAML too); a key given twice in one mapping is an error."""
+    return yaml.load(Path(path).read_text(), Loader=_UniqueKeyLoader)
+
+
+def check_unique_keys(paths) -> None:
+    """Every config file Snakemake loaded names each key once per mapping (Snakemake's own
+    loader keeps the last of two silently)."""
+    for path in paths:
+        try:
+            read_config_yaml(path)
+        except DuplicateKeyError as exc:
+            raise PipelineError(f"config file {_as_typed(path)}: {exc}") from None
+        except (OSError, yaml.YAMLError):
+            continue  # Snakemake read it; its own error is the better one
+
+
+def _as_typed(path) -> str:
+    """`path` as the user typed it (Snakemake made it absolute)."""
+    shown = os.path.relpath(path)
+    return str(path) if shown.startswith("..") else shown
+
+
 def check_config_files(paths) -> None:
     """Every file given with `--configfile` must be a config: a mapping of config sections.
 
@@ -113,8 +161,7 @@ def check_config_files(paths) -> None:
             what = f"its keys {unknown} are no config sections"
         else:
             what = f"it holds a {type(raw).__name__}, not a mapping of config sections"
-        shown = os.path.relpath(path)  # as the user typed it (Snakemake made it absolute)
-        shown = str(path) if shown.startswith("..") else shown
+        shown = _as_typed(path)
         raise PipelineError(
             f"--configfile {shown}: {what} (known: {', '.join(sorted(sections))}). If it is a "
             "target, not a config file: Snakemake's --configfile takes every word after it as "
@@ -133,6 +180,10 @@ def type_command_line_values(config: dict, command_line: dict) -> None:
     Snakemake's own parser refuses a dotted key.)
     """
     _type_values(config, command_line, load_schema())
+
+
+# YAML's spellings of null (the core schema's), which Snakemake's `--config` hands over as text.
+YAML_NULLS = frozenset({"null", "Null", "NULL", "~"})
 
 
 def _type_values(target: dict, given: dict, schema: dict) -> None:
@@ -154,6 +205,8 @@ def _typed(value, given, schema: dict):
         return value
     types = schema.get("type", [])
     types = [types] if isinstance(types, str) else types
+    if "null" in types and value in YAML_NULLS:
+        return None  # as `key: null` (or `~`) in a config file reads
     if "string" in types or not types:
         return value
     try:
@@ -167,9 +220,11 @@ def load_config(path: str | os.PathLike) -> dict:
     """Read a YAML or JSON config file and validate it."""
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = read_config_yaml(path)
     except FileNotFoundError:
         raise PipelineError(f"config file {path} does not exist") from None
+    except DuplicateKeyError as exc:
+        raise PipelineError(f"config file {path}: {exc}") from None
     except yaml.YAMLError as exc:
         raise PipelineError(f"config file {path} is not valid YAML: {exc}") from None
     if not isinstance(raw, dict):

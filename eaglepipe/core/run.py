@@ -488,7 +488,7 @@ def write_run(run: RunSpec) -> None:
 
 
 def resolve_at_workflow_start(
-    config: dict, *, config_files=(), command_line: dict | None = None
+    config: dict, *, config_files=(), loaded_files=(), command_line: dict | None = None
 ) -> RunSpec:
     """Snakemake's `config`, validated and resolved when the Snakefile is parsed: what can be
     checked before any job runs is (the aux layer ids against the target's depth, a missing
@@ -497,10 +497,13 @@ def resolve_at_workflow_start(
     Snakefile's onstart), so `snakemake -n` with another config never changes what a running or
     finished run recorded.
 
-    `config_files` are the files given with `--configfile` and `command_line` what `--config`
-    set (Snakemake's `workflow.overwrite_configfiles`, `workflow.config_settings.config`): a
-    target read as a config file is named, and `--config` values get their schema types
-    (`config` is changed in place, for Snakemake's own validation after this one)."""
+    `config_files` are the files given with `--configfile`, `loaded_files` every config file
+    Snakemake read (the Snakefile's `configfile:` too), and `command_line` what `--config` set
+    (Snakemake's `workflow.overwrite_configfiles`, `workflow.configfiles`,
+    `workflow.config_settings.config`): a key given twice in a file and a target read as a
+    config file are named, and `--config` values get their schema types (`config` is changed
+    in place, for Snakemake's own validation after this one)."""
+    cfg.check_unique_keys(loaded_files)
     cfg.check_config_files(config_files)
     cfg.type_command_line_values(config, command_line or {})
     run = resolve(cfg.validate_config(config))
