@@ -64,6 +64,12 @@ BAD_ROWS = [
         {"conversations": [{"from": r, "value": "x"} for r in ("gpt", "human", "gpt")]},
         dataset.TURN_ORDER,
     ),
+    ({"messages": [{"role": "user", "content": "hi"}]}, dataset.NO_ASSISTANT_TURN),
+    (
+        {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]},
+        dataset.NO_ASSISTANT_TURN,
+    ),
+    ({"conversations": None, "messages": None}, dataset.EMPTY_CONVERSATION),
 ]
 
 
@@ -89,11 +95,19 @@ def test_both_formats_normalize_to_the_same_messages():
      ("assistant", "assistant"), ("system", "system")],
 )  # fmt: skip
 def test_sharegpt_role_aliases(role, expected):
-    # Each alias in a place its role may take (a reply follows a prompt).
+    # Each alias in a place its role may take (a reply follows a prompt; every row has one).
     before = [{"from": "human", "value": "q"}] if expected == "assistant" else []
     after = [{"from": "human", "value": "q"}] if expected == "system" else []
+    if expected != "assistant":
+        after.append({"from": "gpt", "value": "a"})
     record = {"conversations": [*before, {"from": role, "value": "x"}, *after]}
     assert normalize_record(record)[len(before)]["role"] == expected
+
+
+def test_auto_reads_the_format_whose_key_holds_messages_when_the_other_is_null():
+    # Exports that merge both formats (Parquet especially) carry the unused key as null.
+    assert normalize_record({"conversations": None, **OPENAI_ROW}) == NORMALIZED
+    assert normalize_record({**SHAREGPT_ROW, "messages": None}) == NORMALIZED
 
 
 def test_explicit_format_requires_its_key():

@@ -197,7 +197,7 @@ BAD_CASES = [
     ({"messages": [{"role": "robot", "content": "x"}]}, dataset.UNKNOWN_ROLE),
     ({"messages": []}, dataset.EMPTY_CONVERSATION),
     ({"messages": [{"role": "user", "content": 3}]}, dataset.NON_STRING_CONTENT),
-    ({"messages": [{"role": "user", "content": "only a question"}]}, dataset.NO_ASSISTANT_TOKENS),
+    ({"messages": [{"role": "user", "content": "only a question"}]}, dataset.NO_ASSISTANT_TURN),
     ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]},
      dataset.EMPTY_ASSISTANT_REPLY),
     ({"messages": [{"role": "user", "content": "word " * 200}, {"role": "assistant",
@@ -330,7 +330,7 @@ def test_script_runs_and_reports_errors_in_one_line(tmp_path, toy_dir, sample_ro
     )  # fmt: skip
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: ") and "row 0 (line 1): no assistant tokens" in last
+    assert last.startswith("error: ") and "row 0 (line 1): no assistant turn" in last
 
 
 def test_a_full_disk_stops_prepare_before_its_summary_and_the_next_run_finishes(

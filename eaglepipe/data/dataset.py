@@ -47,6 +47,7 @@ NON_STRING_CONTENT = "non-string content"
 UNENCODABLE_CONTENT = "content not encodable as UTF-8"
 EMPTY_ASSISTANT_REPLY = "empty assistant reply"
 TURN_ORDER = "turns out of order"
+NO_ASSISTANT_TURN = "no assistant turn"
 # Found while tokenizing (eaglepipe.data.chat_mask), listed here so all reasons live in one place.
 NO_ASSISTANT_TOKENS = "no assistant tokens"
 ASSISTANT_TRUNCATED = "assistant tokens truncated away"
@@ -149,7 +150,13 @@ def normalize_record(record: object, fmt: str = "auto") -> list[dict]:
     if not isinstance(record, dict):
         raise RowProblem(NOT_AN_OBJECT, f"got {type(record).__name__}")
     if fmt == "auto":
-        if "conversations" in record:
+        # A key whose value is null names no format: exports that merge both formats (Parquet
+        # especially) carry the other key empty.
+        if record.get("conversations") is not None:
+            fmt = "sharegpt"
+        elif record.get("messages") is not None:
+            fmt = "openai"
+        elif "conversations" in record:
             fmt = "sharegpt"
         elif "messages" in record:
             fmt = "openai"
@@ -209,6 +216,9 @@ def _normalize(
             raise RowProblem(EMPTY_ASSISTANT_REPLY, f"message {index} (assistant) is empty")
         messages.append({"role": role, "content": content})
     check_turn_order(messages)
+    if not any(message["role"] == "assistant" for message in messages):
+        # Nothing to train on, and nothing for regeneration to answer: found at the start.
+        raise RowProblem(NO_ASSISTANT_TURN, "the conversation has no assistant message")
     return messages
 
 

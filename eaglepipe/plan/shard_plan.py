@@ -37,7 +37,9 @@ from ..data.dataset import (
 )
 
 DEFAULT_CACHE_DIR = ".eaglepipe/cache"
-_CACHE_VERSION = 2  # 2: keyed on file_identity (inode, ctime), not size + mtime
+# 2: keyed on file_identity (inode, ctime), not size + mtime; 3: a row without an assistant
+# message, or with a null format key beside a usable one, is read anew
+_CACHE_VERSION = 3
 _NAME_RE = re.compile(r"^rows_(\d+)-(\d+)$")
 
 
