@@ -295,6 +295,27 @@ def test_print_status_exit_codes(tmp_path):
     assert "FAILED   rows_8-16: server never became healthy within 900 s\n" in out.getvalue()
 
 
+@pytest.mark.parametrize(
+    "damage",
+    ['{"num_rows": 8, "chu', '{"num_rows": null}', '{"chunks": null}', '{"timing": "x"}', "[1, 2]"],
+    ids=["torn", "null-rows", "null-chunks", "timing-text", "a-list"],
+)
+def test_a_damaged_manifest_is_named_with_its_repair_and_the_rest_still_shown(tmp_path, damage):
+    # One bad file among thousands stopped `eaglepipe status` whole (or in a traceback).
+    config = twenty_row_config(tmp_path)
+    now = datetime.now(UTC).timestamp()
+    write_manifest(tmp_path, "rows_0-8", tokens=800, nbytes=4096, start=now - 60, end=now - 30)
+    (tmp_path / "hidden_states" / "rows_8-16").mkdir(parents=True)
+    (tmp_path / "hidden_states" / "rows_8-16" / "manifest.json").write_text(damage)
+    out = io.StringIO()
+    assert status.print_status(resolve(config), workdir=tmp_path, stream=out) == 1
+    text = out.getvalue()
+    assert "3 planned, 0 done, 1 stale, 0 running, 1 failed, 0 partial, 1 remaining" in text
+    (line,) = [line for line in text.splitlines() if "rows_8-16" in line]
+    assert line.startswith("  FAILED   rows_8-16: damaged manifest: ")
+    assert "hidden_states/rows_8-16/manifest.json" in line and "eaglepipe verify" in line
+
+
 def test_chunk_plan_matches_extraction():
     """fill_plan counts chunks with shard_store.plan_chunks itself, not a copy of its rule."""
     shard = status.ShardStatus("rows_0-6", 0, 6, state="running", chunks_done=1)

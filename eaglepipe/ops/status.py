@@ -121,14 +121,31 @@ def _parse_time(value) -> float | None:
         return None
 
 
-def _read_json(path: Path) -> dict | None:
+def _read_json(path: Path, *, what: str | None = None) -> dict | None:
+    """The object in `path`; None when it is absent, or when it holds no object and `what` is
+    not given (else that is an error naming `what` the file must hold)."""
     try:
         data = json.loads(path.read_text())
     except (FileNotFoundError, NotADirectoryError):
         return None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise PipelineError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict) and what is not None:
+        raise PipelineError(f"{path} holds a {type(data).__name__}, not {what}")
     return data if isinstance(data, dict) else None
+
+
+def _finished(status: ShardStatus, manifest: dict) -> ShardStatus:
+    timing = manifest.get("timing") or {}
+    status.state = DONE
+    status.rows = int(manifest.get("num_rows", 0))
+    status.tokens = int(manifest.get("num_tokens", 0))
+    status.bytes = int(manifest.get("num_bytes", 0))
+    status.chunks_done = status.chunks_planned = len(manifest.get("chunks", []))
+    status.started_at = _parse_time(timing.get("started_at"))
+    status.finished_at = _parse_time(timing.get("finished_at"))
+    status.last_activity = status.finished_at
+    return status
 
 
 def lock_is_live(lock: dict, *, hostname: str | None = None) -> bool:
@@ -174,17 +191,19 @@ def inspect_shard(
     shard = parse_shard_name(name)
     status = ShardStatus(name, shard.start, shard.end)
     shard_dir = Path(hidden_states_dir) / name
-    manifest = _read_json(shard_dir / MANIFEST_NAME)
-    if manifest is not None:
-        timing = manifest.get("timing") or {}
-        status.state = DONE
-        status.rows = int(manifest.get("num_rows", 0))
-        status.tokens = int(manifest.get("num_tokens", 0))
-        status.bytes = int(manifest.get("num_bytes", 0))
-        status.chunks_done = status.chunks_planned = len(manifest.get("chunks", []))
-        status.started_at = _parse_time(timing.get("started_at"))
-        status.finished_at = _parse_time(timing.get("finished_at"))
-        status.last_activity = status.finished_at
+    manifest_path = shard_dir / MANIFEST_NAME
+    try:
+        manifest = _read_json(manifest_path, what="a JSON object")
+        if manifest is not None:
+            return _finished(status, manifest)
+    except (PipelineError, TypeError, ValueError, AttributeError) as exc:
+        # One damaged shard among thousands must not hide the rest: it is named, with its repair.
+        why = str(exc) if isinstance(exc, PipelineError) else f"{manifest_path}: {exc}"
+        status.state = FAILED
+        status.error = (
+            f"damaged manifest: {why}; `eaglepipe verify` sets it aside and the next run "
+            "extracts the shard again"
+        )
         return status
 
     if shard_dir.is_dir():
