@@ -14,6 +14,7 @@ from eaglepipe.plan.shard_plan import (
     Shard,
     check_holdout,
     count_source_rows,
+    is_eval_row,
     parse_shard_name,
     plan_for_source,
     plan_shards,
@@ -200,6 +201,36 @@ def test_a_holdout_that_leaves_evaluation_or_training_without_a_row_is_refused(s
     with pytest.raises(PipelineError) as raised:
         check_holdout(settings, 40, 16)
     assert str(raised.value).startswith(message)
+
+
+@pytest.mark.parametrize(
+    ("settings", "skipped", "message"),
+    [
+        (
+            holdout(mode="shards", shards=["rows_16-32"]),
+            range(16, 32),
+            "config key dataset.holdout.shards: every row of the held-out shards is a bad row "
+            "that dataset.bad_rows: skip drops (16 of 40): nothing is left for evaluation",
+        ),
+        (
+            holdout(mode="shards", shards=["rows_16-32"]),
+            [*range(16), *range(32, 40)],
+            "config key dataset.holdout.shards: every row outside the held-out shards is a bad "
+            "row that dataset.bad_rows: skip drops (24 of 40): nothing is left for training",
+        ),
+        (
+            holdout(fraction=0.1),
+            [r for r in range(40) if is_eval_row(r, 0.1, 0)],
+            "config key dataset.holdout.fraction: 0.1 holds out none of the 36 usable source "
+            "rows (4 bad rows skipped)",
+        ),
+    ],
+)
+def test_a_holdout_counts_only_the_rows_skip_keeps(settings, skipped, message):
+    with pytest.raises(PipelineError) as raised:
+        check_holdout(settings, 40, 16, frozenset(skipped))
+    assert str(raised.value).startswith(message)
+    check_holdout(settings, 40, 16, frozenset(list(skipped)[:-1]))  # one usable row is enough
 
 
 def test_a_holdout_with_rows_on_both_sides_passes():

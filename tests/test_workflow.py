@@ -158,6 +158,30 @@ def test_a_bad_source_row_is_refused_before_any_job_unless_skipped(tmp_path, bad
     run_snakemake(tmp_path, "-n")
 
 
+def test_bad_rows_that_leave_nothing_to_train_or_evaluate_are_refused_at_the_start(tmp_path):
+    # Under skip they were dropped by prepare, which stopped ("no usable rows") after the toy
+    # build and the regeneration, or evaluate found an empty held-out split after the training.
+    config = small_config(tmp_path, rows=20)
+    dataset = Path(config["dataset"]["path"])
+    good = dataset.read_text().splitlines(keepends=True)
+    config["dataset"]["bad_rows"] = "skip"
+    config["dataset"]["holdout"].update(mode="shards", shards=["rows_0-10"])
+    dataset.write_text(
+        "".join(['{"messages": [{"role": "user", "content": "hi"}]}\n'] * 10 + good[10:])
+    )
+    line, output = refused_dry_run(tmp_path, config)
+    assert line.startswith("error: config key dataset.holdout.shards: every row of the held-out ")
+    assert "(10 of 20): nothing is left for evaluation" in line and "Traceback" not in output
+
+    dataset.write_text("[" + ", ".join(good).replace("\n", "") + "]\n")  # a JSON array, one line
+    line, _ = refused_dry_run(tmp_path, config)
+    assert line.startswith(f"error: dataset.path {dataset}: all 1 rows are bad rows")
+    assert "row 0 (line 1): row is not an object: got list" in line
+    config["dataset"]["bad_rows"] = "error"  # now the row itself, not the split, is named
+    line, _ = refused_dry_run(tmp_path, config)
+    assert line.startswith(f"error: {dataset} row 0 (line 1): row is not an object: got list")
+
+
 @pytest.mark.parametrize(
     ("content", "expected"),
     [

@@ -273,10 +273,10 @@ def iter_rows(path: str | os.PathLike, fmt: str = "auto") -> Iterator[Conversati
                 yield BadRow(row_id, problem.reason, problem.detail)
 
 
-def first_bad_row(path: str | os.PathLike, fmt: str = "auto") -> BadRow | None:
-    """The first row `iter_rows` finds unusable, or None. What a tokenizer finds (a template
+def bad_rows_of(path: str | os.PathLike, fmt: str = "auto") -> list[BadRow]:
+    """Every row `iter_rows` finds unusable, in order. What a tokenizer finds (a template
     error, no assistant token left) is prepare's to find."""
-    return next((row for row in iter_rows(path, fmt) if isinstance(row, BadRow)), None)
+    return [row for row in iter_rows(path, fmt) if isinstance(row, BadRow)]
 
 
 def read_conversations(

@@ -36,9 +36,9 @@ from ..data.dataset import bad_row_error
 from .shard_plan import (
     check_holdout,
     count_source_rows,
-    first_bad_source_row,
     plan_shards,
     shard_source_digests,
+    source_bad_rows,
 )
 
 
@@ -77,12 +77,18 @@ def check_shard_plan(run: RunSpec) -> None:
     rows = count_source_rows(path)
     if rows == 0:
         raise PipelineError(f"dataset.path {path} has no rows: there is nothing to extract")
-    check_holdout(run.dataset.holdout, rows, run.shards.rows_per_shard)
-    if run.dataset.bad_rows == "error":
-        # Else the first regenerate (or prepare) job to reach it stops, hours into a run.
-        bad = first_bad_source_row(path, run.dataset.format)
-        if bad is not None:
-            raise bad_row_error(path, bad)
+    # Else the first regenerate (or prepare) job to reach a bad row stops, hours into a run;
+    # under skip, one that drops every row, or every held-out one, stops evaluation after it.
+    first_bad, bad_ids = source_bad_rows(path, run.dataset.format)
+    if first_bad is not None and run.dataset.bad_rows == "error":
+        raise bad_row_error(path, first_bad)
+    if len(bad_ids) == rows:
+        raise PipelineError(
+            f"dataset.path {path}: all {rows} rows are bad rows that dataset.bad_rows: skip "
+            f"drops, the first: {first_bad.describe(path)}; check dataset.format "
+            f"({run.dataset.format}) and the file"
+        )
+    check_holdout(run.dataset.holdout, rows, run.shards.rows_per_shard, bad_ids)
 
 
 def model_fingerprint(run: RunSpec) -> str:

@@ -30,7 +30,7 @@ from ..core.fingerprint import file_identity
 from ..core.run import HoldoutSettings
 from ..data.dataset import (
     BadRow,
-    first_bad_row,
+    bad_rows_of,
     iter_jsonl_lines,
     iter_parquet_records,
     source_kind,
@@ -38,7 +38,7 @@ from ..data.dataset import (
 
 DEFAULT_CACHE_DIR = ".eaglepipe/cache"
 # 2: keyed on file_identity (inode, ctime), not size + mtime; 3: a row without an assistant
-# message, or with a null format key beside a usable one, is read anew
+# message, or with a null format key beside a usable one, is read anew; every bad row's id kept
 _CACHE_VERSION = 3
 _NAME_RE = re.compile(r"^rows_(\d+)-(\d+)$")
 
@@ -114,10 +114,16 @@ def is_eval_row(row_id: int, fraction: float, seed: int) -> bool:
     return draw < fraction
 
 
-def check_holdout(holdout: HoldoutSettings, num_rows: int, rows_per_shard: int) -> None:
+def check_holdout(
+    holdout: HoldoutSettings,
+    num_rows: int,
+    rows_per_shard: int,
+    skipped: frozenset[int] = frozenset(),
+) -> None:
     """A held-out split that leaves evaluation or training without a source row, refused when
     the workflow starts: prepare or evaluate found it only after every shard's regeneration,
-    extraction and the training."""
+    extraction and the training. `skipped`: the rows `dataset.bad_rows: skip` drops, which
+    count on neither side."""
     if holdout.mode == "shards":
         chosen = holdout_shard_indices(holdout, num_rows, rows_per_shard)
         if len(chosen) == len(plan_shards(num_rows, rows_per_shard)):
@@ -125,6 +131,15 @@ def check_holdout(holdout: HoldoutSettings, num_rows: int, rows_per_shard: int) 
                 "config key dataset.holdout.shards: every shard of the plan is held out: no row "
                 "is left to train on"
             )
+        usable = [r for r in range(num_rows) if r not in skipped]
+        held = [r for r in usable if shard_of_row(r, rows_per_shard) in chosen]
+        for side, left in (("evaluation", held), ("training", len(usable) - len(held))):
+            if not left:
+                raise PipelineError(
+                    f"config key dataset.holdout.shards: every row {_side_rows(side)} is a bad "
+                    f"row that dataset.bad_rows: skip drops ({len(skipped)} of {num_rows}): "
+                    f"nothing is left for {side}; hold out other shards, or mend the rows"
+                )
         return
     if holdout.shards:
         raise PipelineError(
@@ -132,17 +147,26 @@ def check_holdout(holdout: HoldoutSettings, num_rows: int, rows_per_shard: int) 
             "fraction, which ignores them: set mode: shards, or remove the list"
         )
     fraction, seed = holdout.fraction, holdout.seed
-    rows = range(num_rows)
+    rows = [r for r in range(num_rows) if r not in skipped]
+    what = (
+        f"{len(rows)} usable source rows ({len(skipped)} bad rows skipped)"
+        if skipped
+        else (f"{num_rows} source rows")
+    )
     if fraction == 0 or not any(is_eval_row(r, fraction, seed) for r in rows):
         raise PipelineError(
-            f"config key dataset.holdout.fraction: {fraction} holds out none of the {num_rows} "
-            f"source rows (seed {seed}): evaluation needs at least one; raise it"
+            f"config key dataset.holdout.fraction: {fraction} holds out none of the {what} "
+            f"(seed {seed}): evaluation needs at least one; raise it"
         )
     if fraction >= 1 or all(is_eval_row(r, fraction, seed) for r in rows):
         raise PipelineError(
             f"config key dataset.holdout.fraction: {fraction} holds out every one of the "
-            f"{num_rows} source rows (seed {seed}): none is left to train on; lower it"
+            f"{what} (seed {seed}): none is left to train on; lower it"
         )
+
+
+def _side_rows(side: str) -> str:
+    return "of the held-out shards" if side == "evaluation" else "outside the held-out shards"
 
 
 def shard_of_row(row_id: int, rows_per_shard: int) -> int:
@@ -213,20 +237,22 @@ def count_source_rows(
     return cached["num_rows"]
 
 
-def first_bad_source_row(
+def source_bad_rows(
     path: str | os.PathLike, fmt: str, cache_dir: str | os.PathLike = DEFAULT_CACHE_DIR
-) -> BadRow | None:
-    """The source's first row that cannot be read as a conversation in `fmt` (cached like the
-    row count, per format), or None."""
+) -> tuple[BadRow | None, frozenset[int]]:
+    """The source's first row that cannot be read as a conversation in `fmt` (or None), and the
+    ids of all such rows (cached like the row count, per format)."""
     path = Path(path).resolve()
     cached, cache_file = _load_cache(path, cache_dir)
-    by_format = cached.setdefault("first_bad_row", {})
+    by_format = cached.setdefault("bad_rows", {})
     if fmt not in by_format:
-        bad = first_bad_row(path, fmt)
-        by_format[fmt] = None if bad is None else asdict(bad)
+        bad = bad_rows_of(path, fmt)
+        first = asdict(bad[0]) if bad else None
+        by_format[fmt] = {"first": first, "row_ids": [row.row_id for row in bad]}
         atomic_write_json(cache_file, cached)
     found = by_format[fmt]
-    return None if found is None else BadRow(**found)
+    first = None if found["first"] is None else BadRow(**found["first"])
+    return first, frozenset(found["row_ids"])
 
 
 def shard_source_digests(
