@@ -445,6 +445,21 @@ def test_a_key_given_twice_in_a_config_file_is_named_not_dropped(tmp_path):
     assert read_config_yaml(merged)["train"] == {"lr": 0.02}
 
 
+def test_a_number_yaml_reads_as_text_is_named_with_the_spelling_that_works(tmp_path):
+    # PyYAML (YAML 1.1, Snakemake's loader too) reads `lr: 3e-4` as the string '3e-4'.
+    config = small_config(tmp_path)
+    config["train"]["lr"] = "3e-4"  # safe_dump quotes it: unquote it, as a user writes it
+    path = write_config(tmp_path, config)
+    path.write_text(path.read_text().replace("'3e-4'", "3e-4"))
+    assert "  lr: 3e-4\n" in path.read_text()
+    result = run_snakemake(tmp_path, "-n", check=False)
+    assert result.returncode != 0
+    assert (
+        "config key train.lr: '3e-4' is not of type 'number' (YAML reads 3e-4 as text: write "
+        "3.0e-4 or 0.0003)" in result.stdout + result.stderr
+    )
+
+
 def test_wrong_type_names_the_key(tmp_path):
     config = small_config(tmp_path)
     config["server"]["port"] = "eighty"

@@ -76,10 +76,27 @@ def validate_config(config: dict) -> dict:
     errors = sorted(_strict_validator(schema).iter_errors(config), key=lambda e: e.path)
     if errors:
         error = jsonschema.exceptions.best_match(errors)
-        raise PipelineError(f"config key {_key_path(error)}: {error.message}")
+        raise PipelineError(f"config key {_key_path(error)}: {error.message}{_hint(error)}")
     resolved = copy.deepcopy(config)
     _fill_defaults(resolved, schema)
     return resolved
+
+
+def _hint(error: jsonschema.ValidationError) -> str:
+    """Why a number written as one arrives as text: YAML 1.1 (PyYAML's, Snakemake's) reads an
+    exponent without a dot (`3e-4`) as a string."""
+    value, wanted = error.instance, error.validator_value
+    wanted = [wanted] if isinstance(wanted, str) else wanted or []
+    if error.validator != "type" or not isinstance(value, str) or "number" not in wanted:
+        return ""
+    mantissa, _, exponent = value.strip().lower().partition("e")
+    try:
+        number = float(value)
+    except ValueError:
+        return ""
+    if not exponent or "." in mantissa:
+        return ""
+    return f" (YAML reads {value} as text: write {mantissa}.0e{exponent} or {number!r})"
 
 
 def _fill_defaults(node: dict, schema: dict) -> None:
