@@ -402,6 +402,14 @@ def test_command_line_values_are_typed_and_config_files_checked(tmp_path):
     summary.write_text(json.dumps({"shards": [], "rows": 3}))
     with pytest.raises(PipelineError, match=f"--configfile {summary}: its keys rows are no"):
         check_config_files([good, summary])
+    # Beside known sections an unknown one is a typo, not a target read as a config file.
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("shard:\n  rows_per_shard: 10\ntrain:\n  epochs: 2\n")
+    with pytest.raises(PipelineError) as raised:
+        check_config_files([typo])
+    assert str(raised.value).startswith(
+        f"--configfile {typo}: unknown config section shard (did you mean shards?) (known: "
+    )
 
 
 def test_null_set_with_config_on_the_command_line_is_null_where_the_key_takes_one():

@@ -9,6 +9,7 @@ into the run description (`eaglepipe.core.run`), whose resolved copy is written 
 from __future__ import annotations
 
 import copy
+import difflib
 import os
 from pathlib import Path
 
@@ -173,12 +174,24 @@ def check_config_files(paths) -> None:
             continue  # Snakemake read it; its own error is the better one
         if isinstance(raw, dict) and set(raw) <= sections:
             continue
+        shown = _as_typed(path)
+        if isinstance(raw, dict) and set(raw) & sections:
+            # A config with a misspelt section, not a target read as one.
+            unknown = sorted(map(str, set(raw) - sections))
+            guesses = [difflib.get_close_matches(key, sections, n=1) for key in unknown]
+            named = ", ".join(
+                f"{key} (did you mean {guess[0]}?)" if guess else key
+                for key, guess in zip(unknown, guesses, strict=True)
+            )
+            raise PipelineError(
+                f"--configfile {shown}: unknown config section {named} "
+                f"(known: {', '.join(sorted(sections))})"
+            )
         if isinstance(raw, dict):
             unknown = ", ".join(sorted(map(str, set(raw) - sections)))
             what = f"its keys {unknown} are no config sections"
         else:
             what = f"it holds a {type(raw).__name__}, not a mapping of config sections"
-        shown = _as_typed(path)
         raise PipelineError(
             f"--configfile {shown}: {what} (known: {', '.join(sorted(sections))}). If it is a "
             "target, not a config file: Snakemake's --configfile takes every word after it as "
