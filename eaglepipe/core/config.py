@@ -175,12 +175,12 @@ def check_config_files(paths) -> None:
         if isinstance(raw, dict) and set(raw) <= sections:
             continue
         shown = _as_typed(path)
-        if isinstance(raw, dict) and set(raw) & sections:
-            # A config with a misspelt section, not a target read as one.
-            unknown = sorted(map(str, set(raw) - sections))
-            guesses = [difflib.get_close_matches(key, sections, n=1) for key in unknown]
+        unknown = sorted(map(str, set(raw) - sections)) if isinstance(raw, dict) else []
+        guesses = [difflib.get_close_matches(key, sections, n=1) for key in unknown]
+        if unknown and set(raw) & sections and all(guesses):
+            # Known sections and near-misses of others: a misspelt config, not a target.
             named = ", ".join(
-                f"{key} (did you mean {guess[0]}?)" if guess else key
+                f"{key} (did you mean {guess[0]}?)"
                 for key, guess in zip(unknown, guesses, strict=True)
             )
             raise PipelineError(
