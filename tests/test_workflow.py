@@ -305,6 +305,19 @@ def test_a_target_without_a_chat_template_is_refused_by_the_dry_run(tmp_path):
     assert "Traceback" not in output
 
 
+def test_a_target_without_tokenizer_files_is_refused_by_the_dry_run(tmp_path):
+    # It was reported as having no chat template; its only tokenizer file held no vocabulary.
+    config = small_config(tmp_path)
+    model = fake_model_dir(tmp_path / "model")
+    (model / "model.safetensors").write_bytes(b"")
+    (model / "tokenizer.json").unlink()
+    (model / "tokenizer_config.json").write_text('{"chat_template": "{{ messages }}"}')
+    config["model"]["path"] = str(model)
+    line, output = refused_dry_run(tmp_path, config)
+    assert line.startswith(f"error: model.path: {model} holds no tokenizer vocabulary (")
+    assert "Traceback" not in output
+
+
 @pytest.mark.parametrize(
     "give_template",
     [

@@ -40,10 +40,14 @@ def tokenizer_loader(model_dir: Path):
     return AutoTokenizer
 
 
+# The files a tokenizer's vocabulary comes from (what from_pretrained needs beside the config).
+VOCABULARY_FILES = ("tokenizer.json", "*.model", "vocab.json", "vocab.txt", "*.tiktoken")
+
+
 def check_chat_template_files(run: RunSpec) -> None:
-    """A target whose tokenizer files carry no chat template, refused before any job runs
-    (prepare and regeneration render every conversation with it; it was found by their first
-    job). Looks where transformers does: tokenizer_config.json's `chat_template`,
+    """A target whose tokenizer files carry no vocabulary or no chat template, refused before
+    any job runs (prepare and regeneration render every conversation with it; it was found by
+    their first job). Looks where transformers does: tokenizer_config.json's `chat_template`,
     chat_template.jinja, additional_chat_templates/*.jinja. With model.trust_remote_code the
     tokenizer's own code may bring one: left to the jobs. The embedded toy target is built
     with its template (data/toy_target.py)."""
@@ -53,6 +57,12 @@ def check_chat_template_files(run: RunSpec) -> None:
     if model.is_toy or not model.exists or model.trust_remote_code:
         return
     directory = model.directory
+    if not any(any(directory.glob(pattern)) for pattern in VOCABULARY_FILES):
+        raise PipelineError(
+            f"model.path: {directory} holds no tokenizer vocabulary (tokenizer.json, a "
+            "SentencePiece *.model, vocab.json with merges.txt, vocab.txt or *.tiktoken): copy "
+            "the model's tokenizer files beside its weights"
+        )
     if (directory / "chat_template.jinja").is_file() or any(
         (directory / "additional_chat_templates").glob("*.jinja")
     ):
