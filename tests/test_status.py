@@ -316,6 +316,27 @@ def test_a_damaged_manifest_is_named_with_its_repair_and_the_rest_still_shown(tm
     assert "hidden_states/rows_8-16/manifest.json" in line and "eaglepipe verify" in line
 
 
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_status_reads_a_partial_config_file_over_config_yaml_as_snakemake_does(
+    tmp_path, monkeypatch, capsys, suffix
+):
+    # `--configfile my.yaml` sets a few keys over config.yaml; `eaglepipe status --config
+    # my.yaml` said "'model' is a required property" (and a .json one: delete your file).
+    from eaglepipe.ops.cli import main as cli_main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "config.yaml").write_text(json.dumps(twenty_row_config(tmp_path)))
+    override = tmp_path / f"mine{suffix}"
+    override.write_text(json.dumps({"shards": {"rows_per_shard": 4}}))
+    assert cli_main(["status", "--config", str(override)]) == 0
+    assert "shards: 5 planned, 0 done" in capsys.readouterr().out
+    assert cli_main(["status", "--config", "config.yaml"]) == 0
+    assert "shards: 3 planned, 0 done" in capsys.readouterr().out
+    (tmp_path / "adir").mkdir()
+    assert cli_main(["status", "--config", "adir"]) != 0
+    assert "error: config file adir is a directory, not a config file" in capsys.readouterr().err
+
+
 def test_chunk_plan_matches_extraction():
     """fill_plan counts chunks with shard_store.plan_chunks itself, not a copy of its rule."""
     shard = status.ShardStatus("rows_0-6", 0, 6, state="running", chunks_done=1)

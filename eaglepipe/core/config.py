@@ -21,6 +21,8 @@ from .errors import PipelineError
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 SCHEMA_PATH = PROJECT_ROOT / "schemas" / "config.schema.yaml"
 RESOLVED_CONFIG = Path(".eaglepipe/config.json")
+# The config the Snakefile loads first (`configfile:`), relative to the run's directory.
+WORKFLOW_CONFIG = Path("config.yaml")
 
 # Where each stage writes, relative to the working directory of the run.
 TOY_MODEL_DIR = Path("models/toy-target")
@@ -246,20 +248,37 @@ def _typed(value, given, schema: dict):
     return value if isinstance(parsed, str) else parsed
 
 
-def load_config(path: str | os.PathLike) -> dict:
-    """Read a YAML or JSON config file and validate it."""
+def load_config(path: str | os.PathLike, *, base: str | os.PathLike | None = None) -> dict:
+    """Read a YAML or JSON config file and validate it. With `base` (a config file that
+    exists), the file is read as `snakemake --configfile` reads it: over `base`, so the
+    sections and keys it leaves out keep `base`'s."""
     path = Path(path)
     try:
         raw = read_config_yaml(path)
     except FileNotFoundError:
         raise PipelineError(f"config file {path} does not exist") from None
+    except IsADirectoryError:
+        raise PipelineError(f"config file {path} is a directory, not a config file") from None
     except DuplicateKeyError as exc:
         raise PipelineError(f"config file {path}: {exc}") from None
     except yaml.YAMLError as exc:
         raise PipelineError(f"config file {path} is not valid YAML: {exc}") from None
     if not isinstance(raw, dict):
         raise PipelineError(f"config file {path} must hold a mapping of keys")
+    if base is not None:
+        raw = _merged(read_config_yaml(base), raw)
     return validate_config(raw)
+
+
+def _merged(base: dict, override: dict) -> dict:
+    """`override` over `base`, section by section, as Snakemake merges its config files."""
+    merged = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merged(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
 
 
 def text_config(model_config: dict) -> dict:
@@ -296,6 +315,14 @@ def read_resolved(path: str | os.PathLike = RESOLVED_CONFIG) -> dict:
 
 
 def config_from_arg(path: str | os.PathLike) -> dict:
-    """Scripts accept either the resolved JSON or a YAML config file."""
+    """What a script's or `eaglepipe`'s `--config` names: the resolved JSON the workflow wrote,
+    or a config file as `snakemake --configfile` takes one (YAML or JSON): read over the
+    working directory's config.yaml, which the Snakefile loads first, so one that sets only a
+    few keys describes the same run as the workflow does."""
     path = Path(path)
-    return read_resolved(path) if path.suffix == ".json" else load_config(path)
+    if path.suffix == ".json" and path.resolve() == RESOLVED_CONFIG.resolve():
+        return read_resolved(path)
+    base = WORKFLOW_CONFIG
+    if not base.is_file() or base.resolve() == path.resolve():
+        base = None
+    return load_config(path, base=base)

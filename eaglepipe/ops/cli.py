@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ..core.config import HIDDEN_STATES_DIR, RESOLVED_CONFIG, VALIDATED_DIR
+from ..core.config import HIDDEN_STATES_DIR, RESOLVED_CONFIG, VALIDATED_DIR, WORKFLOW_CONFIG
 from ..core.errors import PipelineError
 from ..core.run import RunSpec, load_run
 from ..core.space import format_bytes
@@ -28,7 +28,7 @@ EXIT_NOT_RUNNING = 3
 
 def default_config_path() -> Path:
     """The run's resolved config if a run wrote one here, else the embedded default."""
-    return RESOLVED_CONFIG if RESOLVED_CONFIG.exists() else Path("config.yaml")
+    return RESOLVED_CONFIG if RESOLVED_CONFIG.exists() else WORKFLOW_CONFIG
 
 
 def add_config_argument(parser: argparse.ArgumentParser) -> None:
