@@ -59,25 +59,17 @@ from common import (  # noqa: E402
     write_results,
 )
 
+from eaglepipe.core.config import merge_config  # noqa: E402
+
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]  # also where snakemake has no script on PATH
 SAMPLE = REPO_ROOT / "data" / "sample" / "conversations.jsonl"
 VARIANTS = ("original", "regenerated")  # dataset.regenerate.enabled: false, true
 
 
-def merged(base: dict, overrides: dict) -> dict:
-    out = copy.deepcopy(base)
-    for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = merged(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
-
-
 def base_config(args) -> dict:
     config = yaml.safe_load(Path(args.config).read_text())
     if args.overrides:
-        config = merged(config, yaml.safe_load(Path(args.overrides).read_text()) or {})
+        config = merge_config(config, yaml.safe_load(Path(args.overrides).read_text()) or {})
     if args.quick:
         lines = SAMPLE.read_text().splitlines(keepends=True)[:40]
         dataset = Path(args.work_root) / "conversations-40.jsonl"

@@ -266,16 +266,16 @@ def load_config(path: str | os.PathLike, *, base: str | os.PathLike | None = Non
     if not isinstance(raw, dict):
         raise PipelineError(f"config file {path} must hold a mapping of keys")
     if base is not None:
-        raw = _merged(read_config_yaml(base), raw)
+        raw = merge_config(read_config_yaml(base), raw)
     return validate_config(raw)
 
 
-def _merged(base: dict, override: dict) -> dict:
+def merge_config(base: dict, override: dict) -> dict:
     """`override` over `base`, section by section, as Snakemake merges its config files."""
     merged = copy.deepcopy(base)
     for key, value in override.items():
         if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _merged(merged[key], value)
+            merged[key] = merge_config(merged[key], value)
         else:
             merged[key] = copy.deepcopy(value)
     return merged
