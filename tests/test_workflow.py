@@ -188,6 +188,11 @@ def test_bad_rows_that_leave_nothing_to_train_or_evaluate_are_refused_at_the_sta
         ("{not json", "config.json is not valid JSON ("),
         ('{"hidden_size": 64}', "config.json has no 'num_hidden_layers' (for the language model)"),
         (None, "config.json does not exist"),  # model.path names a file
+        # Accepted before: "8" by int(); 2048.5 turned the length checks off.
+        (
+            '{"hidden_size": 64, "num_hidden_layers": "8"}',
+            "config.json: 'num_hidden_layers' is '8', not an integer",
+        ),
     ],
 )
 def test_a_broken_model_directory_is_one_line_at_the_dry_run(tmp_path, content, expected):
@@ -303,6 +308,31 @@ def test_a_target_without_a_chat_template_is_refused_by_the_dry_run(tmp_path):
         "chat_template.jinja"
     )
     assert "Traceback" not in output
+
+
+@pytest.mark.parametrize(("value", "refused"), [(2048.5, True), ("2048", True), (2048.0, False)])
+def test_max_position_embeddings_must_be_a_whole_number(tmp_path, value, refused):
+    # Anything but an int turned the length checks against it off without a word.
+    config = small_config(tmp_path)
+    model = fake_model_dir(tmp_path / "model")
+    (model / "model.safetensors").write_bytes(b"")
+    settings = json.loads((model / "config.json").read_text())
+    settings["max_position_embeddings"] = value
+    (model / "config.json").write_text(json.dumps(settings))
+    (model / "tokenizer_config.json").write_text('{"chat_template": "{{ messages }}"}')
+    config["model"]["path"] = str(model)
+    config["dataset"]["max_length"] = 4096  # above 2048: refused once the limit is read
+    line, output = refused_dry_run(tmp_path, config)
+    assert "Traceback" not in output
+    if refused:
+        assert line == (
+            f"error: model.path: {model / 'config.json'}: 'max_position_embeddings' is "
+            f"{value!r}, not an integer"
+        )
+    else:
+        assert line.startswith(
+            "error: config key dataset.max_length: 4096 is more than the target's"
+        )
 
 
 def test_a_target_without_tokenizer_files_is_refused_by_the_dry_run(tmp_path):

@@ -311,17 +311,23 @@ class TargetModel:
         return config
 
     def _text_config_int(self, key: str) -> int:
-        try:
-            return int(self.text_config[key])
-        except KeyError:
+        if key not in self.text_config:
             raise PipelineError(
                 f"model.path: {self.config_file} has no {key!r} (for the language model)"
-            ) from None
-        except (TypeError, ValueError):
+            )
+        return self._whole_number(key)
+
+    def _whole_number(self, key: str) -> int:
+        """The config's `key` as an integer: a whole float (2048.0) is one, text ("8") or a
+        fraction is not (transformers would fail on it, or the checks would pass wrongly)."""
+        value = self.text_config[key]
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
             raise PipelineError(
-                f"model.path: {self.config_file}: {key!r} is {self.text_config[key]!r}, not an "
-                "integer"
-            ) from None
+                f"model.path: {self.config_file}: {key!r} is {value!r}, not an integer"
+            )
+        return value
 
     @property
     def text_config(self) -> dict:
@@ -351,8 +357,9 @@ class TargetModel:
         built), or None when its config does not say."""
         if self.is_toy and not self.exists:
             return self.toy.max_position_embeddings
-        value = self.text_config.get("max_position_embeddings")
-        return int(value) if isinstance(value, int) else None
+        if self.text_config.get("max_position_embeddings") is None:
+            return None
+        return self._whole_number("max_position_embeddings")
 
     @cached_property
     def config_hash(self) -> str:
