@@ -218,6 +218,12 @@ def test_a_broken_model_directory_is_one_line_at_the_dry_run(tmp_path, content, 
             "config key dataset.regenerate.max_new_tokens: 2048 leaves no room for a prompt "
             "within the target's max_position_embeddings, 2048 (",
         ),
+        # Found by live acceptance, the last stage.
+        (
+            lambda c: c["evaluate"].update(live_new_tokens=4096),
+            "config key evaluate.live_new_tokens: 4096 leaves no room for a prompt within the "
+            "target's max_position_embeddings, 2048 (",
+        ),
         # Was refused by the toy build, the first job.
         (
             lambda c: c["model"]["toy"].update(hidden_size=66),

@@ -539,3 +539,11 @@ def check_token_budgets(run: RunSpec) -> None:
             f"no room for a prompt within the target's max_position_embeddings, {limit} "
             f"({where}): lower it"
         )
+    evaluate = run.evaluate
+    if evaluate.live_prompts and evaluate.live_new_tokens >= limit:
+        # Found by live acceptance, the last stage, after the whole run.
+        raise PipelineError(
+            f"config key evaluate.live_new_tokens: {evaluate.live_new_tokens} leaves no room "
+            f"for a prompt within the target's max_position_embeddings, {limit} ({where}): "
+            "lower it"
+        )
