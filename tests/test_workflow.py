@@ -304,7 +304,7 @@ def test_a_target_without_a_chat_template_is_refused_by_the_dry_run(tmp_path):
     # It was found by the first prepare or regenerate job, after the toy build or a server start.
     config = small_config(tmp_path)
     model = fake_model_dir(tmp_path / "model")
-    (model / "model.safetensors").write_bytes(b"")  # weights present: the check after them
+    (model / "model.safetensors").write_bytes(b"\0" * 8)  # weights present: the check after them
     config["model"]["path"] = str(model)
     line, output = refused_dry_run(tmp_path, config)
     assert line == (
@@ -321,7 +321,7 @@ def test_max_position_embeddings_must_be_a_whole_number(tmp_path, value, refused
     # Anything but an int turned the length checks against it off without a word.
     config = small_config(tmp_path)
     model = fake_model_dir(tmp_path / "model")
-    (model / "model.safetensors").write_bytes(b"")
+    (model / "model.safetensors").write_bytes(b"\0" * 8)
     settings = json.loads((model / "config.json").read_text())
     settings["max_position_embeddings"] = value
     (model / "config.json").write_text(json.dumps(settings))
@@ -345,7 +345,7 @@ def test_a_target_without_tokenizer_files_is_refused_by_the_dry_run(tmp_path):
     # It was reported as having no chat template; its only tokenizer file held no vocabulary.
     config = small_config(tmp_path)
     model = fake_model_dir(tmp_path / "model")
-    (model / "model.safetensors").write_bytes(b"")
+    (model / "model.safetensors").write_bytes(b"\0" * 8)
     (model / "tokenizer.json").unlink()
     (model / "tokenizer_config.json").write_text('{"chat_template": "{{ messages }}"}')
     config["model"]["path"] = str(model)
@@ -372,7 +372,7 @@ def test_a_chat_template_is_found_where_transformers_looks(tmp_path, give_templa
 
     config = small_config(tmp_path)
     model = fake_model_dir(tmp_path / "model")
-    (model / "model.safetensors").write_bytes(b"")
+    (model / "model.safetensors").write_bytes(b"\0" * 8)
     config["model"]["path"] = str(model)
     if give_template is None:
         config["model"]["trust_remote_code"] = True
@@ -404,6 +404,18 @@ def test_missing_weights_names_what_from_pretrained_would_miss(tmp_path):
     }
     (model / "model.safetensors.index.json").write_text(json.dumps(index))
     assert "lacks model-00002-of-00002.safetensors" in missing_weights(model)
+    (model / "model.safetensors.index.json").unlink()
+    # A clone without git-lfs, and a copy that stopped at once.
+    pointer = "version https://git-lfs.github.com/spec/v1\noid sha256:ab12\nsize 4976698672\n"
+    (model / "model-00001-of-00002.safetensors").write_text(pointer)
+    assert missing_weights(model) == (
+        "has a Git LFS pointer in place of model-00001-of-00002.safetensors, not its weights "
+        "(fetch them: `git lfs pull` in that directory)"
+    )
+    (model / "model-00001-of-00002.safetensors").write_bytes(b"")
+    assert missing_weights(model) == (
+        "has an empty weight file model-00001-of-00002.safetensors (0 bytes: an interrupted copy?)"
+    )
 
 
 def test_a_target_written_after_configfile_is_named_with_what_to_type(tmp_path):

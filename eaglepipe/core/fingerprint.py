@@ -32,6 +32,8 @@ TOKENIZER_FILE_PATTERNS = (
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
 # What `from_pretrained` loads weights from (one file, or the shards its index names).
 LOADABLE_WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
+# How a file cloned without git-lfs begins: the pointer text instead of the weights.
+LFS_POINTER = b"version https://git-lfs.github.com/spec/v1"
 WEIGHT_SAMPLE_BYTES = 1 << 20
 
 
@@ -108,12 +110,25 @@ def weights_fingerprint(directory: Path) -> str:
 
 def missing_weights(model_dir: str | os.PathLike) -> str | None:
     """Why `from_pretrained` would find no weights in `model_dir`, or None when it has them:
-    no `*.safetensors` / `*.bin` file, or a shard its index (`*.index.json`) names is absent."""
+    no `*.safetensors` / `*.bin` file, an empty one or a Git LFS pointer in its place, or a
+    shard its index (`*.index.json`) names is absent."""
     model_dir = Path(model_dir)
-    if not any(
-        p.is_file() for pattern in LOADABLE_WEIGHT_PATTERNS for p in model_dir.glob(pattern)
-    ):
+    files = sorted(
+        p for pattern in LOADABLE_WEIGHT_PATTERNS for p in model_dir.glob(pattern) if p.is_file()
+    )
+    if not files:
         return "holds no weights (no *.safetensors or *.bin file)"
+    for path in files:
+        size = path.stat().st_size
+        if size == 0:
+            return f"has an empty weight file {path.name} (0 bytes: an interrupted copy?)"
+        if size < 1024:
+            with open(path, "rb") as f:
+                if f.read(len(LFS_POINTER)) == LFS_POINTER:
+                    return (
+                        f"has a Git LFS pointer in place of {path.name}, not its weights (fetch "
+                        "them: `git lfs pull` in that directory)"
+                    )
     for index in sorted(model_dir.glob("*.index.json")):
         try:
             shards = set(json.loads(index.read_text())["weight_map"].values())
