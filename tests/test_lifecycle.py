@@ -312,8 +312,8 @@ def test_a_job_joining_a_server_in_use_takes_its_lease_without_asking_it(run, mo
     assert calls == [f"{state['url']}/server_info"]
 
     run.paths.answered.write_text("another-instance")
-    with server_lease(resolve(run.config), run_token="run-jobs"):
-        pass
+    with server_lease(resolve(run.config), run_token="run-jobs") as other_note:
+        assert other_note.pid == state["pid"]
     assert len(calls) == 2 and len(starts(run.paths)) == 1
     assert stop_if_started_by("run-jobs") is True
 

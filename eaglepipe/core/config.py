@@ -114,7 +114,7 @@ def _fill_defaults(node: dict, schema: dict) -> None:
 
 
 class DuplicateKeyError(yaml.YAMLError):
-    pass
+    """A config file names one key twice in one mapping (`_UniqueKeyLoader`)."""
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

@@ -37,6 +37,7 @@ import psutil
 
 from ..core.config import HIDDEN_STATES_DIR, PREPARED_DIR, PREPARED_TABLE, REGENERATED_DIR
 from ..core.errors import PipelineError
+from ..core.jsonio import read_json_object
 from ..core.progress import human_duration
 from ..core.run import RunSpec
 from ..core.shard_job import LOCK_NAME, read_failure
@@ -121,17 +122,13 @@ def _parse_time(value) -> float | None:
         return None
 
 
-def _read_json(path: Path, *, what: str | None = None) -> dict | None:
-    """The object in `path`; None when it is absent, or when it holds no object and `what` is
-    not given (else that is an error naming `what` the file must hold)."""
+def _read_json(path: Path) -> dict | None:
     try:
         data = json.loads(path.read_text())
     except (FileNotFoundError, NotADirectoryError):
         return None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise PipelineError(f"{path} is not valid JSON: {exc}") from None
-    if not isinstance(data, dict) and what is not None:
-        raise PipelineError(f"{path} holds a {type(data).__name__}, not {what}")
     return data if isinstance(data, dict) else None
 
 
@@ -193,9 +190,8 @@ def inspect_shard(
     shard_dir = Path(hidden_states_dir) / name
     manifest_path = shard_dir / MANIFEST_NAME
     try:
-        manifest = _read_json(manifest_path, what="a JSON object")
-        if manifest is not None:
-            return _finished(status, manifest)
+        if manifest_path.exists():
+            return _finished(status, read_json_object(manifest_path, what="shard manifest"))
     except (PipelineError, TypeError, ValueError, AttributeError) as exc:
         # One damaged shard among thousands must not hide the rest: it is named, with its repair.
         why = str(exc) if isinstance(exc, PipelineError) else f"{manifest_path}: {exc}"

@@ -20,6 +20,7 @@ filesystem gives every cluster node its own lock, state, leases and port:
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import itertools
 import json
@@ -138,12 +139,10 @@ def read_json(path: Path) -> dict | None:
 
 def note_answer(note: Path, instance_id: str) -> None:
     """Record that the server `instance_id` answered its health check just now."""
-    try:
+    with contextlib.suppress(FileNotFoundError):
         if note.read_text() == instance_id:
-            os.utime(note)
+            os.utime(note)  # the same instance: its mtime is the news
             return
-    except FileNotFoundError:
-        pass
     atomic_write_bytes(note, instance_id.encode(), durable=False)
 
 
