@@ -313,7 +313,7 @@ def test_a_damaged_manifest_is_named_with_its_repair_and_the_rest_still_shown(tm
     assert "3 planned, 0 done, 1 stale, 0 running, 1 failed, 0 partial, 1 remaining" in text
     (line,) = [line for line in text.splitlines() if "rows_8-16" in line]
     assert line.startswith("  FAILED   rows_8-16: damaged manifest: ")
-    assert "hidden_states/rows_8-16/manifest.json" in line and "eaglepipe verify" in line
+    assert "hidden_states/rows_8-16/manifest.json" in line and "snakemake --cores N" in line
 
 
 @pytest.mark.parametrize("suffix", [".yaml", ".json"])

@@ -197,8 +197,8 @@ def inspect_shard(
         why = str(exc) if isinstance(exc, PipelineError) else f"{manifest_path}: {exc}"
         status.state = FAILED
         status.error = (
-            f"damaged manifest: {why}; `eaglepipe verify` sets it aside and the next run "
-            "extracts the shard again"
+            f"damaged manifest: {why}; `snakemake --cores N` makes it again (from the shard's "
+            "journalled chunks where they are intact)"
         )
         return status
 
