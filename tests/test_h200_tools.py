@@ -21,6 +21,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
 
 from eaglepipe.drafter.variants import triton_mla_decode_fits
 
@@ -61,7 +62,8 @@ stage_specforge = load_specforge_stage_tool()
 
 
 def test_the_wheel_list_parses_and_pins_the_recommended_sglang():
-    specs = {s.name: s for s in stage.read_wheel_list()}
+    listed = stage.read_wheel_list()
+    specs = {s.name: s for s in listed if s.site != "pipeline"}
     recommended = tomllib.loads((REPO_ROOT / "patch" / "sglang.toml").read_text())["recommended"]
     assert specs["sglang"].version == recommended
     # SGLang 0.5.14 does not import with the machine's transformers 5.17: its server alone
@@ -69,7 +71,11 @@ def test_the_wheel_list_parses_and_pins_the_recommended_sglang():
     assert {n for n, s in specs.items() if s.site == "server"} == {"transformers", "tokenizers"}
     assert specs["transformers"].version == "5.8.1" and specs["tokenizers"].version == "0.22.2"
     assert specs["fastapi"].version == "0.140.0"
-    assert {n for n, s in specs.items() if s.repack} == set(stage.REPACK_DROP)
+    # The pipeline's own transformers there: one that loads a tokenizer without torch (>= 5.18).
+    pipeline = {s.name: s for s in listed if s.site == "pipeline"}
+    assert set(pipeline) == {"transformers"}
+    assert Version(pipeline["transformers"].version) >= Version("5.18")
+    assert {s.name for s in listed if s.repack} == set(stage.REPACK_DROP)
     # The pipeline's own needs on the machine: snakemake and jsonschema (not in the image).
     assert "snakemake" in specs and "jsonschema" in specs
     assert "pulp" not in specs  # the runs use --scheduler greedy
@@ -102,7 +108,7 @@ def test_every_project_dependency_is_in_the_image_or_staged():
         ("sglang==0.5.14 elsewhere", "expected 'NAME==VERSION SITE"),
         ("sglang==0.5.14 common slim", "unknown flag 'slim'"),
         ("numpy==2.0 common repack", "no repack rule for numpy"),
-        ("dill==0.4.1 common\nDill==0.4.0 server", "dill is listed twice"),
+        ("dill==0.4.1 common\nDill==0.4.0 common", "dill is listed twice for site common"),
     ],
 )
 def test_a_malformed_wheel_list_names_the_line(tmp_path, line, match):
@@ -163,6 +169,38 @@ def test_repacking_drops_the_matched_members_and_stays_installable(tmp_path):
     assert done.returncode == 0, done.stderr
     assert (site / "demo_pkg" / "__init__.py").read_text() == "VALUE = 1\n"
     assert not (site / "demo_pkg" / "data").exists()
+
+
+def test_the_pipelines_transformers_keeps_what_the_runs_load():
+    """The pipeline's transformers on the machine is repacked (12 -> 3 MiB): the models the
+    pipeline, the benchmarks and the fidelity references load stay whole, every other model
+    keeps its package and tokenizer (transformers imports them while loading any tokenizer),
+    and a name that only starts like a kept one (llama4) loses its modeling code."""
+    rule = [re.compile(p) for p in stage.REPACK_DROP["transformers"]]
+
+    def dropped(name: str) -> bool:
+        return any(p.search(name) for p in rule)
+
+    for kept in (
+        "transformers/__init__.py",
+        "transformers/tokenization_utils_tokenizers.py",
+        "transformers/models/__init__.py",
+        "transformers/models/auto/tokenization_auto.py",
+        "transformers/models/llama/modeling_llama.py",
+        "transformers/models/deepseek_v3/configuration_deepseek_v3.py",
+        "transformers/models/kimi_k25/modeling_kimi_k25.py",
+        "transformers/models/encoder_decoder/configuration_encoder_decoder.py",
+        "transformers/models/gemma/tokenization_gemma.py",
+        "transformers/models/llama4/__init__.py",
+    ):
+        assert not dropped(kept), kept
+    for gone in (
+        "transformers/models/llama4/modeling_llama4.py",
+        "transformers/models/qwen2/modeling_qwen2.py",
+        "transformers/models/qwen2/configuration_qwen2.py",
+        "transformers/models/gemma/modular_gemma.py",
+    ):
+        assert dropped(gone), gone
 
 
 @pytest.mark.network

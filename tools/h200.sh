@@ -70,7 +70,10 @@
 # Layout on the machine (EAGLEPIPE_H200_ROOT, default /tmp/eaglepipe-h200):
 #   site/         every wheel but two: on every process's PYTHONPATH (after the repository)
 #   site-sglang/  transformers 5.8.1 + tokenizers 0.22.2: on the SGLang server's path only
-#                 (EAGLEPIPE_SGLANG_PYTHONPATH), the rest keeps the machine's transformers
+#                 (EAGLEPIPE_SGLANG_PYTHONPATH)
+#   site-pipeline/ transformers 5.20 (repacked): on the pipeline's processes' path, ahead of
+#                 site/ and the machine's 5.17, which imports torch with every tokenizer; the
+#                 SpecForge parts keep the machine's (their recipe ran with it)
 #   jit/          TVM_FFI_CACHE_DIR and TRITON_CACHE_DIR
 set -u -o pipefail
 
@@ -116,18 +119,27 @@ install_wheels() {
         say "wheels already installed ($stamp)"
         return 0
     fi
-    rm -rf "$ROOT/site" "$ROOT/site-sglang" "$ROOT/installed"
-    say "installing $(ls "$WHEELS"/common/*.whl | wc -l) + $(ls "$WHEELS"/server/*.whl | wc -l) wheels"
+    rm -rf "$ROOT/site" "$ROOT/site-sglang" "$ROOT/site-pipeline" "$ROOT/installed"
+    say "installing $(ls "$WHEELS"/common/*.whl | wc -l) + $(ls "$WHEELS"/server/*.whl | wc -l) + $(ls "$WHEELS"/pipeline/*.whl 2>/dev/null | wc -l) wheels"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
         --disable-pip-version-check --target "$ROOT/site" "$WHEELS"/common/*.whl || return 1
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
         --disable-pip-version-check --target "$ROOT/site-sglang" "$WHEELS"/server/*.whl || return 1
+    mkdir -p "$ROOT/site-pipeline"
+    if ls "$WHEELS"/pipeline/*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+            --disable-pip-version-check --target "$ROOT/site-pipeline" \
+            "$WHEELS"/pipeline/*.whl || return 1
+    fi
     echo "$stamp" >"$ROOT/installed"
     say "installed"
 }
 
 setup_env() {
-    export PYTHONPATH="$REPO:$ROOT/site"
+    case "$PART" in
+        specforge | specforge-scale) export PYTHONPATH="$REPO:$ROOT/site" ;;
+        *) export PYTHONPATH="$REPO:$ROOT/site-pipeline:$ROOT/site" ;;
+    esac
     export EAGLEPIPE_SGLANG_PYTHONPATH="$ROOT/site-sglang"
     export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
     export TVM_FFI_CACHE_DIR="$ROOT/jit/tvm-ffi" TRITON_CACHE_DIR="$ROOT/jit/triton"

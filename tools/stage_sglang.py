@@ -37,7 +37,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 WHEEL_LIST = REPO_ROOT / "tools" / "h200_wheels.txt"
 DEFAULT_DEST = REPO_ROOT / ".whl-sglang"
 JIT_CACHE_DIR = REPO_ROOT / ".jit-sglang"
-SITES = ("common", "server")
+SITES = ("common", "server", "pipeline")
 MIB = 1 << 20
 CALL_LIMIT_MIB = 64  # what one device call carries at most, the repository included
 
@@ -55,6 +55,14 @@ REPACK_DROP = {
     "flashinfer-python": [r"^flashinfer/data/"],
     # Diffusion, SGLang's own tests and the gRPC core.
     "sglang": [r"^sglang/multimodal_gen/", r"^sglang/test/", r"^sglang/srt/grpc/_core\..*\.so$"],
+    # Every model's files but the ones the pipeline's processes and the benchmarks load there
+    # (Llama targets and drafters, the DeepSeek-V3 and Kimi-K2.5 fidelity references; the
+    # encoder-decoder config the auto classes import): 12 -> 3 MiB. Each model's __init__.py
+    # and tokenizer stay: transformers imports them while it loads any tokenizer.
+    "transformers": [
+        r"^transformers/models/(?!(auto|llama|deepseek_v2|deepseek_v3|kimi_k25|encoder_decoder)/)"
+        r"[^/]+/(?!(__init__|tokenization_[^/]*)\.py$)[^/]+$"
+    ],
     # SQLAlchemy's optional Cython speed-ups (it falls back to pure Python): Snakemake's
     # bookkeeping only.
     "sqlalchemy": [r"^sqlalchemy/cyextension/.*\.so$"],
@@ -90,7 +98,7 @@ def canonical(name: str) -> str:
 def read_wheel_list(path: Path = WHEEL_LIST) -> list[WheelSpec]:
     """The list's entries; a malformed line is an error naming its line number."""
     specs: list[WheelSpec] = []
-    seen: set[str] = set()
+    seen: set[tuple[str, str]] = set()
     for number, raw in enumerate(path.read_text().splitlines(), start=1):
         line = raw.split("#", 1)[0].strip()
         if not line:
@@ -105,11 +113,12 @@ def read_wheel_list(path: Path = WHEEL_LIST) -> list[WheelSpec]:
         if flag not in (None, "repack", "build"):
             raise ValueError(f"{path}:{number}: unknown flag {flag!r} (repack or build)")
         name = canonical(match.group(1))
-        if name in seen:
-            raise ValueError(f"{path}:{number}: {name} is listed twice")
+        # One version per site: transformers has one for the server and one for the pipeline.
+        if (name, parts[1]) in seen:
+            raise ValueError(f"{path}:{number}: {name} is listed twice for site {parts[1]}")
         if flag == "repack" and name not in REPACK_DROP:
             raise ValueError(f"{path}:{number}: no repack rule for {name}")
-        seen.add(name)
+        seen.add((name, parts[1]))
         specs.append(WheelSpec(name, match.group(2), parts[1], flag == "repack", flag == "build"))
     return specs
 
