@@ -175,6 +175,27 @@ def test_verify_sets_damaged_data_aside_and_snakemake_repairs_it(run, damage):
     } == intact
 
 
+def test_verify_sets_a_torn_shard_manifest_aside_as_damaged_not_stale(run):
+    """Regression: a torn manifest was reported, then verify stopped on setting it aside (it
+    read the manifest again) and named the shard stale as well, with another repair."""
+    manifest = shard_file(run, "rows_20-30", "manifest.json")
+    torn = manifest.read_bytes()[:100]
+    manifest.write_bytes(torn)
+    result = eaglepipe(run, "verify")
+    assert result.returncode == 1, result.stdout + result.stderr
+    errors = [line for line in result.stdout.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "rows_20-30/manifest.json is not valid JSON" in errors[0], errors
+    assert "rows_20-30: manifest set aside" in result.stdout, result.stdout
+    assert "stale:" not in result.stdout, result.stdout
+    assert "Traceback" not in result.stderr and "error:" not in result.stderr, result.stderr
+    assert not manifest.exists()
+    record = json.loads(shard_file(run, "rows_20-30", "manifest.invalid.json").read_text())
+    assert record["manifest_text"] == torn.decode() and "not valid JSON" in record["reason"]
+    assert "rows_20-30" in eaglepipe(run, "status").stdout
+    jobs = dry_run_jobs(run)
+    assert jobs["extract"] == 1 and jobs["train"] == 1
+
+
 def test_verify_checks_every_stage_and_a_rebuilt_table_leaves_the_shards_fresh(run):
     """The prepared table, the trained drafter and an export, damaged where snakemake cannot
     see it: verify names each and sets it aside; the next run makes exactly those again (and

@@ -191,14 +191,19 @@ def invalidate_shard(shard_dir: str | os.PathLike, reason: str) -> Path:
     A shard without `manifest.json` is not done: the next `snakemake --cores N` re-extracts it,
     and the journal check keeps every chunk that still verifies, so only the damaged chunks are
     computed again. The manifest is kept, with the reason, in `manifest.invalid.json` (written
-    first: a crash in between leaves the shard as it was).
+    first: a crash in between leaves the shard as it was). A manifest that is itself the damage
+    (torn, not JSON) is kept as its text.
     """
     shard_dir = Path(shard_dir)
-    manifest = read_json_object(shard_dir / MANIFEST_NAME, what="shard manifest")
+    kept: dict
+    try:
+        kept = {"manifest": read_json_object(shard_dir / MANIFEST_NAME, what="shard manifest")}
+    except PipelineError:
+        raw = (shard_dir / MANIFEST_NAME).read_bytes()
+        kept = {"manifest_text": raw.decode("utf-8", errors="replace")}
     record = shard_dir / INVALID_MANIFEST_NAME
     atomic_write_json(
-        record,
-        {"reason": reason, "invalidated_at": datetime.now(UTC).isoformat(), "manifest": manifest},
+        record, {"reason": reason, "invalidated_at": datetime.now(UTC).isoformat(), **kept}
     )
     (shard_dir / MANIFEST_NAME).unlink(missing_ok=True)
     fsync_dir(shard_dir)

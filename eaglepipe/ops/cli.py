@@ -250,6 +250,10 @@ def verify_command(args: argparse.Namespace) -> int:
             found = staleness(run, planned)
         except PipelineError as exc:
             print(f"note: what is stale was not judged ({exc})", file=sys.stderr)
+        # A damaged shard is named once, as damaged: an unreadable manifest also reads as
+        # stale, and its repair is the same run.
+        found.hidden_states = [s for s in found.hidden_states if s not in report.damaged]
+        found.validations = {s: w for s, w in found.validations.items() if s not in report.damaged}
     for problem in report.problems:
         print(f"error: {problem}")
     for damage in stored.damaged:
