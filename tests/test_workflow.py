@@ -529,6 +529,20 @@ def test_a_number_yaml_reads_as_text_is_named_with_the_spelling_that_works(tmp_p
     )
 
 
+@pytest.mark.parametrize("host", ["http://127.0.0.1", "localhost:30000", "node-3/"])
+def test_a_server_host_given_as_a_url_is_refused_at_the_start(tmp_path, host):
+    # It was accepted, then the server's start failed on it (after regeneration's wait).
+    config = small_config(tmp_path)
+    config["server"]["host"] = host
+    write_config(tmp_path, config)
+    result = run_snakemake(tmp_path, "-n", check=False)
+    assert result.returncode != 0
+    assert (
+        f"config key server.host: '{host}' does not match" in result.stdout + result.stderr
+        and "without scheme, path or port: the port is server.port" in result.stdout + result.stderr
+    )
+
+
 def test_wrong_type_names_the_key(tmp_path):
     config = small_config(tmp_path)
     config["server"]["port"] = "eighty"
