@@ -16,18 +16,31 @@ from .chat_mask import end_of_turn_marker, require_chat_template
 PLAIN_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
 
 
-def tokenizer_loader(model_dir: Path):
-    """The class whose from_pretrained loads `model_dir`'s tokenizer: the plain class when the
-    tokenizer_config.json names one and brings no code of its own, else AutoTokenizer."""
+def tokenizer_settings(model_dir: Path) -> dict:
+    """`model_dir`'s tokenizer_config.json ({} when there is none); an unreadable one is a
+    PipelineError naming the file."""
     import json
 
+    settings_file = model_dir / "tokenizer_config.json"
     try:
-        settings = json.loads((model_dir / "tokenizer_config.json").read_text())
-    except (OSError, ValueError):
+        settings = json.loads(settings_file.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        raise PipelineError(f"model.path: {settings_file} cannot be read: {exc}") from None
+    return settings if isinstance(settings, dict) else {}
+
+
+def tokenizer_loader(model_dir: Path):
+    """The class whose from_pretrained loads `model_dir`'s tokenizer: the plain class when the
+    tokenizer_config.json names one and brings no code of its own, else AutoTokenizer (which
+    also reports an unreadable tokenizer_config.json its own way)."""
+    try:
+        settings = tokenizer_settings(model_dir)
+    except PipelineError:
         settings = {}
     plain = (
-        isinstance(settings, dict)
-        and settings.get("tokenizer_class") in PLAIN_TOKENIZER_CLASSES
+        settings.get("tokenizer_class") in PLAIN_TOKENIZER_CLASSES
         and "auto_map" not in settings
         and (model_dir / "tokenizer.json").is_file()
     )
@@ -51,8 +64,6 @@ def check_chat_template_files(run: RunSpec) -> None:
     chat_template.jinja, additional_chat_templates/*.jinja. With model.trust_remote_code the
     tokenizer's own code may bring one: left to the jobs. The embedded toy target is built
     with its template (data/toy_target.py)."""
-    import json
-
     model = run.model
     if model.is_toy or not model.exists or model.trust_remote_code:
         return
@@ -67,14 +78,7 @@ def check_chat_template_files(run: RunSpec) -> None:
         (directory / "additional_chat_templates").glob("*.jinja")
     ):
         return
-    settings_file = directory / "tokenizer_config.json"
-    try:
-        settings = json.loads(settings_file.read_text())
-    except FileNotFoundError:
-        settings = {}
-    except (OSError, ValueError) as exc:
-        raise PipelineError(f"model.path: {settings_file} cannot be read: {exc}") from None
-    if isinstance(settings, dict) and settings.get("chat_template"):
+    if tokenizer_settings(directory).get("chat_template"):
         return
     raise PipelineError(
         f"model.path: the tokenizer of {directory} has no chat template (none in "
