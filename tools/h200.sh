@@ -68,7 +68,7 @@
 # the 16 MiB a returned file may have, OUT/jitcache.tgz: copy it to .jit-sglang/ for the next call.
 #
 # Layout on the machine (EAGLEPIPE_H200_ROOT, default /tmp/eaglepipe-h200):
-#   site/         every wheel but two: on every process's PYTHONPATH (after the repository)
+#   site/         the common wheels: on every process's PYTHONPATH (after the repository)
 #   site-sglang/  transformers 5.8.1 + tokenizers 0.22.2: on the SGLang server's path only
 #                 (EAGLEPIPE_SGLANG_PYTHONPATH)
 #   site-pipeline/ transformers 5.20 (repacked): on the pipeline's processes' path, ahead of
