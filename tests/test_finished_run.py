@@ -186,6 +186,10 @@ def test_verify_sets_a_torn_shard_manifest_aside_as_damaged_not_stale(run):
     errors = [line for line in result.stdout.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "rows_20-30/manifest.json is not valid JSON" in errors[0], errors
     assert "rows_20-30: manifest set aside" in result.stdout, result.stdout
+    assert "repair: `snakemake --cores N` rebuilds rows_20-30 from the journalled chunks" in (
+        result.stdout
+    )
+    assert "re-extracts the damaged chunks" not in result.stdout  # none is damaged
     assert "stale:" not in result.stdout, result.stdout
     assert "Traceback" not in result.stderr and "error:" not in result.stderr, result.stderr
     assert not manifest.exists()

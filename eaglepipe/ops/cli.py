@@ -279,11 +279,19 @@ def verify_command(args: argparse.Namespace) -> int:
         else:
             for shard in invalidate_damaged(report, root):
                 print(f"{shard}: manifest set aside ({root / shard}/manifest.invalid.json)")
-            if report.damaged:
+            chunks = sorted(set(report.damaged) - report.bad_manifests)
+            if chunks:
                 print(
                     "repair: `snakemake --cores N` re-extracts the damaged chunks of "
-                    f"{', '.join(sorted(report.damaged))} (intact chunks are kept) and "
-                    "revalidates and retrains on them"
+                    f"{', '.join(chunks)} (intact chunks are kept) and revalidates and "
+                    "retrains on them"
+                )
+            if report.bad_manifests:
+                print(
+                    "repair: `snakemake --cores N` rebuilds "
+                    f"{', '.join(sorted(report.bad_manifests))} from the journalled chunks "
+                    "(re-extracting only a chunk that fails its checksum) and revalidates and "
+                    "retrains on them"
                 )
             for damage in stored.damaged:
                 print(f"repair: {damage.repair()}")

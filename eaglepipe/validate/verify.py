@@ -48,6 +48,9 @@ class VerifyReport:
     unfinished: dict[str, str] = field(default_factory=dict)
     # Shard directories the current plan does not contain (an earlier plan's).
     unplanned: list[str] = field(default_factory=list)
+    # Damaged shards whose damage is the manifest itself (unreadable or malformed): their
+    # chunks were not checked, the next run rebuilds the shard from its journal.
+    bad_manifests: set[str] = field(default_factory=set)
 
     @property
     def problems(self) -> list[str]:
@@ -89,6 +92,7 @@ def verify_shards(
             check_manifest_schema(shard_dir.name, manifest)
         except ValidationFailure as exc:
             report.damaged[shard_dir.name] = [str(exc)]
+            report.bad_manifests.add(shard_dir.name)
             continue
         shards.append((shard_dir, manifest))
     report.bytes = sum(manifest["num_bytes"] for _, manifest in shards if manifest)
