@@ -335,6 +335,13 @@ def test_status_reads_a_partial_config_file_over_config_yaml_as_snakemake_does(
     (tmp_path / "adir").mkdir()
     assert cli_main(["status", "--config", "adir"]) != 0
     assert "error: config file adir is a directory, not a config file" in capsys.readouterr().err
+    # The config.yaml it is read over is checked as carefully (was a DuplicateKeyError traceback).
+    (tmp_path / "config.yaml").write_text("train:\n  epochs: 2\ntrain:\n  epochs: 3\n")
+    assert cli_main(["status", "--config", str(override)]) != 0
+    err = capsys.readouterr().err
+    assert (
+        "error: config file config.yaml: key train appears twice" in err and "Traceback" not in err
+    )
 
 
 def test_chunk_plan_matches_extraction():

@@ -258,6 +258,14 @@ def load_config(path: str | os.PathLike, *, base: str | os.PathLike | None = Non
     """Read a YAML or JSON config file and validate it. With `base` (a config file that
     exists), the file is read as `snakemake --configfile` reads it: over `base`, so the
     sections and keys it leaves out keep `base`'s."""
+    raw = _read_config_mapping(path)
+    if base is not None:
+        raw = merge_config(_read_config_mapping(base), raw)
+    return validate_config(raw)
+
+
+def _read_config_mapping(path: str | os.PathLike) -> dict:
+    """A config file's mapping; anything else is one PipelineError naming the file."""
     path = Path(path)
     try:
         raw = read_config_yaml(path)
@@ -271,9 +279,7 @@ def load_config(path: str | os.PathLike, *, base: str | os.PathLike | None = Non
         raise PipelineError(f"config file {path} is not valid YAML: {exc}") from None
     if not isinstance(raw, dict):
         raise PipelineError(f"config file {path} must hold a mapping of keys")
-    if base is not None:
-        raw = merge_config(read_config_yaml(base), raw)
-    return validate_config(raw)
+    return raw
 
 
 def merge_config(base: dict, override: dict) -> dict:
