@@ -86,14 +86,11 @@ def validate_config(config: dict) -> dict:
 
 
 def _hint(error: jsonschema.ValidationError) -> str:
-    """What to write instead, where the schema's own message does not say: a server host given
-    as a URL, or a number that arrives as text (YAML 1.1, PyYAML's and Snakemake's, reads an
-    exponent without a dot, `3e-4`, as a string)."""
-    if error.validator == "pattern" and list(error.absolute_path) == ["server", "host"]:
-        return (
-            " (a host name or IPv4 address only, without scheme, path or port: the port is "
-            "server.port)"
-        )
+    """What to write instead, where the schema's own message does not say: the key's `x-hint`
+    in the schema, or, for a number that arrives as text, its spelling that works (YAML 1.1,
+    PyYAML's and Snakemake's, reads an exponent without a dot, `3e-4`, as a string)."""
+    if error.schema.get("x-hint"):
+        return f" ({error.schema['x-hint']})"
     value, wanted = error.instance, error.validator_value
     wanted = [wanted] if isinstance(wanted, str) else wanted or []
     if error.validator != "type" or not isinstance(value, str) or "number" not in wanted:
