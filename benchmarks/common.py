@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -359,7 +360,9 @@ def first_request_summary(manifests: list[dict]) -> dict | None:
     """The jobs' start-up, from their manifests (`timing.first_request_s`: process start to
     first request): sum, median and max over the shards, None where none records it; with the
     medians of its steps where the manifests record them (extraction: `entered_s`, the
-    library's code entered after interpreter and imports; `leased_s`, the server's lease held)."""
+    library's code entered after interpreter and imports; `lease_asked_s`, the shard's rows
+    read and its chunks planned; `leased_s`, the server's lease held) and how many leases had
+    the server's info each way (`lease_via`: started it, another job's answer note, asked)."""
     timings = [m.get("timing", {}) for m in manifests]
     values = sorted(t["first_request_s"] for t in timings if t.get("first_request_s") is not None)
     if not values:
@@ -370,10 +373,13 @@ def first_request_summary(manifests: list[dict]) -> dict | None:
         "median_s": values[len(values) // 2],
         "max_s": values[-1],
     }
-    for step in ("entered_s", "leased_s"):
+    for step in ("entered_s", "lease_asked_s", "leased_s"):
         steps = sorted(t[step] for t in timings if t.get(step) is not None)
         if steps:
             summary[f"{step[:-2]}_median_s"] = steps[len(steps) // 2]
+    via = Counter(t["lease_via"] for t in timings if t.get("lease_via"))
+    if via:
+        summary["lease_via"] = dict(sorted(via.items()))
     return summary
 
 

@@ -252,14 +252,21 @@ def test_first_request_summary_reports_the_start_ups_steps_where_manifests_recor
         from common import first_request_summary
     finally:
         sys.path.pop(0)
-    steps = [(0.4, 0.5, 0.6), (0.3, 1.2, 1.5), (0.5, 0.7, 0.9)]
-    manifests = [
-        {"timing": {"entered_s": e, "leased_s": lease, "first_request_s": f}}
-        for e, lease, f in steps
+    steps = [
+        (0.4, 0.45, 0.5, 0.6, "started"),
+        (0.3, 0.9, 1.2, 1.5, "server_info"),
+        (0.5, 0.55, 0.7, 0.9, "answered note"),
+        (0.6, 0.65, 0.8, 1.0, "answered note"),
     ]
+    manifests = [
+        {"timing": {"entered_s": e, "lease_asked_s": a, "leased_s": lease, "first_request_s": f,
+                    "lease_via": via}}
+        for e, a, lease, f, via in steps
+    ]  # fmt: skip
     assert first_request_summary(manifests) == {
-        "shards": 3, "sum_s": 3.0, "median_s": 0.9, "max_s": 1.5,
-        "entered_median_s": 0.4, "leased_median_s": 0.7,
+        "shards": 4, "sum_s": 4.0, "median_s": 1.0, "max_s": 1.5,
+        "entered_median_s": 0.5, "lease_asked_median_s": 0.65, "leased_median_s": 0.8,
+        "lease_via": {"answered note": 2, "server_info": 1, "started": 1},
     }  # fmt: skip
     older = [{"timing": {"first_request_s": 2.0}}, {"timing": {}}]
     assert first_request_summary(older) == {

@@ -216,16 +216,17 @@ run = load_run("config.json")
 manifest = run_extract_job(run, sys.argv[1], hidden_states_dir=Path(sys.argv[2]))
 heavy = sorted(m for m in ("torch", "transformers", "pandas") if m in sys.modules)
 timing = manifest["timing"]
-steps = ",".join(str(timing[k]) for k in ("entered_s", "leased_s", "first_request_s"))
-print(manifest["num_rows"], steps, ",".join(heavy) or "none")
+order = ("entered_s", "lease_asked_s", "leased_s", "first_request_s")
+steps = ",".join(str(timing[k]) for k in order)
+print(manifest["num_rows"], steps, ",".join(heavy) or "none", timing["lease_via"].replace(" ", "-"))
 """
 
 
 def test_a_job_moves_hidden_states_without_importing_torch(main_run):
     """Reading dumps and writing chunks needs no torch, transformers or pandas (seconds of
     imports before a job's first request, issue 28); on server.device cpu the engine's identity
-    needs none either. The manifest records when the job entered the library, held the lease
-    and sent its first request, in that order."""
+    needs none either. The manifest records when the job entered the library, asked for and
+    held the lease and sent its first request, in that order, and how the lease was had."""
     workdir, reference, _ = main_run
     out = workdir / "hidden_states_fresh_interpreter"
     done = subprocess.run(
@@ -233,10 +234,11 @@ def test_a_job_moves_hidden_states_without_importing_torch(main_run):
         cwd=workdir, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    rows, steps, heavy = done.stdout.split()
+    rows, steps, heavy, lease_via = done.stdout.split()
     assert int(rows) == reference["num_rows"] and heavy == "none"
-    entered_s, leased_s, first_request_s = map(float, steps.split(","))
-    assert 0 < entered_s <= leased_s <= first_request_s
+    entered_s, asked_s, leased_s, first_request_s = map(float, steps.split(","))
+    assert 0 < entered_s <= asked_s <= leased_s <= first_request_s
+    assert lease_via in ("started", "answered-note", "server_info")
     fresh = read_manifest(out / SHARD / "manifest.json")
     assert [c["row_ids"] for c in fresh["chunks"]] == [c["row_ids"] for c in reference["chunks"]]
     assert fresh["provenance"] == reference["provenance"]

@@ -301,6 +301,7 @@ def test_a_job_joining_a_server_in_use_takes_its_lease_without_asking_it(run, mo
     with server_lease(resolve(run.config), run_token="run-jobs") as joined:
         assert joined.pid == state["pid"] and joined.info == state["info"]
         assert joined.info["instance_id"] == state["instance_id"]
+        assert joined.joined_via == "answered note"
     assert calls == [] and len(starts(run.paths)) == 1
 
     (out / "finish").write_text("")
@@ -308,7 +309,7 @@ def test_a_job_joining_a_server_in_use_takes_its_lease_without_asking_it(run, mo
     long_ago = time.time() - 60
     os.utime(run.paths.answered, (long_ago, long_ago))
     with server_lease(resolve(run.config), run_token="run-jobs") as asked:
-        assert asked.pid == state["pid"]
+        assert asked.pid == state["pid"] and asked.joined_via == "server_info"
     assert calls == [f"{state['url']}/server_info"]
 
     run.paths.answered.write_text("another-instance")
@@ -321,6 +322,7 @@ def test_a_job_joining_a_server_in_use_takes_its_lease_without_asking_it(run, mo
 def test_a_fresh_answer_note_does_not_hide_a_server_that_died(run, monkeypatch):
     run.use_fake_engine(monkeypatch)
     with server_lease(resolve(run.config), run_token="run-died") as first:
+        assert first.joined_via == "started"
         wait_for(lambda: run.paths.answered.exists(), "the watchdog to note an answer")
         first.stop_watchdog()
     os.killpg(first.pid, signal.SIGKILL)

@@ -267,6 +267,7 @@ def _extract_chunks(
         for r, ids in zip(rows.row_ids, rows.input_ids, strict=True)
         if r in wanted
     ]
+    lease_asked_s = process_age_s()
     with server_lease(run) as handle:
         leased_s = process_age_s()
         info = dict(handle.info)
@@ -308,7 +309,11 @@ def _extract_chunks(
             )
             raise
     breakdown = {
+        # The start-up's steps (process ages): the shard's rows read and its chunks planned,
+        # then the lease held, and how the lease had the server's info.
+        "lease_asked_s": lease_asked_s,
         "leased_s": leased_s,
+        "lease_via": handle.joined_via,
         **client.stats.timing(),
         "lookahead_wait_s": round(assembler.lookahead_wait_s, 3),
         "chunk_write_s": round(assembler.write_s, 3),

@@ -101,6 +101,8 @@ class ServerHandle:
     gate: RequestGate | None = None
     # Where the watchdog records each answer of /health (leases.note_answer), for jobs to come.
     answered_note: Path | None = None
+    # How the lease had `info` (lifecycle.JOINED_*): a job's start-up, read in its manifest.
+    joined_via: str = ""
     _watchdog: Watchdog | None = field(default=None, repr=False)
 
     @property

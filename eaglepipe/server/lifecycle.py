@@ -109,6 +109,10 @@ REUSE_PATIENCE_S = 30.0
 # watchdogs probe about every 1-2 s (SGLang's /health answers a second after its probe at the
 # earliest), so a server in use keeps the note younger than this.
 ANSWERED_FRESH_S = 5.0
+# How a lease had the server's info (ServerHandle.joined_via; extraction manifests record it).
+JOINED_STARTED = "started"
+JOINED_ANSWERED_NOTE = "answered note"
+JOINED_ASKED = "server_info"
 PROGRESS_EVERY_S = 5.0
 
 
@@ -259,8 +263,9 @@ def _adopt(state: dict, paths: ServerPaths, run_token: str, ttl_s: float) -> Non
 
 def _ensure_server(
     run: RunSpec, paths: ServerPaths, run_token: str, lease: Lease, purpose: str = CAPTURE
-) -> tuple[dict, dict]:
-    """Under the lock: reuse, replace or start the server. Returns (state, server_info)."""
+) -> tuple[dict, dict, str]:
+    """Under the lock: reuse, replace or start the server. Returns (state, server_info, how the
+    info was had: JOINED_STARTED, JOINED_ANSWERED_NOTE or JOINED_ASKED)."""
     server = run.server
     ttl_s = server.lease_ttl_s
     purpose = server_purpose(run, purpose)
@@ -271,13 +276,14 @@ def _ensure_server(
         if supervisor_process(state) is None:
             _stop_group(state, paths, "stale state: its supervisor is gone")
         elif state["fingerprint"] == fingerprint:
-            info = _info_if_answering_others(state, paths)
+            info, joined_via = _info_if_answering_others(state, paths), JOINED_ANSWERED_NOTE
             if info is None:
                 info = _server_info_when_answering(state, max(ttl_s, REUSE_PATIENCE_S))
+                joined_via = JOINED_ASKED
             if info is not None:
                 _adopt(state, paths, run_token, ttl_s)
                 append_history(paths, "reuse", pid=state["pid"], run_token=run_token)
-                return state, info
+                return state, info, joined_via
             _stop_group(state, paths, "it does not answer its health check")
         else:
             running = (state.get("settings") or {}).get("purpose", CAPTURE)
@@ -299,7 +305,7 @@ def _ensure_server(
                 # Regeneration is over and extraction begins (or the other way round).
                 why = f"a {purpose} server replaces this {running} server"
             _stop_group(state, paths, why)
-    return _start(run, paths, run_token, fingerprint, purpose)
+    return (*_start(run, paths, run_token, fingerprint, purpose), JOINED_STARTED)
 
 
 def users_of(state: dict, leases: list[dict]) -> list[dict]:
@@ -542,7 +548,7 @@ def server_lease(
         lease.acquire()
         try:
             with _locked(paths, _lock_wait_s(run)):
-                state, info = _ensure_server(run, paths, token, lease, purpose)
+                state, info, joined_via = _ensure_server(run, paths, token, lease, purpose)
             handle = ServerHandle(
                 url=state["url"],
                 dump_dir=Path(state["dump_dir"]),
@@ -550,6 +556,7 @@ def server_lease(
                 state=state,
                 gate=gate,
                 answered_note=paths.answered,
+                joined_via=joined_via,
             )
             if exclusive:
                 gate.acquire_exclusive()
@@ -632,7 +639,7 @@ def start_server(
     lease.acquire()
     try:
         with _locked(paths, _lock_wait_s(run)):
-            state, info = _ensure_server(run, paths, current_run_token(), lease, purpose)
+            state, info, _ = _ensure_server(run, paths, current_run_token(), lease, purpose)
             paths.pinned.write_text(state["instance_id"] + "\n")
             state["pinned"] = True
             atomic_write_json(paths.state, state)
