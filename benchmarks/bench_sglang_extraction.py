@@ -787,6 +787,11 @@ def report(results: dict) -> str:
         ["pipeline on tmpfs / bare", ratios.get("shm_vs_bare"), ">= 0.95 (0.90 at least)"],
         ["the same, first job's start to last job's exit", ratios.get("shm_jobs_span_vs_bare"), ""],
         ["pipeline on disk / min(bare, disk)", ratios.get("disk_vs_ceiling"), ">= 0.95"],
+        [
+            "the same, first job's start to last job's exit",
+            ratios.get("disk_jobs_span_vs_bare"),
+            "",
+        ],
         ["raw writes, disk (GB/s)", (raw.get("disk") or {}).get("gb_per_s"), ""],
         ["raw writes, /dev/shm (GB/s)", (raw.get("shm") or {}).get("gb_per_s"), ""],
     ]
@@ -798,6 +803,14 @@ def report(results: dict) -> str:
                                entry.get("job_seconds_in_extract"),
                                entry.get("job_startup_s"),
                                *[br.get(k) for k in BREAKDOWN_KEYS]])  # fmt: skip
+    start_rows = [
+        [name, first.get("shards"), first.get("median_s"), first.get("max_s"),
+         first.get("entered_median_s"), first.get("lease_asked_median_s"),
+         first.get("leased_median_s"),
+         ", ".join(f"{via} {n}" for via, n in (first.get("lease_via") or {}).items())]
+        for name, entry in results.get("pipeline", {}).get("variants", {}).items()
+        if (first := entry.get("first_request"))
+    ]  # fmt: skip
     alive_rows = [
         [name, alive, group["seconds"], group["prefill_tokens"], group["prefill_tokens_per_s"],
          ratio(group["prefill_tokens_per_s"], bare.get("tokens_per_s")),
@@ -837,6 +850,20 @@ def report(results: dict) -> str:
                 *BREAKDOWN_KEYS,
             ],
             breakdown_rows,
+        )  # fmt: skip
+        + "\nJobs' first request (seconds from each job's process start; medians of its steps):\n\n"
+        + markdown_table(
+            [
+                "variant",
+                "jobs",
+                "median",
+                "max",
+                "library entered",
+                "lease asked",
+                "leased",
+                "lease had the info by",
+            ],
+            start_rows,
         )  # fmt: skip
         + "\nBy shard jobs alive (whole seconds; prefill tokens from SGLang's log):\n\n"
         + markdown_table(
