@@ -380,11 +380,22 @@ def run_h200(
     )  # fmt: skip
 
 
-def test_the_jit_cache_returned_fits_what_the_next_call_can_carry(tmp_path):
+@pytest.mark.parametrize("limit_from", ["setting", "room left by the carry"])
+def test_the_jit_cache_returned_fits_what_the_next_call_can_carry(tmp_path, limit_from):
     """Over the limit, the JIT cache keeps only tvm-ffi's kernels, the most recently built ones
-    that fit, so `.whl-sglang` and `.jit-sglang` together stay within a call's carry."""
-    root, out = tmp_path / "root", tmp_path / "out"
+    that fit, so `.whl-sglang` and `.jit-sglang` together stay within a call's carry. Without
+    a setting, the limit is what the wheels and the repository leave of the 64 MiB a call
+    carries (less 512 KiB): here 62.5 MiB of wheels leave 1 MiB."""
+    root, out, repo = tmp_path / "root", tmp_path / "out", tmp_path / "repo"
     out.mkdir()
+    (repo / ".whl-sglang").mkdir(parents=True)
+    with open(repo / ".whl-sglang" / "sglang.whl", "wb") as wheel:
+        wheel.truncate(62 * 2**20 + 2**19)
+    (repo / ".jit-sglang").mkdir()
+    (repo / ".jit-sglang" / "jitcache.tgz").write_bytes(os.urandom(3 * 2**20))  # not counted
+    (repo / "eaglepipe" / "__pycache__").mkdir(parents=True)
+    (repo / "eaglepipe" / "__pycache__" / "x.pyc").write_bytes(os.urandom(2**20))  # not counted
+    limit = {"EAGLEPIPE_JIT_CACHE_MAX_BYTES": "900000"} if limit_from == "setting" else {}
     kernels = root / "jit" / "tvm-ffi"
     for age, name in enumerate(["newest", "middle", "oldest"]):
         (kernels / name).mkdir(parents=True)
@@ -393,17 +404,16 @@ def test_the_jit_cache_returned_fits_what_the_next_call_can_carry(tmp_path):
     (root / "jit" / "triton").mkdir()
     (root / "jit" / "triton" / "cache.bin").write_bytes(os.urandom(400_000))
     script = (REPO_ROOT / "tools" / "h200.sh").read_text()
-    function = script[script.index("save_jit_cache() {") : script.index("save_server_logs() {")]
+    function = script[script.index("jit_cache_room() {") : script.index("save_server_logs() {")]
     done = subprocess.run(
         ["bash", "-c", f'say() {{ echo "$*"; }}\n{function}\nsave_jit_cache'],
-        env={**os.environ, "ROOT": str(root), "OUT": str(out),
-             "EAGLEPIPE_JIT_CACHE_MAX_BYTES": "900000"},
+        env={**os.environ, "ROOT": str(root), "OUT": str(out), "REPO": str(repo), **limit},
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "1 least recently built" in done.stdout
     archive = out / "jitcache.tgz"
-    assert archive.stat().st_size <= 900_000
+    assert archive.stat().st_size <= (900_000 if limit else 2**20)
     with tarfile.open(archive) as tar:
         kept = {Path(n).parts[2] for n in tar.getnames() if n.endswith(".so")}
         assert not [n for n in tar.getnames() if "triton" in n]

@@ -388,13 +388,25 @@ stop_leftovers() {
     return 0
 }
 
+jit_cache_room() {
+    # What the next call can carry beside the wheels and the repository's own files, within the
+    # 64 MiB a call may carry, less 512 KiB for the repository to grow by before then. Counted
+    # here from what this call carried (the paths runs write in the checkout left out).
+    local carried
+    carried=$(du -sb --exclude=.jit-sglang --exclude=.git --exclude=__pycache__ \
+        --exclude=.eaglepipe --exclude=.snakemake --exclude=logs --exclude=.pytest_cache \
+        --exclude=.ruff_cache --exclude=.venv "$REPO" | cut -f1)
+    echo $((64 * 1024 * 1024 - carried - 512 * 1024))
+}
+
 save_jit_cache() {
-    # The next call carries it beside ~54 MiB of wheels and the repository, within the 64 MiB a
-    # call may carry (EAGLEPIPE_JIT_CACHE_MAX_BYTES, default 6 MiB). Over that: the tvm-ffi builds
-    # only (the slow part, ~40 s a cold start; Triton recompiles quickly), and of those, the
-    # least recently built are left out until it fits (a kernel per model shape accumulates).
+    # The next call carries it beside ~57 MiB of wheels and the repository, within the 64 MiB a
+    # call may carry (EAGLEPIPE_JIT_CACHE_MAX_BYTES, default what jit_cache_room leaves). Over
+    # that: the tvm-ffi builds only (the slow part, ~40 s a cold start; Triton recompiles
+    # quickly), and of those, the least recently built are left out until it fits (a kernel per
+    # model shape accumulates).
     [ -d "$ROOT/jit" ] || return 0
-    local tgz=$OUT/jitcache.tgz limit=${EAGLEPIPE_JIT_CACHE_MAX_BYTES:-$((6 * 1024 * 1024))}
+    local tgz=$OUT/jitcache.tgz limit=${EAGLEPIPE_JIT_CACHE_MAX_BYTES:-$(jit_cache_room)}
     local common=(--exclude='*.o' --exclude='*.ninja*' --exclude='*.lock')
     tar -czf "$tgz" "${common[@]}" -C "$ROOT" jit
     if [ "$(stat -c %s "$tgz")" -gt "$limit" ]; then
