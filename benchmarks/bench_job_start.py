@@ -228,9 +228,12 @@ def time_job(run_dir: Path, stage: str, config_path: Path, shard: str) -> dict:
         "shard": shard,
         "to_first_request_s": round(first_request, 3),
         "manifest_first_request_s": manifest["timing"].get("first_request_s"),
-        # Its parts: the library's code reached (interpreter, imports), the server's lease held.
+        # Its parts: the library's code reached (interpreter, imports), the lease asked for (the
+        # shard's rows read, its chunks planned), the server's lease held, and how it was had.
         "manifest_entered_s": manifest["timing"].get("entered_s"),
+        "manifest_lease_asked_s": manifest["timing"].get("lease_asked_s"),
         "manifest_leased_s": manifest["timing"].get("leased_s"),
+        "manifest_lease_via": manifest["timing"].get("lease_via"),
         # Regeneration's goal is 1 s plus this (None for extraction, which loads none).
         "manifest_tokenizer_load_s": manifest["timing"].get("tokenizer_load_s"),
         "wall_s": round(wall, 3),
