@@ -236,3 +236,21 @@ def test_a_holdout_counts_only_the_rows_skip_keeps(settings, skipped, message):
 def test_a_holdout_with_rows_on_both_sides_passes():
     check_holdout(holdout(), 40, 16)
     check_holdout(holdout(mode="shards", shards=["rows_16-32"]), 40, 16)
+
+
+@pytest.mark.parametrize(
+    ("name", "rows", "said"),
+    [
+        ("rows_0-17", 320, "its rows are in rows_0-64 (the plan has 5 shards, rows_0-64 to"),
+        ("rows_0-999", 320, "rows_0-64, rows_64-128, rows_128-192 ... rows_256-320 (the plan"),
+        ("rows_1000-2000", 320, "its rows are past the dataset's 320 rows (5 shards,"),
+        ("rows_9-12", 3, "its rows are past the dataset's 3 rows (1 shard, rows_0-3)"),
+        ("shard7", 320, "the plan has 5 shards, rows_0-64 to rows_256-320"),
+        ("rows_0-64", 0, "the dataset has no rows"),
+    ],
+)
+def test_a_name_not_in_the_plan_is_told_which_planned_shards_hold_its_rows(name, rows, said):
+    # A mistyped target (rows_0-999 for rows_0-64) said only that it was not planned.
+    from eaglepipe.plan.provenance import _planned_near
+
+    assert said in _planned_near(name, plan_shards(rows, 64))

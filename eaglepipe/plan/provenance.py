@@ -154,7 +154,11 @@ def _planned_near(shard: str, planned: list) -> str:
     """The planned shards a mistyped name most likely meant (those holding its rows)."""
     if not planned:
         return "the dataset has no rows"
-    span = f"{len(planned)} shards, {planned[0].name} to {planned[-1].name}"
+    span = (
+        f"1 shard, {planned[0].name}"
+        if len(planned) == 1
+        else f"{len(planned)} shards, {planned[0].name} to {planned[-1].name}"
+    )
     try:
         wanted = parse_shard_name(shard)
     except PipelineError:
