@@ -18,6 +18,7 @@ from eaglepipe.plan.shard_plan import (
     parse_shard_name,
     plan_for_source,
     plan_shards,
+    planned_near,
     shard_source_digests,
 )
 
@@ -251,6 +252,4 @@ def test_a_holdout_with_rows_on_both_sides_passes():
 )
 def test_a_name_not_in_the_plan_is_told_which_planned_shards_hold_its_rows(name, rows, said):
     # A mistyped target (rows_0-999 for rows_0-64) said only that it was not planned.
-    from eaglepipe.plan.provenance import _planned_near
-
-    assert said in _planned_near(name, plan_shards(rows, 64))
+    assert said in planned_near(name, plan_shards(rows, 64))

@@ -36,8 +36,8 @@ from ..data.dataset import bad_row_error
 from .shard_plan import (
     check_holdout,
     count_source_rows,
-    parse_shard_name,
-    plan_shards,
+    plan_for_source,
+    planned_near,
     shard_source_digests,
     source_bad_rows,
 )
@@ -66,8 +66,7 @@ def dataset_hash(run: RunSpec) -> str:
 
 def shards(run: RunSpec) -> list[str]:
     """Shard names planned from the source's row count (no checkpoint needed)."""
-    rows = count_source_rows(_dataset_path(run))
-    return [s.name for s in plan_shards(rows, run.shards.rows_per_shard)]
+    return [s.name for s in plan_for_source(_dataset_path(run), run.shards.rows_per_shard)]
 
 
 def check_shard_plan(run: RunSpec) -> None:
@@ -143,31 +142,11 @@ def _shard_digests(path: str, rows_per_shard: int, identity: tuple) -> dict:
 
 
 def _not_in_plan(run: RunSpec, shard: str) -> PipelineError:
-    planned = plan_shards(count_source_rows(_dataset_path(run)), run.shards.rows_per_shard)
+    planned = plan_for_source(_dataset_path(run), run.shards.rows_per_shard)
     return PipelineError(
         f"shard {shard} is not in the plan of {run.dataset.path} with "
-        f"shards.rows_per_shard={run.shards.rows_per_shard}: {_planned_near(shard, planned)}"
+        f"shards.rows_per_shard={run.shards.rows_per_shard}: {planned_near(shard, planned)}"
     )
-
-
-def _planned_near(shard: str, planned: list) -> str:
-    """The planned shards a mistyped name most likely meant (those holding its rows)."""
-    if not planned:
-        return "the dataset has no rows"
-    span = (
-        f"1 shard, {planned[0].name}"
-        if len(planned) == 1
-        else f"{len(planned)} shards, {planned[0].name} to {planned[-1].name}"
-    )
-    try:
-        wanted = parse_shard_name(shard)
-    except PipelineError:
-        return f"the plan has {span}"
-    near = [s.name for s in planned if s.start < wanted.end and wanted.start < s.end]
-    if not near:
-        return f"its rows are past the dataset's {planned[-1].end} rows ({span})"
-    shown = ", ".join(near[:3]) + (f" ... {near[-1]}" if len(near) > 3 else "")
-    return f"its rows are in {shown} (the plan has {span})"
 
 
 def require_planned(run: RunSpec, shard: str) -> None:

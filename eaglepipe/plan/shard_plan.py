@@ -86,6 +86,26 @@ def parse_shard_name(name: str) -> Shard:
     return Shard(start, end)
 
 
+def planned_near(shard: str, planned: list[Shard]) -> str:
+    """The planned shards a mistyped name most likely meant (those holding its rows)."""
+    if not planned:
+        return "the dataset has no rows"
+    span = (
+        f"1 shard, {planned[0].name}"
+        if len(planned) == 1
+        else f"{len(planned)} shards, {planned[0].name} to {planned[-1].name}"
+    )
+    try:
+        wanted = parse_shard_name(shard)
+    except PipelineError:
+        return f"the plan has {span}"
+    near = [s.name for s in planned if s.start < wanted.end and wanted.start < s.end]
+    if not near:
+        return f"its rows are past the dataset's {planned[-1].end} rows ({span})"
+    shown = ", ".join(near[:3]) + (f" ... {near[-1]}" if len(near) > 3 else "")
+    return f"its rows are in {shown} (the plan has {span})"
+
+
 def holdout_shard_indices(holdout: HoldoutSettings, num_rows: int, rows_per_shard: int) -> set[int]:
     """Indices (in the plan) of the shards `dataset.holdout` holds out whole (none in fraction
     mode). A name not in the plan is refused: at the start of a run (rules/common.smk), not after
