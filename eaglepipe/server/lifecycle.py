@@ -276,10 +276,10 @@ def _ensure_server(
         if supervisor_process(state) is None:
             _stop_group(state, paths, "stale state: its supervisor is gone")
         elif state["fingerprint"] == fingerprint:
-            info, joined_via = _info_if_answering_others(state, paths), JOINED_ANSWERED_NOTE
+            info = _info_if_answering_others(state, paths)
+            joined_via = JOINED_ASKED if info is None else JOINED_ANSWERED_NOTE
             if info is None:
                 info = _server_info_when_answering(state, max(ttl_s, REUSE_PATIENCE_S))
-                joined_via = JOINED_ASKED
             if info is not None:
                 _adopt(state, paths, run_token, ttl_s)
                 append_history(paths, "reuse", pid=state["pid"], run_token=run_token)
