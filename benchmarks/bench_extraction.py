@@ -247,13 +247,12 @@ def make_run_dir(run_dir: Path, model_dir: Path, rows, args, shape, device: str)
     """A run directory as the pipeline sees it: dataset, prepared table, summary, config."""
     from eaglepipe.core.config import load_config, validate_config
 
-    dataset = write_prepared(run_dir, rows)
-
     token_bytes = 4 * shape["hidden"] * 2  # three aux layers and the final one, bf16
     row_bytes = token_bytes * args.tokens / len(rows)
     rows_per_shard = max(1, min(len(rows), int(args.shard_gb * 1e9 / row_bytes)))
     if args.tiny:
         rows_per_shard = max(1, len(rows) // 2)  # two shards: the between-shard path runs too
+    dataset = write_prepared(run_dir, rows, rows_per_shard=rows_per_shard)
     dumps = handoff_root(run_dir, args.max_batch_tokens * token_bytes)
     config = load_config(REPO_ROOT / "config.yaml")
     config["model"]["path"] = str(model_dir)

@@ -50,7 +50,7 @@ from common import (  # noqa: E402
 )
 
 from eaglepipe.extract.shard import load_shard_rows  # noqa: E402
-from eaglepipe.prepare.table import _parquet_bytes, load_prepared, rows_in_range  # noqa: E402
+from eaglepipe.prepare.table import load_prepared, prepared_table_bytes, rows_in_range  # noqa: E402
 
 PARTS = ("imports", "jobs", "read")
 GOAL_S = 1.0
@@ -170,7 +170,7 @@ def write_inputs(run_dir: Path, shards: int, rows_per_shard: int) -> tuple[Path,
     masks = [np.ones(64, dtype=np.uint8) for _ in range(rows)]
     table = prepared / "tokenized.parquet"
     table.write_bytes(
-        _parquet_bytes(
+        prepared_table_bytes(
             list(range(rows)),
             ["train"] * rows,
             tokens,
@@ -300,7 +300,7 @@ def write_table(path: Path, rows: int, rows_per_shard: int, mean_len: int) -> in
     tokens = [rng.integers(0, 128000, n, dtype=np.int32) for n in lengths]
     masks = [np.ones(n, dtype=np.uint8) for n in lengths]
     path.write_bytes(
-        _parquet_bytes(
+        prepared_table_bytes(
             list(range(rows)),
             ["train"] * rows,
             tokens,

@@ -341,15 +341,19 @@ def storage_plan(args) -> dict:
     }
 
 
-def pipeline_config(run_dir: Path, model_dir: Path, dataset: Path, rows, args, shape) -> dict:
+def rows_per_shard_for(rows, args, shape) -> int:
+    """At least the bound's tokens per shard (rows are whole); four shards in a tiny run."""
+    if args.tiny:
+        return max(1, len(rows) // 4)
+    row_tokens = sum(len(r) for r in rows) / len(rows)
+    return max(1, min(len(rows), -(-shard_token_bound(args, shape) // int(row_tokens))))
+
+
+def pipeline_config(
+    run_dir: Path, model_dir: Path, dataset: Path, rows_per_shard: int, args
+) -> dict:
     from eaglepipe.core.config import load_config, validate_config
 
-    tokens = sum(len(r) for r in rows)
-    row_tokens = tokens / len(rows)
-    # At least the bound's tokens per shard (rows are whole).
-    rows_per_shard = max(1, min(len(rows), -(-shard_token_bound(args, shape) // int(row_tokens))))
-    if args.tiny:
-        rows_per_shard = max(1, len(rows) // 4)
     dump_parent = "/dev/shm" if shm_free_gb() > 8 else str(run_dir)
     config = load_config(REPO_ROOT / "config.yaml")
     config["model"]["path"] = str(model_dir)
@@ -614,11 +618,11 @@ def run_pipeline(run_dir: Path, config: dict, rows, warmup, args, deadline) -> d
             for storage, inflight in variant_settings(args):
                 name = variant_name(storage, inflight, args)
                 left = deadline - time.monotonic()
-                if left < 45:
-                    result["variants"][name] = {"skipped": f"{left:.0f}s of the budget left"}
-                    continue
                 entry = {"storage": storage, "inflight_per_job": inflight}
                 result["variants"][name] = entry
+                if left < 45:
+                    entry["skipped"] = f"not run: {max(left, 0):.0f} s of the budget left (45)"
+                    continue
                 config["extract"]["max_inflight_requests"] = inflight
                 shm_dir = chunk_storage(run_dir, storage)
                 try:
@@ -944,8 +948,9 @@ def main(argv=None) -> int:
         results["setup"]["model_dir"] = str(model_dir)
         run_dir = work / "run"
         run_dir.mkdir()
-        dataset = write_prepared(run_dir, rows)
-        config = pipeline_config(run_dir, model_dir, dataset, rows, args, shape)
+        rows_per_shard = rows_per_shard_for(rows, args, shape)
+        dataset = write_prepared(run_dir, rows, rows_per_shard=rows_per_shard)
+        config = pipeline_config(run_dir, model_dir, dataset, rows_per_shard, args)
         if args.dry_run:
             from eaglepipe.server.sglang import launch_command
 

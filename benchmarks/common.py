@@ -245,15 +245,13 @@ def seeded_rows(tokens: int, min_len: int, max_len: int, vocab: int, seed: int) 
     return rows
 
 
-def write_prepared(run_dir: Path, rows, loss_masks=None) -> Path:
+def write_prepared(run_dir: Path, rows, *, rows_per_shard: int, loss_masks=None) -> Path:
     """A run directory's dataset and prepared table for `rows` as the pipeline sees them
     (conversations.jsonl, prepared/tokenized.parquet, prepared/summary.json); returns the
-    dataset path (the shard plan counts its rows). The loss masks are all ones unless given
-    (one per row)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from eaglepipe.prepare.table import table_schema
+    dataset path (the shard plan counts its rows). The table is written as prepare writes it,
+    one row group per shard of `rows_per_shard` rows, so a shard job reads only its own rows.
+    The loss masks are all ones unless given (one per row)."""
+    from eaglepipe.prepare.table import prepared_table_bytes
 
     prepared = run_dir / "prepared"
     prepared.mkdir(parents=True)
@@ -262,21 +260,20 @@ def write_prepared(run_dir: Path, rows, loss_masks=None) -> Path:
         for i in range(len(rows)):
             turns = [{"from": "human", "value": f"row {i}"}, {"from": "gpt", "value": "ok"}]
             f.write(json.dumps({"conversations": turns}) + "\n")
-    table = pa.Table.from_pylist(
-        [
-            {
-                "row_id": i,
-                "split": "train",
-                "num_tokens": len(ids),
-                "input_ids": ids.tolist(),
-                "loss_mask": [1] * len(ids) if loss_masks is None else list(loss_masks[i]),
-                "truncated": False,
-            }
-            for i, ids in enumerate(rows)
-        ],
-        schema=table_schema(),
+    masks = [
+        np.ones(len(ids), np.uint8) if loss_masks is None else np.asarray(loss_masks[i], np.uint8)
+        for i, ids in enumerate(rows)
+    ]
+    table = prepared_table_bytes(
+        list(range(len(rows))),
+        ["train"] * len(rows),
+        [np.asarray(ids, np.int32) for ids in rows],
+        masks,
+        [False] * len(rows),
+        [()] * len(rows),
+        rows_per_shard,
     )
-    pq.write_table(table, prepared / "tokenized.parquet")
+    (prepared / "tokenized.parquet").write_bytes(table)
     provenance = {"dataset_hash": "bench", "tokenizer_fingerprint": "bench"}
     (prepared / "summary.json").write_text(json.dumps({"rows": len(rows), **provenance}))
     return dataset

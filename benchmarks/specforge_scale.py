@@ -236,7 +236,7 @@ def step_inputs(ctx: Context, step: Step) -> dict:
         paths.run.mkdir(parents=True)
         write_prepared(
             paths.run, [np.asarray(r.input_ids, dtype=np.int32) for r in rows],
-            [r.loss_mask for r in rows],
+            rows_per_shard=scale_rows_per_shard(args), loss_masks=[r.loss_mask for r in rows],
         )  # fmt: skip
         ctx.state["lm_head_key"] = view["lm_head_key"]
     install_specforge(ctx)
@@ -311,25 +311,26 @@ def step_specforge_resume(ctx: Context, step: Step) -> dict:
     }
 
 
+def scale_rows_per_shard(args) -> int:
+    """--rows over --shards shards."""
+    return math.ceil(args.rows / args.shards)
+
+
 def pipeline_config_for(ctx: Context, model_dir: Path, run_dir: Path, dataset: Path) -> dict:
     """bench_sglang_extraction.py's server and extraction settings (the flags that ran on the
     H200), with --shards shards and --chunk-mb chunks."""
     from argparse import Namespace
 
-    import numpy as np
     from bench_sglang_extraction import pipeline_config
 
     from eaglepipe.core.config import validate_config
 
     args = ctx.args
-    rows = [np.zeros(args.row_tokens, dtype=np.int32)] * args.rows
     settings = Namespace(
-        shard_tokens=None, shard_gb=2.5, tiny=False, engine="sglang",
-        mem_fraction_static=args.mem_fraction_static, health_s=300.0, chunk_mb=args.chunk_mb,
-        inflight_requests=args.inflight_requests,
+        engine="sglang", mem_fraction_static=args.mem_fraction_static, health_s=300.0,
+        chunk_mb=args.chunk_mb, inflight_requests=args.inflight_requests,
     )  # fmt: skip
-    config = pipeline_config(run_dir, model_dir, dataset, rows, settings, shape())
-    config["shards"]["rows_per_shard"] = math.ceil(args.rows / args.shards)
+    config = pipeline_config(run_dir, model_dir, dataset, scale_rows_per_shard(args), settings)
     config["aux_layer_ids"] = list(ctx.state.get("aux_layer_ids") or default_aux_ids())
     return validate_config(config)
 
@@ -434,7 +435,10 @@ def pipeline_dry_run(ctx: Context, step: Step) -> dict:
             architectures=["LlamaForCausalLM"],
         ).save_pretrained(model)  # fmt: skip
         run.mkdir()
-        dataset = write_prepared(run, [np.zeros(args.row_tokens, dtype=np.int32)] * args.rows)
+        dataset = write_prepared(
+            run, [np.zeros(args.row_tokens, dtype=np.int32)] * args.rows,
+            rows_per_shard=scale_rows_per_shard(args),
+        )  # fmt: skip
         config = pipeline_config_for(ctx, model, run, dataset)
         try:
             resolved = write_resolved(config, run / ".eaglepipe" / "config.json")

@@ -315,3 +315,30 @@ def test_a_run_splits_by_jobs_alive_with_the_servers_log_and_the_gpu_samples():
               "gpu_util_mean_pct": None},
     }  # fmt: skip
     assert split_by_jobs_alive([], gpu, prefills) == {}
+
+
+def test_benchmark_tables_hold_one_row_group_per_shard_as_prepare_writes_them(tmp_path):
+    """The benchmarks' prepared table is laid out as the pipeline's (one row group per shard),
+    so a shard job in a benchmark reads only its own rows, as it does in a real run (a table
+    of one group made every device job read all 5 M tokens before its first request)."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    from eaglepipe.prepare.table import read_token_rows
+
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    try:
+        from common import write_prepared
+    finally:
+        sys.path.pop(0)
+    rows = [np.arange(n, dtype=np.int32) for n in (3, 5, 2, 7, 4, 6, 1)]
+    masks = [np.arange(len(r)) % 2 for r in rows]
+    dataset = write_prepared(tmp_path, rows, rows_per_shard=3, loss_masks=masks)
+    assert len(dataset.read_text().splitlines()) == 7
+    table = tmp_path / "prepared" / "tokenized.parquet"
+    metadata = pq.ParquetFile(table).metadata
+    assert [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)] == [3, 3, 1]
+    row_ids, input_ids, loss_masks = read_token_rows(table, 3, 6)
+    assert row_ids == [3, 4, 5]
+    assert [ids.tolist() for ids in input_ids] == [r.tolist() for r in rows[3:6]]
+    assert [m.tolist() for m in loss_masks] == [m.tolist() for m in masks[3:6]]

@@ -82,9 +82,11 @@ def table_schema():
     )
 
 
-def _parquet_bytes(
+def prepared_table_bytes(
     row_ids, splits, token_arrays, mask_arrays, truncated, limited, rows_per_shard: int
 ) -> bytes:
+    """The prepared table's Parquet bytes: zstd, one row group per shard of `rows_per_shard`
+    rows (what a shard job's read skips by; benchmarks write their tables with it too)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -245,7 +247,7 @@ def run_prepare(
         "rows": [{"row_id": b.row_id, "reason": b.reason, "detail": b.detail} for b in skipped],
     }
     contents = {
-        config_mod.PREPARED_TABLE.name: _parquet_bytes(
+        config_mod.PREPARED_TABLE.name: prepared_table_bytes(
             row_ids, splits, token_arrays, mask_arrays, truncated, limited, rows_per_shard
         ),
         config_mod.PREPARED_SKIPPED.name: dumps_json(skipped_doc),
