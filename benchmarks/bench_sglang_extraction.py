@@ -116,13 +116,15 @@ HOOK_LINE = re.compile(
 # perf-scale, perf-scale-disk); `plan` in the results checks them against its storage and call.
 # On /dev/shm: >= 1 M tokens per shard and 5 M in the run; 2 jobs x 64 requests in flight (the
 # pipeline's GPU default), the bare run 64 (its GPU is busy all the time at 64); 4 shards, 2 waves
-# of 2 jobs. On disk (64 GiB, 49 GB at most at once)
-# shards of 0.5 M tokens.
+# of 2 jobs. On disk (64 GiB, 49 GB at most at once) shards of 0.5 M tokens, the jobs' dumps
+# bounded first as the pipeline bounds them by default (a quarter of the handoff), then at
+# the 2 GiB a job of the /dev/shm run (all runs on disk before 2026-12-05 used 2 GiB).
 PRESETS = {
     "scale-shm": dict(tokens=5_000_000, shard_tokens=1_250_000, parallel_shards=2,
                       storages="shm", verify_delete=True, bare_fraction=0.5),
     "scale-disk": dict(tokens=3_000_000, shard_tokens=500_000, parallel_shards=2,
-                       storages="disk", verify_delete=True, bare_fraction=0.5),
+                       storages="disk", verify_delete=True, bare_fraction=0.5,
+                       inflight_gb="auto,2"),
 }  # fmt: skip
 
 
@@ -161,6 +163,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="requests in flight per shard job (default: the pipeline's on a GPU); a comma list "
         "runs the pipeline once per value on the same server (e.g. 32,64)",
     )  # fmt: skip
+    parser.add_argument(
+        "--inflight-gb", default="2",
+        help="GiB of dumps in flight per shard job (extract.max_inflight_bytes), or `auto` for "
+        "the pipeline's default (a quarter of the handoff's free space); a comma list runs "
+        "each (e.g. 2,auto). 2 keeps a /dev/shm run's dumps, chunks and model within /dev/shm",
+    )  # fmt: skip
     parser.add_argument("--bare-inflight", type=int, default=64, help="the bare run's client")
     parser.add_argument(
         "--bare-fraction", type=float, default=1.0,
@@ -193,6 +201,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not args.inflight_variants or min(args.inflight_variants) < 1:
         parser.error("--inflight-requests: one or more positive integers, comma-separated")
     args.inflight_requests = args.inflight_variants[0]
+    args.inflight_gb_variants = [g.strip() for g in str(args.inflight_gb).split(",") if g.strip()]
+    for value in args.inflight_gb_variants:
+        if value != "auto" and not (value.replace(".", "", 1).isdigit() and float(value) > 0):
+            parser.error(f"--inflight-gb: {value!r} is neither a positive number nor auto")
+    if not args.inflight_gb_variants:
+        parser.error("--inflight-gb: one or more values, comma-separated")
     if not set(args.storages) <= {"shm", "disk"}:
         parser.error("--storages: shm and/or disk")
     if args.dry_run and not args.sglang_version:
@@ -270,7 +284,14 @@ H200_BYTES = {"shm": 128 << 30, "disk": 64 << 30}
 H200_CALL_S = 480
 SERVER_START_S = 75  # SGLang 0.5.14 with the JIT cache carried (2026-12-01: 57-87 s)
 MODEL_BUILD_S = 45
-DUMP_BYTES_PER_JOB = 2 << 30  # extract.max_inflight_bytes in pipeline_config
+
+
+def dump_bytes_in_flight(gb: str, jobs: int) -> int:
+    """The most dump bytes `jobs` jobs hold at once with `--inflight-gb` value `gb`; `auto`
+    lets each job take a quarter of the handoff's free space at its start."""
+    if gb == "auto":
+        return int((1 - 0.75**jobs) * H200_BYTES["shm"])
+    return jobs * int(float(gb) * 2**30)
 
 
 def token_bytes(shape: dict) -> int:
@@ -301,7 +322,7 @@ def storage_plan(args) -> dict:
     # deleted at once; a shard being verified is whole, the running ones grow.
     on_storage = min(shards, args.parallel_shards + (1 if args.verify_delete else 0))
     chunks = on_storage * shard_bytes
-    dumps = args.parallel_shards * DUMP_BYTES_PER_JOB
+    dumps = max(dump_bytes_in_flight(gb, args.parallel_shards) for gb in args.inflight_gb_variants)
     model = model_bytes(shape)
     need = {
         storage: chunks + (dumps if storage == "shm" else 0)
@@ -320,7 +341,7 @@ def storage_plan(args) -> dict:
         MODEL_BUILD_S
         + (1 + bare_runs) * SERVER_START_S
         + bare_runs * args.bare_fraction * bare_s
-        + len(args.storages) * len(args.inflight_variants) * bare_s / 0.95
+        + len(variant_settings(args)) * bare_s / 0.95
     )
     return {
         "shape": "8b",
@@ -375,9 +396,11 @@ def pipeline_config(
             "extra_args": list(SGLANG_EXTRA_ARGS),
         },
     )
-    # Bounded per job so that the jobs' dumps, the chunks and the model fit on /dev/shm.
+    # Bounded per job (by default) so that the jobs' dumps, the chunks and the model fit on
+    # /dev/shm; each variant sets its own.
     config["extract"].update(
-        max_inflight_requests=args.inflight_requests, max_inflight_bytes=2 << 30
+        max_inflight_requests=args.inflight_requests,
+        max_inflight_bytes=max_inflight_bytes(args.inflight_gb_variants[0]),
     )
     return validate_config(config)
 
@@ -584,14 +607,29 @@ def hook_delta(now: dict | None, before: dict | None) -> dict | None:
     }
 
 
-def variant_settings(args) -> list[tuple[str, int]]:
-    """The pipeline runs of one call: each storage at each in-flight value, in order."""
-    return [(storage, n) for storage in args.storages for n in args.inflight_variants]
+def max_inflight_bytes(gb: str) -> int | None:
+    """extract.max_inflight_bytes for an `--inflight-gb` value (None: the pipeline's default)."""
+    return None if gb == "auto" else int(float(gb) * 2**30)
 
 
-def variant_name(storage: str, inflight: int, args) -> str:
-    """`shm` / `disk` for the first in-flight value (what the ratios use), `shm@64` after."""
-    return storage if inflight == args.inflight_variants[0] else f"{storage}@{inflight}"
+def variant_settings(args) -> list[tuple[str, int, str]]:
+    """The pipeline runs of one call: each storage at each in-flight requests and dump GiB
+    value, in order."""
+    return [
+        (storage, n, gb)
+        for storage in args.storages
+        for n in args.inflight_variants
+        for gb in args.inflight_gb_variants
+    ]
+
+
+def variant_name(storage: str, inflight: int, gb: str, args) -> str:
+    """`shm` / `disk` for the first values (what the ratios use); after them `shm@32`, or
+    `disk@64/auto` where the dump bound differs."""
+    if (inflight, gb) == (args.inflight_variants[0], args.inflight_gb_variants[0]):
+        return storage
+    suffix = "" if gb == args.inflight_gb_variants[0] else f"/{gb}"
+    return f"{storage}@{inflight}{suffix}"
 
 
 def run_pipeline(run_dir: Path, config: dict, rows, warmup, args, deadline) -> dict:
@@ -615,15 +653,16 @@ def run_pipeline(run_dir: Path, config: dict, rows, warmup, args, deadline) -> d
             asyncio.run(send_rows(handle.url, warmup, args.bare_inflight, "warm"))
             names = shards(resolve(config))
             result["shards"] = len(names)
-            for storage, inflight in variant_settings(args):
-                name = variant_name(storage, inflight, args)
+            for storage, inflight, gb in variant_settings(args):
+                name = variant_name(storage, inflight, gb, args)
                 left = deadline - time.monotonic()
-                entry = {"storage": storage, "inflight_per_job": inflight}
+                entry = {"storage": storage, "inflight_per_job": inflight, "inflight_gb": gb}
                 result["variants"][name] = entry
                 if left < 45:
                     entry["skipped"] = f"not run: {max(left, 0):.0f} s of the budget left (45)"
                     continue
                 config["extract"]["max_inflight_requests"] = inflight
+                config["extract"]["max_inflight_bytes"] = max_inflight_bytes(gb)
                 shm_dir = chunk_storage(run_dir, storage)
                 try:
                     offset = handle.log_path.stat().st_size
@@ -760,6 +799,11 @@ def summarise(results: dict) -> None:
     }  # fmt: skip
 
 
+def inflight_gb_label(entry: dict) -> str:
+    gb = entry.get("inflight_gb", "2")  # runs before 2026-12-05 all bounded dumps at 2 GiB
+    return "a quarter of the handoff" if gb == "auto" else f"<= {gb} GiB a job"
+
+
 def report(results: dict) -> str:
     bare = results.get("bare", {})
     rows = [["SGLang bare prefill (no hook, no capture)", bare.get("tokens"), bare.get("seconds"),
@@ -778,7 +822,8 @@ def report(results: dict) -> str:
         hook = entry.get("hook") or {}
         rows.append([
             f"pipeline: hook + {results['setup']['parallel_shards']} shard jobs x "
-            f"{entry.get('inflight_per_job')} in flight, chunks on {entry.get('storage', name)}",
+            f"{entry.get('inflight_per_job')} in flight (dumps {inflight_gb_label(entry)}), "
+            f"chunks on {entry.get('storage', name)}",
             entry.get("tokens"), entry.get("seconds"), entry.get("tokens_per_s"),
             ratio(entry.get("tokens_per_s"), bare.get("tokens_per_s")),
             entry.get("gpu_util_mean_pct"), (entry.get("prefill") or {}).get("tokens_per_batch"),
@@ -908,6 +953,7 @@ def main(argv=None) -> int:
             "parallel_shards": args.parallel_shards,
             "inflight_per_job": args.inflight_requests,
             "inflight_variants": args.inflight_variants,
+            "inflight_gb_variants": args.inflight_gb_variants,
             "bare_inflight": args.bare_inflight,
             "shard_gb": args.shard_gb,
             "chunk_mb": args.chunk_mb,

@@ -457,6 +457,7 @@ def _gpu_sample(line: str) -> tuple[float, int] | None:
 
 BREAKDOWN_KEYS = (
     "budget_wait_s",
+    "bytes_wait_s",
     "dump_wait_s",
     "read_dump_s",
     "lookahead_wait_s",

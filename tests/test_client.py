@@ -247,9 +247,12 @@ def test_handoff_bytes_are_bounded(server):
     rows = make_rows(8, seed=2)
     with FaultProxy(handle.url, {}) as proxy:
         # A bound below one dump: requests go one at a time, never two dumps in the handoff.
-        got, _ = collect(handle, rows, settings_for(config, max_inflight_bytes=1), proxy.url)
+        got, stats = collect(handle, rows, settings_for(config, max_inflight_bytes=1), proxy.url)
     assert len(got) == len(rows)
     assert proxy.max_in_flight == 1
+    # The timing says which bound held the rows back: here the dump bytes (part of the wait).
+    assert 0 < stats.bytes_wait_s <= stats.budget_wait_s
+    assert stats.timing()["bytes_wait_s"] == round(stats.bytes_wait_s, 3)
 
 
 def test_a_request_frees_its_slot_when_answered_not_when_its_dump_lands(server, monkeypatch):
@@ -271,6 +274,8 @@ def test_a_request_frees_its_slot_when_answered_not_when_its_dump_lands(server, 
     assert stats.requests_sent == 6 and stats.retries == 0
     assert proxy.max_in_flight == 2
     assert not list(dump_dir.iterdir())
+    # Held back by the two request slots, not by the (ample) dump bytes.
+    assert stats.bytes_wait_s < stats.budget_wait_s
 
 
 def test_byte_budget_lets_an_oversized_request_through_alone():

@@ -1174,12 +1174,19 @@ def test_the_extraction_benchmark_end_to_end_on_the_reference_server(tmp_path):
     out = tmp_path / "r.json"
     done = run_script(
         "benchmarks/bench_sglang_extraction.py", "--engine", "reference", "--tokens", "700",
-        "--storages", "shm", "--parallel-shards", "2", "--verify-delete", "--work-root",
-        str(tmp_path), "--out", str(out),
+        "--storages", "shm", "--parallel-shards", "2", "--verify-delete", "--inflight-gb",
+        "2,auto", "--work-root", str(tmp_path), "--out", str(out),
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads(out.read_text())
-    shm = results["pipeline"]["variants"]["shm"]
+    variants = results["pipeline"]["variants"]
+    # Each dump bound is its own run on the same server; the first is what the ratios use.
+    assert set(variants) == {"shm", "shm@64/auto"}
+    assert [variants[v]["inflight_gb"] for v in ("shm", "shm@64/auto")] == ["2", "auto"]
+    assert variants["shm@64/auto"]["tokens"] == results["setup"]["tokens"]
+    report = (tmp_path / "r.md").read_text()
+    assert "(dumps <= 2 GiB a job)" in report and "(dumps a quarter of the handoff)" in report
+    shm = variants["shm"]
     assert shm["tokens"] == results["setup"]["tokens"] >= 700
     assert shm["chunks"] >= 1 and shm["job_startup_s"] > 0
     # --verify-delete: every shard checked (all its chunks re-hashed), then deleted.
@@ -1187,7 +1194,8 @@ def test_the_extraction_benchmark_end_to_end_on_the_reference_server(tmp_path):
     assert shm["verified"]["shards"] == shards and shm["verified"]["chunks"] == shm["chunks"]
     assert shm["first_request"]["shards"] == shards and shm["first_request"]["max_s"] > 0
     assert set(shm["client_breakdown_s"]) == {
-        "budget_wait_s", "dump_wait_s", "read_dump_s", "lookahead_wait_s", "chunk_write_s",
+        "budget_wait_s", "bytes_wait_s", "dump_wait_s", "read_dump_s", "lookahead_wait_s",
+        "chunk_write_s",
     }  # fmt: skip
     # The jobs' own span (no verification after it) and the run split by jobs alive.
     assert 0 < shm["jobs_span_s"] <= shm["seconds"]

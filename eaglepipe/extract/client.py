@@ -111,9 +111,10 @@ class ClientStats:
     dump_bytes_ingested: int = 0
     failures: list[str] = field(default_factory=list)
     # Where the client's time goes (summed over concurrent requests where they overlap):
-    # waiting for room in the in-flight bounds, for a dump to appear after the answer, and
-    # reading dumps (in worker threads).
+    # waiting for room in the in-flight bounds (of it, in the dump-bytes bound), for a dump to
+    # appear after the answer, and reading dumps (in worker threads).
     budget_wait_s: float = 0.0
+    bytes_wait_s: float = 0.0
     dump_wait_s: float = 0.0
     read_dump_s: float = 0.0
     # Seconds from the process's start to its first request (core.shard_job.process_age_s).
@@ -123,6 +124,7 @@ class ClientStats:
         return {
             "first_request_s": self.first_request_s,
             "budget_wait_s": round(self.budget_wait_s, 3),
+            "bytes_wait_s": round(self.bytes_wait_s, 3),
             "dump_wait_s": round(self.dump_wait_s, 3),
             "read_dump_s": round(self.read_dump_s, 3),
         }
@@ -293,6 +295,7 @@ class ExtractionClient:
                         size = expected_dump_bytes(len(row.input_ids), s.hidden_size)
                         waiting_since = time.monotonic()
                         await budget.acquire(size)
+                        self.stats.bytes_wait_s += time.monotonic() - waiting_since
                         await slots.acquire()
                         self.stats.budget_wait_s += time.monotonic() - waiting_since
                         slot = RequestSlot(slots, held=True)
