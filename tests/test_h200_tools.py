@@ -1297,3 +1297,20 @@ def test_a_kit_carries_the_comparison_to_a_fresh_machine_after_the_trainings(tmp
         r"\(eaglepipe_toy.json, model.safetensors\)",
     ):
         restore_kit(Paths(tmp_path / "third"), tmp_path / "kit-seed1.tgz", plan)
+
+
+def test_the_job_start_part_runs_without_gpu_or_server_dry_run_included(tmp_path):
+    """`job-start` measures a shard job's imports and row read in the device's own environment;
+    it needs no GPU, so even with --dry-run (which the script does not take) it runs."""
+    out = tmp_path / "out"
+    done = run_h200(
+        ["job-start", str(out), "--dry-run", "--repeat", "1", "--rows", "400",
+         "--rows-per-shard", "100"],
+        REPO_ROOT, tmp_path / "root",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads((out / "job_start.json").read_text())
+    assert results["imports"]["interpreter_s"] > 0
+    assert results["imports"]["extract"]["imports_torch"] is False
+    assert results["read"]["rows"] == 400 and results["read"]["rows_per_shard"] == 100
+    assert "job-start: exit 0" in (out / "h200_job-start.log").read_text()

@@ -35,6 +35,10 @@
 #                                       regenerate stage vs SGLang's bench_serving, same batch
 #   bash tools/h200.sh regen-sweep OUT  the same at 64, 128, 256 requests in flight (where
 #                                       SGLang saturates; ~8 min)
+#   bash tools/h200.sh job-start OUT    benchmarks/bench_job_start.py --parts imports,read: a shard
+#                                       job's imports in fresh interpreters and its row read on
+#                                       this machine (no GPU, no server; ~30 s; runs as is
+#                                       with --dry-run too)
 #   bash tools/h200.sh ingest   OUT     benchmarks/bench_ingest.py: H = 7168 dumps to checksummed
 #                                       chunks with 1-16 workers vs raw writes, /dev/shm and disk
 #                                       (no GPU, no SGLang; ~5 min)
@@ -78,16 +82,16 @@
 set -u -o pipefail
 
 if [ $# -lt 2 ]; then
-    echo "usage: bash tools/h200.sh check|fidelity|perf|perf-scale|perf-scale-disk|pipeline|pipeline-mla|mla-probe|variants|live|regen|regen-sweep|ingest|regen-acceptance|specforge|specforge-scale OUT [args...]" >&2
+    echo "usage: bash tools/h200.sh check|fidelity|perf|perf-scale|perf-scale-disk|pipeline|pipeline-mla|mla-probe|variants|live|regen|regen-sweep|ingest|job-start|regen-acceptance|specforge|specforge-scale OUT [args...]" >&2
     exit 2
 fi
 PART=$1
 OUT=$2
 shift 2
 case "$PART" in
-check | fidelity | perf | perf-scale | perf-scale-disk | pipeline | pipeline-mla | mla-probe | variants | live | regen | regen-sweep | ingest | regen-acceptance | specforge | specforge-scale) ;;
+check | fidelity | perf | perf-scale | perf-scale-disk | pipeline | pipeline-mla | mla-probe | variants | live | regen | regen-sweep | ingest | job-start | regen-acceptance | specforge | specforge-scale) ;;
 *)
-    echo "tools/h200.sh: unknown part '$PART' (check, fidelity, perf, pipeline, pipeline-mla, mla-probe, variants, live, regen, regen-acceptance, perf-scale, perf-scale-disk, regen-sweep, ingest, specforge, specforge-scale)" >&2
+    echo "tools/h200.sh: unknown part '$PART' (check, fidelity, perf, pipeline, pipeline-mla, mla-probe, variants, live, regen, regen-acceptance, perf-scale, perf-scale-disk, regen-sweep, ingest, job-start, specforge, specforge-scale)" >&2
     exit 2
     ;;
 esac
@@ -295,6 +299,19 @@ run_part() {
                 benchmarks/bench_sglang_regeneration.py --sweep 64,128,256 \
                 --out "$OUT/sglang_regeneration_sweep.json" \
                 --deadline-s $((left - 25)) --work-root /tmp "$@"
+            ;;
+        job-start)
+            # The device's extraction jobs entered the library at 0.67-0.94 s against 0.24 s
+            # on the 2-core VM: this says where (interpreter, each import, the tokenizer, the
+            # row read) in the jobs' own environment. It needs neither GPU nor server, so a dry
+            # run runs it as is (without --dry-run, which the script does not take).
+            local args=()
+            for arg in "$@"; do
+                [ "$arg" = --dry-run ] || args+=("$arg")
+            done
+            timeout --signal=TERM --kill-after=20 "$left" python3 -u \
+                benchmarks/bench_job_start.py --parts imports,read --dir /tmp \
+                --out "$OUT/job_start.json" "${args[@]+"${args[@]}"}"
             ;;
         ingest)
             timeout --signal=TERM --kill-after=20 "$left" python3 -u \
