@@ -10,7 +10,8 @@
 #                                       verified then deleted; ~8 min)
 #   bash tools/h200.sh perf-scale-disk OUT
 #                                       the same on disk (--preset scale-disk: 3 M tokens in
-#                                       0.5 M-token shards; ~6 min)
+#                                       0.5 M-token shards, dumps bounded as the pipeline does
+#                                       by default, then at 2 GiB a job; ~8 min)
 #   bash tools/h200.sh pipeline OUT     benchmarks/sglang_pipeline_h200.sh (snakemake, engine sglang)
 #   bash tools/h200.sh pipeline-mla OUT the pipeline on a DeepSeek-V3-shaped toy target (MLA
 #                                       attention, benchmarks/deepseek_toy_target.py, pre-trained
