@@ -202,11 +202,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--inflight-requests: one or more positive integers, comma-separated")
     args.inflight_requests = args.inflight_variants[0]
     args.inflight_gb_variants = [g.strip() for g in str(args.inflight_gb).split(",") if g.strip()]
-    for value in args.inflight_gb_variants:
-        if value != "auto" and not (value.replace(".", "", 1).isdigit() and float(value) > 0):
-            parser.error(f"--inflight-gb: {value!r} is neither a positive number nor auto")
     if not args.inflight_gb_variants:
         parser.error("--inflight-gb: one or more values, comma-separated")
+    for value in args.inflight_gb_variants:
+        try:
+            max_inflight_bytes(value)
+        except ValueError:
+            parser.error(f"--inflight-gb: {value!r} is neither a positive number nor auto")
     if not set(args.storages) <= {"shm", "disk"}:
         parser.error("--storages: shm and/or disk")
     if args.dry_run and not args.sglang_version:
@@ -289,9 +291,10 @@ MODEL_BUILD_S = 45
 def dump_bytes_in_flight(gb: str, jobs: int) -> int:
     """The most dump bytes `jobs` jobs hold at once with `--inflight-gb` value `gb`; `auto`
     lets each job take a quarter of the handoff's free space at its start."""
-    if gb == "auto":
+    per_job = max_inflight_bytes(gb)
+    if per_job is None:
         return int((1 - 0.75**jobs) * H200_BYTES["shm"])
-    return jobs * int(float(gb) * 2**30)
+    return jobs * per_job
 
 
 def token_bytes(shape: dict) -> int:
@@ -608,8 +611,13 @@ def hook_delta(now: dict | None, before: dict | None) -> dict | None:
 
 
 def max_inflight_bytes(gb: str) -> int | None:
-    """extract.max_inflight_bytes for an `--inflight-gb` value (None: the pipeline's default)."""
-    return None if gb == "auto" else int(float(gb) * 2**30)
+    """extract.max_inflight_bytes for an `--inflight-gb` value (None: the pipeline's default);
+    ValueError for anything but `auto` or a positive number."""
+    if gb == "auto":
+        return None
+    if not 0 < float(gb) < float("inf"):  # NaN fails too
+        raise ValueError(gb)
+    return int(float(gb) * 2**30)
 
 
 def variant_settings(args) -> list[tuple[str, int, str]]:

@@ -1314,3 +1314,13 @@ def test_the_job_start_part_runs_without_gpu_or_server_dry_run_included(tmp_path
     assert results["imports"]["extract"]["imports_torch"] is False
     assert results["read"]["rows"] == 400 and results["read"]["rows_per_shard"] == 100
     assert "job-start: exit 0" in (out / "h200_job-start.log").read_text()
+
+
+@pytest.mark.parametrize("value", ["0", "x", "inf", "2,-1"])
+def test_the_extraction_benchmark_refuses_a_dump_bound_it_cannot_use(tmp_path, value):
+    done = run_script(
+        "benchmarks/bench_sglang_extraction.py", "--dry-run", "--sglang-version", "0.5.14",
+        "--inflight-gb", value, "--work-root", str(tmp_path),
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "--inflight-gb:" in done.stderr and "neither a positive number nor auto" in done.stderr
