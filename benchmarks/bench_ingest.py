@@ -56,6 +56,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out-dir", default=".", help="a directory on the disk filesystem")
     parser.add_argument("--handoff-dir", default=None, help="default: /dev/shm if writable")
     parser.add_argument("--repeat", type=int, default=1, help="rounds; the best of each is kept")
+    parser.add_argument(
+        "--writeback",
+        default="on",
+        help="on: chunks (and the raw writes) hand their pages to the disk every 64 MiB as the "
+        "pipeline does (eaglepipe.core.atomic.Writeback); off: the kernel's own timing, as "
+        "before 2026-12-05; 'off,on' measures both for each worker count",
+    )  # fmt: skip
     parser.add_argument("--deadline-s", type=float, default=540.0, help="whole-run budget")
     parser.add_argument(
         "--dry-run", action="store_true", help="tiny sizes (H 256, 1-2 workers): a CPU check"
@@ -68,6 +75,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.chunk_mb, args.rows = 4.0, None
         args.workers = "1,2"
     args.workers = [int(w) for w in str(args.workers).split(",") if w.strip()]
+    args.writeback = [w.strip() for w in str(args.writeback).split(",") if w.strip()]
+    if not args.writeback or not set(args.writeback) <= {"on", "off"}:
+        parser.error("--writeback: on and/or off")
     args.storages = [s.strip() for s in args.storages.split(",") if s.strip()]
     if not set(args.storages) <= {"shm", "disk"}:
         parser.error("--storages: shm and/or disk")
@@ -132,6 +142,10 @@ def worker_main(spec: dict) -> int:
     """One worker process: make its dumps, say ready, wait for the go file, ingest, report."""
     handoff, out, go = Path(spec["handoff"]), Path(spec["out"]), Path(spec["go"])
     make_dumps(handoff, spec["rows"], spec["tokens"], spec["hidden"])
+    if not spec["writeback"]:
+        import eaglepipe.core.atomic
+
+        eaglepipe.core.atomic._sync_file_range = None  # the kernel's own writeback timing
     # Imports before the clock starts (ingest's own are then lookups).
     import numpy  # noqa: F401
 
@@ -153,7 +167,9 @@ def worker_main(spec: dict) -> int:
 # ----------------------------------------------------------------------------- the parent
 
 
-def run_workers(count: int, storage_dir: Path, handoff_root: Path, args) -> dict:
+def run_workers(
+    count: int, storage_dir: Path, handoff_root: Path, args, *, writeback: bool
+) -> dict:
     """`count` workers at once; the aggregate rate from the go signal to the last one done."""
     scratch = Path(tempfile.mkdtemp(prefix="bench-ingest-", dir=storage_dir))
     handoff = Path(tempfile.mkdtemp(prefix="bench-ingest-handoff-", dir=handoff_root))
@@ -169,6 +185,7 @@ def run_workers(count: int, storage_dir: Path, handoff_root: Path, args) -> dict
                 "tokens": args.tokens,
                 "hidden": args.hidden_size,
                 "chunk_bytes": int(args.chunk_mb * 1e6),
+                "writeback": writeback,
             }
             Path(spec["handoff"]).mkdir(mode=0o700)
             Path(spec["out"]).mkdir()
@@ -203,8 +220,11 @@ def run_workers(count: int, storage_dir: Path, handoff_root: Path, args) -> dict
     return {"bytes": written, "seconds": seconds, "file_sizes": sizes}
 
 
-def raw_write(storage_dir: Path, sizes: list[int], writers: int) -> dict:
-    """The same file sizes written by `writers` threads at once, large buffers, fsync each."""
+def raw_write(storage_dir: Path, sizes: list[int], writers: int, *, writeback: bool) -> dict:
+    """The same file sizes written by `writers` threads at once, large buffers, fsync each;
+    with `writeback`, each file's pages handed to the disk every 64 MiB as chunks' are."""
+    from eaglepipe.core.atomic import Writeback
+
     scratch = Path(tempfile.mkdtemp(prefix="bench-ingest-raw-", dir=storage_dir))
     # A source larger than any CPU cache, as the dumps are: a cache-hot block would measure a
     # faster copy than any real data gets.
@@ -213,9 +233,12 @@ def raw_write(storage_dir: Path, sizes: list[int], writers: int) -> dict:
     def write(item) -> int:
         index, size = item
         with open(scratch / f"raw-{index:05d}.bin", "wb", buffering=0) as f:
+            pacer = Writeback(f.fileno()) if writeback else None
             left = size
             while left:
                 left -= f.write(memoryview(block)[: min(left, len(block))])
+                if pacer is not None:
+                    pacer.advance(size - left)
             os.fsync(f.fileno())
         return size
 
@@ -262,22 +285,25 @@ def main(argv=None) -> int:
             "workers": args.workers,
             "handoff": str(handoff_root),
             "repeat": args.repeat,
+            "writeback": args.writeback,
             "cpus": os.cpu_count(),
         },
         "runs": {},
     }
     for storage, directory in storage_dirs(args).items():
         entries = results["runs"][storage] = []
-        for count in args.workers:
+        for count, writeback in [(c, w) for c in args.workers for w in args.writeback]:
             if time.monotonic() > deadline - 30:
-                entries.append({"workers": count, "skipped": "the run's budget is spent"})
+                skipped = "the run's budget is spent"
+                entries.append({"workers": count, "writeback": writeback, "skipped": skipped})
                 continue
             best_ingest = best_raw = None
             for _ in range(args.repeat):
                 # Alternating the two and keeping each one's best: other I/O on the machine then
                 # distorts the ratio less.
-                done = run_workers(count, directory, handoff_root, args)
-                raw = raw_write(directory, done["file_sizes"], count)
+                paced = writeback == "on"
+                done = run_workers(count, directory, handoff_root, args, writeback=paced)
+                raw = raw_write(directory, done["file_sizes"], count, writeback=paced)
                 if best_ingest is None or done["seconds"] < best_ingest["seconds"]:
                     best_ingest = done
                 if best_raw is None or raw["seconds"] < best_raw["seconds"]:
@@ -286,6 +312,7 @@ def main(argv=None) -> int:
             raw_gbs = best_raw["bytes"] / best_raw["seconds"] / 1e9
             entry = {
                 "workers": count,
+                "writeback": writeback,
                 "gb": round(best_ingest["bytes"] / 1e9, 3),
                 "chunks": len(best_ingest["file_sizes"]),
                 "ingest_gb_per_s": round(ingest_gbs, 3),
@@ -294,12 +321,14 @@ def main(argv=None) -> int:
                 "tokens_per_s_at_h": round(ingest_gbs * 1e9 / (4 * args.hidden_size * 2)),
             }
             entries.append(entry)
-            log(f"{storage}, {count} worker(s): ingest {entry['ingest_gb_per_s']} GB/s, raw "
-                f"{entry['raw_write_gb_per_s']} GB/s, ratio {entry['ingest_vs_raw']}")  # fmt: skip
+            log(f"{storage}, {count} worker(s), writeback {writeback}: ingest "
+                f"{entry['ingest_gb_per_s']} GB/s, raw {entry['raw_write_gb_per_s']} GB/s, "
+                f"ratio {entry['ingest_vs_raw']}")  # fmt: skip
             write_results(args.out, results)
     rows = [
-        [storage, e["workers"], e.get("ingest_gb_per_s"), e.get("raw_write_gb_per_s"),
-         e.get("ingest_vs_raw"), e.get("tokens_per_s_at_h"), e.get("skipped", "")]
+        [storage, e["workers"], e.get("writeback", "off"), e.get("ingest_gb_per_s"),
+         e.get("raw_write_gb_per_s"), e.get("ingest_vs_raw"), e.get("tokens_per_s_at_h"),
+         e.get("skipped", "")]
         for storage, entries in results["runs"].items()
         for e in entries
     ]  # fmt: skip
@@ -311,6 +340,7 @@ def main(argv=None) -> int:
             [
                 "storage",
                 "workers",
+                "writeback every 64 MiB",
                 "ingest GB/s",
                 "raw write GB/s",
                 "ingest / raw",

@@ -178,22 +178,25 @@ def test_job_start_times_real_jobs_to_their_first_request(tmp_path):
 
 def test_ingest_quick_check_measures_each_worker_count_against_raw_writes(tmp_path):
     """Workers ingest real dumps with the job's own code (read, check, delete, checksummed
-    chunks) at once; each count beside raw writes of the same files by as many writers."""
+    chunks) at once; each count beside raw writes of the same files by as many writers, with
+    the chunks' early writeback off (the kernel's timing) and on (the pipeline's)."""
     out = tmp_path / "ingest.json"
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     run_benchmark(
         "bench_ingest.py", "--dry-run", "--storages", "disk", "--out-dir", str(scratch),
-        "--handoff-dir", str(scratch), "--out", str(out),
+        "--handoff-dir", str(scratch), "--writeback", "off,on", "--out", str(out),
     )  # fmt: skip
     results = json.loads(out.read_text())
     entries = results["runs"]["disk"]
-    assert [e["workers"] for e in entries] == [1, 2]
+    assert [(e["workers"], e["writeback"]) for e in entries] == [
+        (1, "off"), (1, "on"), (2, "off"), (2, "on"),
+    ]  # fmt: skip
     for entry in entries:
         assert entry["gb"] > 0 and entry["chunks"] >= entry["workers"]
         assert entry["ingest_gb_per_s"] > 0 and entry["raw_write_gb_per_s"] > 0
     # Two workers ingest twice the bytes: each its own dumps and shard.
-    assert entries[1]["gb"] == 2 * entries[0]["gb"]
+    assert entries[2]["gb"] == 2 * entries[0]["gb"]
     assert "ingest / raw" in out.with_suffix(".md").read_text()
     assert list(scratch.iterdir()) == []
 

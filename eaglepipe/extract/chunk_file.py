@@ -26,7 +26,7 @@ import numpy as np
 import xxhash
 from safetensors import safe_open
 
-from ..core.atomic import fsync_dir
+from ..core.atomic import Writeback, fsync_dir
 from ..core.errors import PipelineError
 from ..core.fingerprint import hash_json
 from ..core.tensor_bytes import (
@@ -280,6 +280,7 @@ def write_chunk(
     updates = []
     try:
         with open(tmp_path, "wb", buffering=0) as f:
+            writeback = Writeback(f.fileno())
 
             def emit(buf: bytes | memoryview) -> None:
                 nonlocal written
@@ -289,6 +290,7 @@ def write_chunk(
                     n = f.write(view)
                     view = view[n:]
                     written += n
+                writeback.advance(written)
 
             emit(_chunk_header(row_list, hidden_size, num_aux_layers))
             for section in TENSOR_ORDER:
