@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -95,6 +96,25 @@ def fresh_python(code: str, repeat: int) -> dict:
     return {"seconds": round(best, 3), "printed": printed}
 
 
+def import_breakdown(module: str, top: int = 8) -> dict[str, float]:
+    """Where `import module` spends its time, by distribution: the import seconds of every
+    module loaded (`python -X importtime`, one fresh interpreter, each module's own time)
+    summed by its top-level package name, the `top` largest."""
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", f"import {module}"],
+        cwd=REPO_ROOT, capture_output=True, text=True,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"-X importtime of {module} failed: {done.stderr[-2000:]}")
+    by_package: Counter = Counter()
+    for line in done.stderr.splitlines():
+        # "import time: self [us] | cumulative | imported package" (nesting by indent)
+        fields = line.removeprefix("import time:").split("|")
+        if len(fields) == 3 and fields[0].strip().isdigit():
+            by_package[fields[2].strip().split(".")[0]] += int(fields[0]) / 1e6
+    return {name: round(seconds, 3) for name, seconds in by_package.most_common(top)}
+
+
 def measure_imports(args, model_dir: Path | None) -> dict:
     result: dict = {"interpreter_s": fresh_python("pass", args.repeat)["seconds"]}
     for job, module in ENTRY_MODULES.items():
@@ -112,6 +132,7 @@ def measure_imports(args, model_dir: Path | None) -> dict:
             "import_s": imported["seconds"],
             "imports_torch": imported["printed"] == "True",
             "help_s": helped["seconds"],
+            "slowest_imports_s": import_breakdown(module),
         }
         log(f"{job}: import {imported['seconds']}s (torch: {imported['printed']}), "
             f"--help {helped['seconds']}s")  # fmt: skip
@@ -365,6 +386,10 @@ def markdown_of(results: dict, repeat: int) -> str:
             entry = imports[job]
             rows.append([f"`import {entry['module']}`", entry["import_s"],
                          "yes" if entry["imports_torch"] else "no"])  # fmt: skip
+            slowest = entry.get("slowest_imports_s", {})
+            rows.append(["of it, by package (`-X importtime`, one run): "
+                         + ", ".join(f"{name} {sec}" for name, sec in slowest.items()), "", ""]
+                        if slowest else None)  # fmt: skip
             rows.append([f"`scripts/{job}.py --help`", entry["help_s"], ""])
         if "tokenizer_load_s" in imports:
             rows.append(["the tokenizer's load as the jobs do it (`eaglepipe.data.tokenizer`)",
@@ -375,7 +400,7 @@ def markdown_of(results: dict, repeat: int) -> str:
                          "yes" if imports["auto_tokenizer_imports_torch"] else "no"])  # fmt: skip
         parts.append(
             f"### Imports (fresh interpreters, best of {repeat})\n\n"
-            + markdown_table(["what", "s", "torch imported"], rows)
+            + markdown_table(["what", "s", "torch imported"], [r for r in rows if r])
         )
     jobs = results.get("jobs")
     if jobs:

@@ -353,13 +353,17 @@ def shard_jobs_in_parallel(
     return manifests
 
 
+JOB_START_STEPS = ("entered_s", "lease_asked_s", "leased_s", "first_request_s", "lease_via")
+
+
 def first_request_summary(manifests: list[dict]) -> dict | None:
     """The jobs' start-up, from their manifests (`timing.first_request_s`: process start to
     first request): sum, median and max over the shards, None where none records it; with the
     medians of its steps where the manifests record them (extraction: `entered_s`, the
     library's code entered after interpreter and imports; `lease_asked_s`, the shard's rows
     read and its chunks planned; `leased_s`, the server's lease held) and how many leases had
-    the server's info each way (`lease_via`: started it, another job's answer note, asked)."""
+    the server's info each way (`lease_via`: started it, another job's answer note, asked);
+    `jobs`: each job's own steps, in the order given."""
     timings = [m.get("timing", {}) for m in manifests]
     values = sorted(t["first_request_s"] for t in timings if t.get("first_request_s") is not None)
     if not values:
@@ -377,6 +381,23 @@ def first_request_summary(manifests: list[dict]) -> dict | None:
     via = Counter(t["lease_via"] for t in timings if t.get("lease_via"))
     if via:
         summary["lease_via"] = dict(sorted(via.items()))
+    # Each job's own steps, in the order given (the plan's): a first wave that starts together
+    # and a job that starts beside running ones can differ, which medians hide.
+    # `started_s`: the job's process start after the first job's, where the benchmark kept it.
+    births = [m["job_window"][0] for m in manifests if m.get("job_window")]
+    summary["jobs"] = [
+        {
+            "shard": m.get("shard"),
+            **(
+                {"started_s": round(m["job_window"][0] - min(births), 3)}
+                if m.get("job_window")
+                else {}
+            ),
+            **{k: t[k] for k in JOB_START_STEPS if t.get(k) is not None},
+        }
+        for m, t in zip(manifests, timings, strict=True)
+        if t.get("first_request_s") is not None
+    ]
     return summary
 
 

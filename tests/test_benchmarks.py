@@ -159,6 +159,10 @@ def test_job_start_times_real_jobs_to_their_first_request(tmp_path):
     )  # fmt: skip
     results = json.loads(out.read_text())
     assert results["imports"]["extract"]["imports_torch"] is False
+    # Where the import goes, by package: the library itself among them, torch not.
+    slowest = results["imports"]["extract"]["slowest_imports_s"]
+    assert "eaglepipe" in slowest and "torch" not in slowest
+    assert all(seconds >= 0 for seconds in slowest.values()) and slowest["eaglepipe"] > 0
     assert results["imports"]["tokenizer_load_s"] > 0
     # the jobs' loader needs no torch for the benchmark's plain tokenizer; AutoTokenizer does
     assert results["imports"]["tokenizer_imports_torch"] is False
@@ -262,18 +266,29 @@ def test_first_request_summary_reports_the_start_ups_steps_where_manifests_recor
         (0.6, 0.65, 0.8, 1.0, "answered note"),
     ]
     manifests = [
-        {"timing": {"entered_s": e, "lease_asked_s": a, "leased_s": lease, "first_request_s": f,
+        {"shard": f"rows_{i}-{i + 1}", "job_window": [100.0 + i // 2 * 3.5, 110.0],
+         "timing": {"entered_s": e, "lease_asked_s": a, "leased_s": lease, "first_request_s": f,
                     "lease_via": via}}
-        for e, a, lease, f, via in steps
+        for i, (e, a, lease, f, via) in enumerate(steps)
     ]  # fmt: skip
-    assert first_request_summary(manifests) == {
+    summary = first_request_summary(manifests)
+    jobs = summary.pop("jobs")
+    assert summary == {
         "shards": 4, "sum_s": 4.0, "median_s": 1.0, "max_s": 1.5,
         "entered_median_s": 0.5, "lease_asked_median_s": 0.65, "leased_median_s": 0.8,
         "lease_via": {"answered note": 2, "server_info": 1, "started": 1},
     }  # fmt: skip
+    # Each job's own steps, in the manifests' order (the slow second job stands out).
+    assert [job["shard"] for job in jobs] == ["rows_0-1", "rows_1-2", "rows_2-3", "rows_3-4"]
+    assert [job["started_s"] for job in jobs] == [0.0, 0.0, 3.5, 3.5]
+    assert jobs[1] == {
+        "shard": "rows_1-2", "started_s": 0.0, "entered_s": 0.3, "lease_asked_s": 0.9,
+        "leased_s": 1.2, "first_request_s": 1.5, "lease_via": "server_info",
+    }  # fmt: skip
     older = [{"timing": {"first_request_s": 2.0}}, {"timing": {}}]
     assert first_request_summary(older) == {
-        "shards": 1, "sum_s": 2.0, "median_s": 2.0, "max_s": 2.0
+        "shards": 1, "sum_s": 2.0, "median_s": 2.0, "max_s": 2.0,
+        "jobs": [{"shard": None, "first_request_s": 2.0}],
     }  # fmt: skip
     assert first_request_summary([{"timing": {}}]) is None
 
