@@ -978,6 +978,20 @@ def main(argv=None) -> int:
         f"(fits: {plan['fits']}), about {plan['estimated_s']} s (fits the call: "
         f"{plan['fits_call']})"
     )
+    if not plan["fits"] and args.engine == "sglang":
+        # Refused before anything is built, dry runs included (they plan the GPU run): a run
+        # that fills /dev/shm or the disk fails minutes into a device call.
+        over = ", ".join(
+            f"{storage} {plan['peak_gb'][storage]} GB of its {plan['room_gb'][storage]} GB"
+            for storage in plan["peak_gb"]
+            if plan["peak_gb"][storage] > plan["room_gb"][storage]
+        )
+        shutil.rmtree(work, ignore_errors=True)
+        raise SystemExit(
+            f"bench_sglang_extraction.py: the run does not fit the lent machine ({over} at "
+            "once): fewer --tokens, smaller --shard-tokens, fewer --parallel-shards or a lower "
+            "--inflight-gb"
+        )
     code = 0
     config = None
     try:

@@ -1316,6 +1316,21 @@ def test_the_job_start_part_runs_without_gpu_or_server_dry_run_included(tmp_path
     assert "job-start: exit 0" in (out / "h200_job-start.log").read_text()
 
 
+def test_the_extraction_benchmark_refuses_a_run_the_machine_cannot_hold(tmp_path):
+    """The /dev/shm preset with the pipeline's own dump bound needs more than the machine's
+    128 GiB of /dev/shm at once: refused by its dry run, naming the storage and the sizes,
+    before anything is built."""
+    done = run_script(
+        "benchmarks/bench_sglang_extraction.py", "--dry-run", "--sglang-version", "0.5.14",
+        "--preset", "scale-shm", "--inflight-gb", "auto", "--work-root", str(tmp_path),
+    )  # fmt: skip
+    assert done.returncode == 1
+    (message,) = [line for line in done.stderr.splitlines() if line.strip()]
+    assert message.startswith("bench_sglang_extraction.py: the run does not fit the lent machine")
+    assert "shm " in message and "of its 137.4 GB at once" in message
+    assert list(tmp_path.iterdir()) == []  # nothing was built
+
+
 @pytest.mark.parametrize("value", ["0", "x", "inf", "2,-1"])
 def test_the_extraction_benchmark_refuses_a_dump_bound_it_cannot_use(tmp_path, value):
     done = run_script(
