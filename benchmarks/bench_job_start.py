@@ -115,6 +115,23 @@ def import_breakdown(module: str, top: int = 8) -> dict[str, float]:
     return {name: round(seconds, 3) for name, seconds in by_package.most_common(top)}
 
 
+def bytecode_state(module: str) -> dict:
+    """After `import module` in a fresh interpreter: whether Python writes bytecode here, and
+    how many of the imported source modules have no cached bytecode (each such module is
+    compiled from source by every process that imports it)."""
+    code = (
+        "import importlib.util, json, os, sys\n"
+        f"import {module}\n"
+        "files = [m.__file__ for m in list(sys.modules.values())\n"
+        "         if (getattr(m, '__file__', None) or '').endswith('.py')]\n"
+        "missing = [f for f in files if not os.path.exists(importlib.util.cache_from_source(f))]\n"
+        "print(json.dumps({'dont_write_bytecode': sys.dont_write_bytecode,\n"
+        "                  'source_modules': len(files), 'without_bytecode': len(missing),\n"
+        "                  'examples': sorted(missing)[:5]}))"
+    )
+    return json.loads(fresh_python(code, 1)["printed"])
+
+
 def measure_imports(args, model_dir: Path | None) -> dict:
     result: dict = {"interpreter_s": fresh_python("pass", args.repeat)["seconds"]}
     for job, module in ENTRY_MODULES.items():
@@ -133,9 +150,13 @@ def measure_imports(args, model_dir: Path | None) -> dict:
             "imports_torch": imported["printed"] == "True",
             "help_s": helped["seconds"],
             "slowest_imports_s": import_breakdown(module),
+            "bytecode": bytecode_state(module),
         }
+        bytecode = result[job]["bytecode"]
         log(f"{job}: import {imported['seconds']}s (torch: {imported['printed']}), "
-            f"--help {helped['seconds']}s")  # fmt: skip
+            f"--help {helped['seconds']}s; {bytecode['without_bytecode']} of "
+            f"{bytecode['source_modules']} source modules without bytecode (writes bytecode: "
+            f"{not bytecode['dont_write_bytecode']})")  # fmt: skip
     if model_dir is not None:
         # The loader every stage uses (the plain class where the config names it), and
         # AutoTokenizer, which imports torch through transformers' config machinery.
@@ -390,6 +411,12 @@ def markdown_of(results: dict, repeat: int) -> str:
             rows.append(["of it, by package (`-X importtime`, one run): "
                          + ", ".join(f"{name} {sec}" for name, sec in slowest.items()), "", ""]
                         if slowest else None)  # fmt: skip
+            if "bytecode" in entry:
+                bytecode = entry["bytecode"]
+                rows.append([f"of its {bytecode['source_modules']} source modules, without cached "
+                             f"bytecode (compiled at every import): {bytecode['without_bytecode']}"
+                             + (" (this Python writes no bytecode)"
+                                if bytecode["dont_write_bytecode"] else ""), "", ""])  # fmt: skip
             rows.append([f"`scripts/{job}.py --help`", entry["help_s"], ""])
         if "tokenizer_load_s" in imports:
             rows.append(["the tokenizer's load as the jobs do it (`eaglepipe.data.tokenizer`)",

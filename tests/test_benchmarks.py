@@ -5,6 +5,7 @@ Only the shape of the results is checked (keys, token counts, job counts), never
 
 from __future__ import annotations
 
+import compileall
 import json
 import subprocess
 import sys
@@ -163,6 +164,10 @@ def test_job_start_times_real_jobs_to_their_first_request(tmp_path):
     slowest = results["imports"]["extract"]["slowest_imports_s"]
     assert "eaglepipe" in slowest and "torch" not in slowest
     assert all(seconds >= 0 for seconds in slowest.values()) and slowest["eaglepipe"] > 0
+    # Whether each process compiles its imports from source (this Python's own setting).
+    bytecode = results["imports"]["extract"]["bytecode"]
+    assert bytecode["dont_write_bytecode"] is sys.dont_write_bytecode
+    assert 0 <= bytecode["without_bytecode"] < bytecode["source_modules"]
     assert results["imports"]["tokenizer_load_s"] > 0
     # the jobs' loader needs no torch for the benchmark's plain tokenizer; AutoTokenizer does
     assert results["imports"]["tokenizer_imports_torch"] is False
@@ -178,6 +183,31 @@ def test_job_start_times_real_jobs_to_their_first_request(tmp_path):
     assert results["jobs"]["extract"]["runs"][0]["manifest_tokenizer_load_s"] is None
     assert "Job start to first request" in out.with_suffix(".md").read_text()
     assert list(scratch.iterdir()) == []  # the run directory and its server are gone
+
+
+def test_job_start_counts_the_imported_modules_compiled_at_every_import(tmp_path, monkeypatch):
+    """Where Python writes no bytecode (PYTHONDONTWRITEBYTECODE, as on the lent GPU machines),
+    a module without a cached .pyc is compiled by every process that imports it: counted, and
+    no longer once compiled ahead (what tools/h200.sh does for the staged wheels)."""
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    try:
+        from bench_job_start import bytecode_state
+    finally:
+        sys.path.pop(0)
+    package = tmp_path / "probe_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("from . import leaf\n")
+    (package / "leaf.py").write_text("VALUE = 1\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    before = bytecode_state("probe_pkg")
+    assert before["dont_write_bytecode"] is True
+    assert {str(package / "__init__.py"), str(package / "leaf.py")} <= set(before["examples"])
+    assert not (package / "__pycache__").exists()  # the import wrote none
+    compileall.compile_dir(str(package), quiet=1)
+    after = bytecode_state("probe_pkg")
+    assert after["without_bytecode"] == before["without_bytecode"] - 2
+    assert not any(name.startswith(str(package)) for name in after["examples"])
 
 
 def test_ingest_quick_check_measures_each_worker_count_against_raw_writes(tmp_path):
