@@ -137,9 +137,10 @@ install_wheels() {
             "$WHEELS"/pipeline/*.whl || return 1
     fi
     # pip's --no-compile keeps the install quick; the bytecode is compiled here once, on every
-    # core. These machines' Python writes none itself (PYTHONDONTWRITEBYTECODE=1, as on the
-    # 2-core VM), so without it every process compiles its imports from source: each shard
-    # job's, the tokenizer's transformers, all of SGLang at each server start.
+    # core. Where Python writes none itself (PYTHONDONTWRITEBYTECODE=1: the 2-core VM sets it,
+    # and the device's imports, twice the VM's, suggest it does too; compile_repository logs
+    # it), every process would compile its imports from source: each shard job's, the
+    # tokenizer's transformers, all of SGLang at each server start.
     say "compiling the staged wheels' bytecode"
     python3 -m compileall -q -j 0 "$ROOT/site" "$ROOT/site-sglang" "$ROOT/site-pipeline" \
         >/dev/null 2>&1 || say "compileall: some files did not compile (they compile at import)"
