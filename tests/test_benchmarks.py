@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import benchmarks_importable
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -189,11 +190,8 @@ def test_job_start_counts_the_imported_modules_compiled_at_every_import(tmp_path
     """Where Python writes no bytecode (PYTHONDONTWRITEBYTECODE, as on the lent GPU machines),
     a module without a cached .pyc is compiled by every process that imports it: counted, and
     no longer once compiled ahead (what tools/h200.sh does for the staged wheels)."""
-    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
-    try:
+    with benchmarks_importable():
         from bench_job_start import bytecode_state
-    finally:
-        sys.path.pop(0)
     package = tmp_path / "probe_pkg"
     package.mkdir()
     (package / "__init__.py").write_text("from . import leaf\n")
@@ -284,11 +282,8 @@ def test_acceptance_spread_pools_turns_as_the_harnesses_do(tmp_path):
 def test_first_request_summary_reports_the_start_ups_steps_where_manifests_record_them():
     """Sum, median and max of the jobs' start-ups, with the medians of the steps before the
     first request; manifests from before the steps were recorded still summarise."""
-    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
-    try:
+    with benchmarks_importable():
         from common import first_request_summary
-    finally:
-        sys.path.pop(0)
     steps = [
         (0.4, 0.45, 0.5, 0.6, "started"),
         (0.3, 0.9, 1.2, 1.5, "server_info"),
@@ -327,11 +322,8 @@ def test_a_run_splits_by_jobs_alive_with_the_servers_log_and_the_gpu_samples():
     """Whole seconds are grouped by the shard jobs alive at mid-second; the prefill lines of
     SGLang's log (local time, to the second) and nvidia-smi's timed samples fall in their
     second's group; a line without a timestamp or a batch is not counted."""
-    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
-    try:
+    with benchmarks_importable():
         from common import _gpu_sample, prefill_timeline, split_by_jobs_alive
-    finally:
-        sys.path.pop(0)
     from datetime import datetime
 
     def at(clock: str) -> float:
@@ -374,11 +366,8 @@ def test_benchmark_tables_hold_one_row_group_per_shard_as_prepare_writes_them(tm
 
     from eaglepipe.prepare.table import read_token_rows
 
-    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
-    try:
+    with benchmarks_importable():
         from common import write_prepared
-    finally:
-        sys.path.pop(0)
     rows = [np.arange(n, dtype=np.int32) for n in (3, 5, 2, 7, 4, 6, 1)]
     masks = [np.arange(len(r)) % 2 for r in rows]
     dataset = write_prepared(tmp_path, rows, rows_per_shard=3, loss_masks=masks)

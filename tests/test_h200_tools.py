@@ -21,6 +21,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from conftest import benchmarks_importable
 from packaging.version import Version
 
 from eaglepipe.drafter.variants import triton_mla_decode_fits
@@ -624,11 +625,8 @@ def test_the_specforge_drivers_pipeline_overrides_pass_the_config_schema():
 
     from eaglepipe.core.config import validate_config
 
-    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
-    try:
+    with benchmarks_importable():
         from bench_specforge import parse_args, pipeline_overrides
-    finally:
-        sys.path.pop(0)
     plain = yaml.safe_load(pipeline_overrides(parse_args(["--epochs", "3"]), 2))
     assert plain == {"train": {"epochs": 3, "seed": 2}}
     args = parse_args(["--live-prompts", "8", "--live-new-tokens", "96"])
@@ -643,11 +641,8 @@ def test_the_specforge_drivers_pipeline_overrides_pass_the_config_schema():
 def test_the_specforge_driver_continues_where_an_earlier_call_stopped(tmp_path):
     """A later call skips the steps WORK/state.json records as done, summarises the seeds it
     has, and leaves a step it has no time for to the next call (exit 3)."""
-    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
-    try:
+    with benchmarks_importable():
         from bench_specforge import parse_args, plan_steps
-    finally:
-        sys.path.pop(0)
     work = tmp_path / "work"
     work.mkdir()
     lengths = {("eaglepipe", 0): 2.5, ("eaglepipe", 1): 2.1, ("specforge", 0): 1.9,
@@ -694,11 +689,8 @@ def test_the_specforge_driver_runs_commands_side_by_side_and_stops_them_at_its_d
 
     import psutil
 
-    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
-    try:
+    with benchmarks_importable():
         from specforge_steps import Command, Context, Paths, run_commands
-    finally:
-        sys.path.pop(0)
     ctx = Context(argparse.Namespace(dry_run=False), Paths(tmp_path), time.monotonic() + 25)
     child_pid = tmp_path / "child.pid"
     commands = [
@@ -729,12 +721,9 @@ def test_the_specforge_driver_runs_the_later_pipelines_while_specforge_trains(
     import threading
     import time
 
-    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
-    try:
+    with benchmarks_importable():
         import bench_specforge as bench
         from specforge_steps import Context, Paths
-    finally:
-        sys.path.pop(0)
     trainings_running, pipelines_seen = threading.Event(), []
 
     def fake_trainings(ctx, steps):
@@ -782,12 +771,9 @@ def test_the_specforge_driver_runs_live_runs_side_by_side_after_the_first(tmp_pa
     import threading
     import time
 
-    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
-    try:
+    with benchmarks_importable():
         import bench_specforge as bench
         from specforge_steps import Context, Paths
-    finally:
-        sys.path.pop(0)
     args = bench.parse_args(
         ["--seeds", "0,1", "--settings", "7/1/8", "--live-at-once", "3", "--live-stagger-s", "0"]
     )
@@ -815,11 +801,8 @@ def test_the_specforge_driver_runs_live_runs_side_by_side_after_the_first(tmp_pa
 
 
 def test_the_deterministic_live_config_adds_sglangs_flag_once(tmp_path):
-    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
-    try:
+    with benchmarks_importable():
         from bench_specforge import DETERMINISTIC_FLAG, deterministic_config
-    finally:
-        sys.path.pop(0)
     (tmp_path / ".eaglepipe").mkdir()
     config = {"server": {"sglang": {"extra_args": ["--attention-backend", "triton"]}}}
     (tmp_path / ".eaglepipe" / "config.json").write_text(json.dumps(config))
@@ -963,11 +946,8 @@ def test_the_regeneration_benchmark_uses_only_flags_bench_serving_has():
 
     version = supported()["recommended"]
     source = (sglang_source_root(version) / "bench_serving.py").read_text()
-    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
-    try:
+    with benchmarks_importable():
         from bench_sglang_regeneration import bench_serving_command, parse_args
-    finally:
-        sys.path.pop(0)
     argv = bench_serving_command(
         "http://127.0.0.1:30000", Path("/m"), parse_args([]), 256, Path("/o")
     )
@@ -1103,11 +1083,8 @@ def test_the_mla_probe_plans_each_shape_on_the_pipelines_own_servers(tmp_path):
 def test_the_mla_probe_keeps_the_traceback_that_names_the_failing_kernel(tmp_path):
     """A crash's first error line comes back with the traceback above it (CUDA_LAUNCH_BLOCKING
     makes that the failing kernel's launch); SGLang's harmless import notices are skipped."""
-    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
-    try:
+    with benchmarks_importable():
         from sglang_mla_probe import first_error
-    finally:
-        sys.path.pop(0)
     log = tmp_path / "vm-20261204-185749-07dc58.log"
     log.write_text(
         "Ignore import error when loading sglang.srt.models.glm4v: No module named 'x'\n"
@@ -1209,13 +1186,10 @@ def test_a_kit_carries_the_comparison_to_a_fresh_machine_after_the_trainings(tmp
     """The machine was lost after the pipelines and trainings (H200, 2026-12-03): the kit of
     the last call restores their state and drafters on a new work root, rebuilds the toy target
     byte for byte, and leaves out what the new machine has to redo."""
-    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
-    try:
+    with benchmarks_importable():
         from bench_specforge import parse_args, plan_steps
         from specforge_resume import restore_kit, write_kit
         from specforge_steps import Paths
-    finally:
-        sys.path.pop(0)
     from pipeline_run import SAMPLE, default_config
 
     from eaglepipe.core.config import validate_config
