@@ -227,15 +227,21 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def raw_write(directory: Path, gigabytes: float) -> dict:
-    """Sequential 64 MiB writes of `gigabytes`, then fsync: what the storage takes."""
+    """Sequential 64 MiB writes of `gigabytes`, then fsync: what the storage takes. Each 64
+    MiB is handed to the disk as it is written, as the chunks' are (`Writeback`; since
+    2026-12-05, eighth session: the storage's rate, not the kernel's flush timing)."""
+    from eaglepipe.core.atomic import Writeback
+
     block = np.random.default_rng(0).integers(0, 255, 64 << 20, dtype=np.uint8).tobytes()
     count = max(1, int(gigabytes * 1e9 / len(block)))
     path = directory / f"raw-write-{os.getpid()}.bin"
     started = time.perf_counter()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        for _ in range(count):
+        pacer = Writeback(fd)
+        for i in range(count):
             os.write(fd, block)
+            pacer.advance((i + 1) * len(block))
         os.fsync(fd)
     finally:
         os.close(fd)
