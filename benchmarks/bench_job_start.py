@@ -97,9 +97,9 @@ def fresh_python(code: str, repeat: int) -> dict:
 
 
 def import_breakdown(module: str, top: int = 8) -> dict[str, float]:
-    """Where `import module` spends its time, by distribution: the import seconds of every
-    module loaded (`python -X importtime`, one fresh interpreter, each module's own time)
-    summed by its top-level package name, the `top` largest."""
+    """Where `import module` spends its time, by package: the import seconds of every module
+    loaded (`python -X importtime`, one fresh interpreter, each module's own time) summed by
+    its top-level package name, the `top` largest."""
     done = subprocess.run(
         [sys.executable, "-X", "importtime", "-c", f"import {module}"],
         cwd=REPO_ROOT, capture_output=True, text=True,
@@ -407,15 +407,14 @@ def markdown_of(results: dict, repeat: int) -> str:
             entry = imports[job]
             rows.append([f"`import {entry['module']}`", entry["import_s"],
                          "yes" if entry["imports_torch"] else "no"])  # fmt: skip
-            slowest = entry.get("slowest_imports_s", {})
-            rows.append(["of it, by package (`-X importtime`, one run): "
-                         + ", ".join(f"{name} {sec}" for name, sec in slowest.items()), "", ""]
-                        if slowest else None)  # fmt: skip
-            if "bytecode" in entry:
-                bytecode = entry["bytecode"]
-                rows.append([f"of its {bytecode['source_modules']} source modules, without cached "
-                             f"bytecode (compiled at every import): {bytecode['without_bytecode']}"
-                             + (" (this Python writes no bytecode)"
+            if slowest := entry.get("slowest_imports_s"):
+                rows.append(["of it, by package (`-X importtime`, one run): "
+                             + ", ".join(f"{name} {sec}" for name, sec in slowest.items()),
+                             "", ""])  # fmt: skip
+            if bytecode := entry.get("bytecode"):
+                rows.append([f"of its {bytecode['source_modules']} source modules, without "
+                             f"cached bytecode after the import: {bytecode['without_bytecode']}"
+                             + (" (this Python writes none: compiled at every import)"
                                 if bytecode["dont_write_bytecode"] else ""), "", ""])  # fmt: skip
             rows.append([f"`scripts/{job}.py --help`", entry["help_s"], ""])
         if "tokenizer_load_s" in imports:
@@ -427,7 +426,7 @@ def markdown_of(results: dict, repeat: int) -> str:
                          "yes" if imports["auto_tokenizer_imports_torch"] else "no"])  # fmt: skip
         parts.append(
             f"### Imports (fresh interpreters, best of {repeat})\n\n"
-            + markdown_table(["what", "s", "torch imported"], [r for r in rows if r])
+            + markdown_table(["what", "s", "torch imported"], rows)
         )
     jobs = results.get("jobs")
     if jobs:
