@@ -47,11 +47,13 @@ from common import (  # noqa: E402
     markdown_table,
     ratio,
     timed,
+    train_table_bytes,
+    write_prepared,
     write_results,
 )
 
 from eaglepipe.extract.shard import load_shard_rows  # noqa: E402
-from eaglepipe.prepare.table import load_prepared, prepared_table_bytes, rows_in_range  # noqa: E402
+from eaglepipe.prepare.table import load_prepared, rows_in_range  # noqa: E402
 
 PARTS = ("imports", "jobs", "read")
 GOAL_S = 1.0
@@ -199,32 +201,14 @@ def write_inputs(run_dir: Path, shards: int, rows_per_shard: int) -> tuple[Path,
     with one row group per shard, as prepare writes it; returns (dataset, table)."""
     rng = np.random.default_rng(0)
     rows = shards * rows_per_shard
-    dataset = run_dir / "conversations.jsonl"
-    with open(dataset, "w") as f:
-        for _ in range(rows):
-            words = " ".join(f"t{i}" for i in rng.integers(103, TINY["vocab"], 24))
-            messages = [{"role": "user", "content": words},
-                        {"role": "assistant", "content": "t5"}]  # fmt: skip
-            f.write(json.dumps({"messages": messages}) + "\n")
-    prepared = run_dir / "prepared"
-    prepared.mkdir()
+    records = []
+    for _ in range(rows):
+        words = " ".join(f"t{i}" for i in rng.integers(103, TINY["vocab"], 24))
+        records.append({"messages": [{"role": "user", "content": words},
+                                     {"role": "assistant", "content": "t5"}]})  # fmt: skip
     tokens = [rng.integers(3, TINY["vocab"], 64, dtype=np.int32) for _ in range(rows)]
-    masks = [np.ones(64, dtype=np.uint8) for _ in range(rows)]
-    table = prepared / "tokenized.parquet"
-    table.write_bytes(
-        prepared_table_bytes(
-            list(range(rows)),
-            ["train"] * rows,
-            tokens,
-            masks,
-            [False] * rows,
-            [()] * rows,
-            rows_per_shard,
-        )
-    )
-    summary = {"rows": rows, "dataset_hash": "bench", "tokenizer_fingerprint": "bench"}
-    (prepared / "summary.json").write_text(json.dumps(summary))
-    return dataset, table
+    dataset = write_prepared(run_dir, tokens, rows_per_shard=rows_per_shard, records=records)
+    return dataset, run_dir / "prepared" / "tokenized.parquet"
 
 
 def job_config(model_dir: Path, dataset: Path, rows_per_shard: int, regenerate: bool) -> dict:
@@ -340,18 +324,7 @@ def write_table(path: Path, rows: int, rows_per_shard: int, mean_len: int) -> in
     rng = np.random.default_rng(0)
     lengths = rng.integers(mean_len // 4, 2 * mean_len - mean_len // 4 + 1, rows)
     tokens = [rng.integers(0, 128000, n, dtype=np.int32) for n in lengths]
-    masks = [np.ones(n, dtype=np.uint8) for n in lengths]
-    path.write_bytes(
-        prepared_table_bytes(
-            list(range(rows)),
-            ["train"] * rows,
-            tokens,
-            masks,
-            [False] * rows,
-            [()] * rows,
-            rows_per_shard,
-        )
-    )
+    path.write_bytes(train_table_bytes(tokens, rows_per_shard=rows_per_shard))
     return int(lengths.sum())
 
 

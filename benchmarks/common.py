@@ -245,26 +245,17 @@ def seeded_rows(tokens: int, min_len: int, max_len: int, vocab: int, seed: int) 
     return rows
 
 
-def write_prepared(run_dir: Path, rows, *, rows_per_shard: int, loss_masks=None) -> Path:
-    """A run directory's dataset and prepared table for `rows` as the pipeline sees them
-    (conversations.jsonl, prepared/tokenized.parquet, prepared/summary.json); returns the
-    dataset path (the shard plan counts its rows). The table is written as prepare writes it,
-    one row group per shard of `rows_per_shard` rows, so a shard job reads only its own rows.
-    The loss masks are all ones unless given (one per row)."""
+def train_table_bytes(rows, *, rows_per_shard: int, loss_masks=None) -> bytes:
+    """The prepared table's bytes for `rows` (token id arrays; all train, none truncated) as
+    prepare writes it: one row group per shard of `rows_per_shard` rows, so a shard job reads
+    only its own rows. The loss masks are all ones unless given (one per row)."""
     from eaglepipe.prepare.table import prepared_table_bytes
 
-    prepared = run_dir / "prepared"
-    prepared.mkdir(parents=True)
-    dataset = run_dir / "conversations.jsonl"
-    with open(dataset, "w") as f:
-        for i in range(len(rows)):
-            turns = [{"from": "human", "value": f"row {i}"}, {"from": "gpt", "value": "ok"}]
-            f.write(json.dumps({"conversations": turns}) + "\n")
     masks = [
         np.ones(len(ids), np.uint8) if loss_masks is None else np.asarray(loss_masks[i], np.uint8)
         for i, ids in enumerate(rows)
     ]
-    table = prepared_table_bytes(
+    return prepared_table_bytes(
         list(range(len(rows))),
         ["train"] * len(rows),
         [np.asarray(ids, np.int32) for ids in rows],
@@ -273,6 +264,29 @@ def write_prepared(run_dir: Path, rows, *, rows_per_shard: int, loss_masks=None)
         [()] * len(rows),
         rows_per_shard,
     )
+
+
+def write_prepared(
+    run_dir: Path, rows, *, rows_per_shard: int, loss_masks=None, records=None
+) -> Path:
+    """A run directory's dataset and prepared table for `rows` as the pipeline sees them
+    (conversations.jsonl, prepared/tokenized.parquet as `train_table_bytes` writes it,
+    prepared/summary.json); returns the dataset path (the shard plan counts its rows).
+    `records` are the dataset's JSON objects, one per row (default: a two-turn ShareGPT
+    conversation each)."""
+    prepared = run_dir / "prepared"
+    prepared.mkdir(parents=True)
+    dataset = run_dir / "conversations.jsonl"
+    if records is None:
+        records = [
+            {"conversations": [{"from": "human", "value": f"row {i}"},
+                               {"from": "gpt", "value": "ok"}]}
+            for i in range(len(rows))
+        ]  # fmt: skip
+    with open(dataset, "w") as f:
+        for record in records:
+            f.write(json.dumps(record) + "\n")
+    table = train_table_bytes(rows, rows_per_shard=rows_per_shard, loss_masks=loss_masks)
     (prepared / "tokenized.parquet").write_bytes(table)
     provenance = {"dataset_hash": "bench", "tokenizer_fingerprint": "bench"}
     (prepared / "summary.json").write_text(json.dumps({"rows": len(rows), **provenance}))
@@ -383,21 +397,16 @@ def first_request_summary(manifests: list[dict]) -> dict | None:
         summary["lease_via"] = dict(sorted(via.items()))
     # Each job's own steps, in the order given (the plan's): a first wave that starts together
     # and a job that starts beside running ones can differ, which medians hide.
-    # `started_s`: the job's process start after the first job's, where the benchmark kept it.
     births = [m["job_window"][0] for m in manifests if m.get("job_window")]
-    summary["jobs"] = [
-        {
-            "shard": m.get("shard"),
-            **(
-                {"started_s": round(m["job_window"][0] - min(births), 3)}
-                if m.get("job_window")
-                else {}
-            ),
-            **{k: t[k] for k in JOB_START_STEPS if t.get(k) is not None},
-        }
-        for m, t in zip(manifests, timings, strict=True)
-        if t.get("first_request_s") is not None
-    ]
+    summary["jobs"] = []
+    for manifest, timing in zip(manifests, timings, strict=True):
+        if timing.get("first_request_s") is None:
+            continue
+        job = {"shard": manifest.get("shard")}
+        if manifest.get("job_window"):  # its process start after the first job's
+            job["started_s"] = round(manifest["job_window"][0] - min(births), 3)
+        job.update({k: timing[k] for k in JOB_START_STEPS if timing.get(k) is not None})
+        summary["jobs"].append(job)
     return summary
 
 
