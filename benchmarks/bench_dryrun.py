@@ -144,6 +144,12 @@ def dry_run(work: Path, log_path: Path, *extra: str, snakefile: Path | None = No
     return {"seconds": round(t["seconds"], 2), "jobs": int(totals[-1]) if totals else None}
 
 
+def seconds(run: dict) -> str:
+    """A dry run's time to the hundredth: the table's default rounding would show 10.24 s as 10
+    next to a goal of 10 s."""
+    return f"{run['seconds']:.2f}"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=10_000)
@@ -199,25 +205,31 @@ def main(argv=None) -> int:
         "snakemake_floor_one_job_per_shard": merged,
         "warm_vs_floor": round(warm["seconds"] / floor["seconds"], 3),
         "goal_s": GOAL_S,
-        "goal_met": cold["seconds"] <= GOAL_S,
+        # The issue's goal is the warm run: what a user sees on every `snakemake -n` but the first.
+        "goal_met": warm["seconds"] <= GOAL_S,
     }
     markdown = (
         f"### Dry run over a {shards:,}-shard plan ({args.rows:,} rows)\n\n"
         + markdown_table(
             ["run", "seconds", "jobs planned", "goal"],
             [
-                ["cold (first `snakemake -n`)", cold["seconds"], cold["jobs"], f"<= {GOAL_S:g} s"],
-                ["warm (caches and stamps present)", warm["seconds"], warm["jobs"], ""],
-                ["warm, `--quiet all` (no per-job listing)", quiet["seconds"], None, ""],
+                ["cold (first `snakemake -n`)", seconds(cold), cold["jobs"], ""],
+                [
+                    "warm (caches and stamps present)",
+                    seconds(warm),
+                    warm["jobs"],
+                    f"<= {GOAL_S:g} s",
+                ],
+                ["warm, `--quiet all` (no per-job listing)", seconds(quiet), None, ""],
                 [
                     "Snakemake's floor: trivial rules, the same jobs per shard",
-                    floor["seconds"],
+                    seconds(floor),
                     floor["jobs"],
                     "",
                 ],
                 [
                     "Snakemake's floor: trivial rules, one job per shard",
-                    merged["seconds"],
+                    seconds(merged),
                     merged["jobs"],
                     "",
                 ],

@@ -62,6 +62,7 @@ PREPARED_INPUTS = {
 }
 PREPARED_PRESENT = all(os.path.exists(path) for path in PREPARED_INPUTS.values())
 RUN_TOKEN = hooks.run_token()
+PER_SHARD_RESOURCES = hooks.per_shard_job_resources(workflow)
 RESOLVED = str(RESOLVED_CONFIG)
 REGENERATION_SUMMARY = str(config_paths.REGENERATION_SUMMARY)
 ENV = "../envs/pipeline.yaml"

@@ -8,11 +8,13 @@ rule extract:
         "logs/extract/rows_{start}-{end}.log",
     benchmark:
         "logs/benchmarks/extract/rows_{start}-{end}.tsv"
+    conda:
+        ENV
     # No `retries:` (it would repeat deterministic failures too): a job retries in itself only
     # when the server is lost (eaglepipe.extract.shard.run_extract_job). The log is appended to, so
     # every attempt's lines stay.
-    conda:
-        ENV
+    resources:
+        **PER_SHARD_RESOURCES,
     params:
         script=script("extract.py"),
         config=RESOLVED,

@@ -9,9 +9,11 @@ rule regenerate:
         "logs/regenerate/rows_{start}-{end}.log",
     benchmark:
         "logs/benchmarks/regenerate/rows_{start}-{end}.tsv"
-    # As extraction: no `retries:`; a job retries in itself only when the server is lost.
     conda:
         ENV
+    # As extraction: no `retries:`; a job retries in itself only when the server is lost.
+    resources:
+        **PER_SHARD_RESOURCES,
     params:
         script=script("regenerate.py"),
         config=RESOLVED,

@@ -12,6 +12,8 @@ rule validate:
         "logs/benchmarks/validate/rows_{start}-{end}.tsv"
     conda:
         ENV
+    resources:
+        **PER_SHARD_RESOURCES,
     params:
         script=script("validate.py"),
         config=RESOLVED,

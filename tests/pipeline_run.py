@@ -110,13 +110,16 @@ def snakemake_argv(workdir: Path, *args: str) -> list[str]:
     ]
 
 
-def run_snakemake(workdir: Path, *args: str, check: bool = True, timeout: float = 900):
+def run_snakemake(
+    workdir: Path, *args: str, check: bool = True, timeout: float = 900, env: dict | None = None
+):
+    """`snakemake ARGS` on the repository's Snakefile in `workdir`; `env` adds variables."""
     result = subprocess.run(
         snakemake_argv(workdir, *args),
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=_env(),
+        env={**_env(), **(env or {})},
     )
     if check and result.returncode != 0:
         raise AssertionError(

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -576,6 +577,81 @@ def test_per_shard_input_functions_hand_snakemake_their_parameters(monkeypatch):
     common = (REPO_ROOT / "rules" / "common.smk").read_text()
     for name in ("regenerate_inputs", "extract_inputs", "validate_inputs"):
         assert f"@hooks.known_parameters\ndef {name}(wildcards):" in common
+
+
+def tmpdirs_by_rule(dry_run_listing: str) -> dict[str, set[str]]:
+    """Each rule's `tmpdir` resource in a `snakemake -n` listing."""
+    found: dict[str, set[str]] = {}
+    rule = None
+    for line in dry_run_listing.splitlines():
+        if line.startswith(("rule ", "localrule ")):
+            rule = line.split()[1].rstrip(":")
+        elif line.strip().startswith("resources:") and rule:
+            for item in line.split(":", 1)[1].split(","):
+                name, _, value = item.strip().partition("=")
+                if name == "tmpdir":
+                    found.setdefault(rule, set()).add(value)
+    return found
+
+
+def test_per_shard_jobs_get_the_temporary_directory_snakemake_would_give_them(tmp_path):
+    """The per-shard rules declare `tmpdir` as a constant (Snakemake evaluates its default
+    expression once per job otherwise): the same directory the default gives, the environment's
+    TMPDIR included; a tmpdir of the user's own, as a default or for one rule, still wins."""
+    write_config(tmp_path, small_config(tmp_path, rows=20, rows_per_shard=10))
+    own = tmp_path / "tmp-of-this-run"
+    own.mkdir()
+    listing = run_snakemake(tmp_path, "-n", env={"TMPDIR": str(own)}).stdout
+    tmpdirs = tmpdirs_by_rule(listing)
+    assert {"extract", "validate", "prepare"} <= set(tmpdirs)
+    assert set().union(*tmpdirs.values()) == {str(own)}
+
+    user_default = run_snakemake(tmp_path, "-n", "--default-resources", "tmpdir='/scratch/mine'")
+    tmpdirs = tmpdirs_by_rule(user_default.stdout)
+    assert tmpdirs["extract"] == tmpdirs["validate"] == tmpdirs["prepare"] == {"/scratch/mine"}
+
+    one_rule = run_snakemake(
+        tmp_path,
+        "-n",
+        "--set-resources",
+        "extract:tmpdir='/scratch/extract'",
+        env={"TMPDIR": str(own)},
+    )
+    tmpdirs = tmpdirs_by_rule(one_rule.stdout)
+    assert tmpdirs["extract"] == {"/scratch/extract"}
+    assert tmpdirs["validate"] == {str(own)}
+
+
+def test_a_cluster_jobs_own_snakemake_evaluates_the_temporary_directory_on_its_node():
+    """Only the main Snakemake process declares the constant: a job's own Snakemake on a
+    cluster node (exec mode remote) keeps the default expression, evaluated there."""
+    from types import SimpleNamespace
+
+    from snakemake.resources import Resources
+    from snakemake_interface_executor_plugins.settings import ExecMode
+
+    from eaglepipe.ops.snakefile_hooks import per_shard_job_resources
+
+    def workflow(mode, defaults=None):
+        return SimpleNamespace(
+            exec_mode=mode, resource_settings=SimpleNamespace(default_resources=defaults)
+        )
+
+    assert per_shard_job_resources(workflow(ExecMode.DEFAULT)) == {"tmpdir": tempfile.gettempdir()}
+    assert per_shard_job_resources(workflow(ExecMode.REMOTE)) == {}
+    assert per_shard_job_resources(workflow(ExecMode.SUBPROCESS)) == {}
+    # --default-resources without a tmpdir of its own keeps Snakemake's stock expression.
+    stock = Resources.parse(["mem_mb=1000"], allow_expressions=True, defaults="full")
+    assert per_shard_job_resources(workflow(ExecMode.DEFAULT, stock)) == {
+        "tmpdir": tempfile.gettempdir()
+    }
+    own = Resources.parse(["tmpdir='/scratch'"], allow_expressions=True, defaults="full")
+    assert per_shard_job_resources(workflow(ExecMode.DEFAULT, own)) == {}
+    for rule in ("extract", "validate", "regenerate"):
+        assert (
+            "resources:\n        **PER_SHARD_RESOURCES,"
+            in (REPO_ROOT / "rules" / f"{rule}.smk").read_text()
+        )
 
 
 def test_dry_run_lists_one_extract_per_shard(tmp_path):

@@ -1,6 +1,8 @@
-"""What the Snakefile runs around the rules: garbage-collector tuning for large DAGs, the project's
-Python for rule commands, the run token, the warning about rerun triggers, the run's record and
-the disk-space plan at start, and stopping the server this run started (onsuccess / onerror)."""
+"""What the Snakefile runs around the rules: garbage-collector tuning for large DAGs, what the
+per-shard jobs declare up front (input functions' parameters, the temporary directory), the
+project's Python for rule commands, the run token, the warning about rerun triggers, the run's
+record and the disk-space plan at start, and stopping the server this run started (onsuccess /
+onerror)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import gc
 import json
 import os
 import sys
+import tempfile
 import uuid
 
 from .. import __version__
@@ -61,6 +64,33 @@ def known_parameters(func):
         return func
     overwrite_function_params(func, inspect.signature(func).parameters)
     return func
+
+
+# Snakemake's own default for the tmpdir resource (snakemake.resources.Resources.DEFAULTS).
+_STOCK_TMPDIR_EXPRESSION = "system_tmpdir"
+
+
+def per_shard_job_resources(snakemake_workflow) -> dict:
+    """Resources the per-shard rules declare: the temporary directory, as a constant.
+
+    Snakemake evaluates its default `tmpdir` (the expression `system_tmpdir`, compiled and
+    run with `eval`) anew for every job: about 0.8 s of a 5,000-shard dry run's 10.5 s on the
+    2-core machine. Where this process would evaluate it, the constant is the same value. Not
+    declared (the default stays) in a cluster job's own Snakemake, which evaluates the
+    expression on its node, nor where the user gave a tmpdir of their own in
+    `--default-resources` (a rule's resources would override it); `--set-resources` still
+    overrides the constant.
+    """
+    from snakemake_interface_executor_plugins.settings import ExecMode
+
+    if snakemake_workflow.exec_mode != ExecMode.DEFAULT:
+        return {}
+    defaults = snakemake_workflow.resource_settings.default_resources
+    if defaults is not None and "tmpdir" in defaults:
+        chosen = defaults["tmpdir"]
+        if getattr(chosen, "raw", chosen) != _STOCK_TMPDIR_EXPRESSION:
+            return {}
+    return {"tmpdir": tempfile.gettempdir()}
 
 
 def warn_about_rerun_triggers(snakemake_workflow) -> None:
