@@ -296,10 +296,6 @@ def measure_jobs(args, work: Path, model_dir: Path) -> dict:
         if configs:  # one server for both: the same port (its identity ignores the dataset)
             config["server"]["port"] = configs["extract"]["server"]["port"]
         configs[stage] = config
-    paths = {
-        stage: write_resolved(config, run_dir / ".eaglepipe" / f"{stage}-config.json")
-        for stage, config in configs.items()
-    }
     with working_directory(run_dir):
         try:
             with timed() as t:
@@ -308,7 +304,10 @@ def measure_jobs(args, work: Path, model_dir: Path) -> dict:
             log(f"jobs: reference server up in {result['server_start_s']}s")
             names = planned_shards(resolve(configs["extract"]))
             for stage in ("extract", "regenerate"):
-                runs = [time_job(run_dir, stage, paths[stage], name) for name in names]
+                # Where the workflow writes it, as the jobs of a run read it (sealed: no
+                # validation again, eaglepipe.core.config).
+                resolved = write_resolved(configs[stage], run_dir / ".eaglepipe" / "config.json")
+                runs = [time_job(run_dir, stage, resolved, name) for name in names]
                 result[stage] = summary_of(runs)
                 log(f"{stage}: first request after {result[stage]['to_first_request_s_median']}s"
                     f" (median of {len(runs)} jobs)")  # fmt: skip

@@ -155,3 +155,67 @@ def test_a_tokenizer_with_its_own_code_or_class_goes_through_auto_tokenizer(targ
         assert tokenizer_loader(other) is AutoTokenizer
     (tmp_path / "no-config").mkdir()
     assert tokenizer_loader(tmp_path / "no-config") is AutoTokenizer
+
+
+SEALED_READ = """
+import json, sys
+import eaglepipe.extract.shard, eaglepipe.regenerate.shard
+from eaglepipe.core.config import config_from_arg
+config = config_from_arg(".eaglepipe/config.json")
+loaded = sorted(m for m in ("jsonschema", "yaml", "eaglepipe.core.config_yaml") if m in sys.modules)
+print(json.dumps({"config": config, "loaded": loaded}))
+"""
+
+
+def read_in_a_job(run_dir) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-c", SEALED_READ], capture_output=True, text=True, cwd=run_dir, check=True
+    ).stdout
+    return json.loads(out.splitlines()[-1])
+
+
+def test_a_job_takes_its_sealed_resolved_config_without_validating_it_again(tmp_path):
+    """The workflow writes the resolved config validated and sealed to the schema's bytes; a
+    job that reads it unchanged skips validating it again and so never imports jsonschema or
+    yaml before its first request. Without the seal it validates, as before."""
+    from eaglepipe.core.config import write_resolved
+
+    resolved = write_resolved(default_config(), tmp_path / ".eaglepipe" / "config.json")
+    job = read_in_a_job(tmp_path)
+    assert job["loaded"] == []
+    assert job["config"] == validate_config(default_config())
+
+    resolved.with_name("config.json.validated").unlink()
+    job = read_in_a_job(tmp_path)
+    assert "jsonschema" in job["loaded"]
+    assert job["config"] == validate_config(default_config())
+
+
+def test_a_hand_edited_resolved_config_is_validated_and_named(tmp_path):
+    from eaglepipe.core.config import read_resolved, write_resolved
+    from eaglepipe.core.errors import PipelineError
+
+    resolved = write_resolved(default_config(), tmp_path / "config.json")
+    edited = json.loads(resolved.read_text())
+    edited["shards"]["rows_per_shard"] = 0
+    resolved.write_text(json.dumps(edited))
+    with pytest.raises(PipelineError, match=r"config.json: config key shards.rows_per_shard"):
+        read_resolved(resolved)
+
+
+def test_a_sealed_resolved_config_is_validated_again_under_a_changed_schema(tmp_path, monkeypatch):
+    """The seal covers the schema's bytes: code that changed the schema since the run wrote the
+    file (an upgrade between a run and a job started by hand) validates it again."""
+    import eaglepipe.core.config as cfg
+    from eaglepipe.core.errors import PipelineError
+
+    resolved = cfg.write_resolved(default_config(), tmp_path / "config.json")
+    assert cfg.read_resolved(resolved)["dataset"]["max_length"] == 1024
+    stricter = tmp_path / "schema.yaml"
+    text = cfg.SCHEMA_PATH.read_text()
+    bound = "max_length: {type: integer, minimum: 2, default: 4096}"
+    assert bound in text
+    stricter.write_text(text.replace(bound, "max_length: {type: integer, maximum: 512}"))
+    monkeypatch.setattr(cfg, "SCHEMA_PATH", stricter)
+    with pytest.raises(PipelineError, match="config key dataset.max_length"):
+        cfg.read_resolved(resolved)

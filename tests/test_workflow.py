@@ -510,7 +510,7 @@ def test_a_key_given_twice_in_a_config_file_is_named_not_dropped(tmp_path):
     merged = tmp_path / "merged.yaml"
     config.write_text(text)
     merged.write_text("base: &base {lr: 0.01}\ntrain:\n  <<: *base\n  lr: 0.02\n")
-    from eaglepipe.core.config import read_config_yaml
+    from eaglepipe.core.config_yaml import read_config_yaml
 
     assert read_config_yaml(merged)["train"] == {"lr": 0.02}
 

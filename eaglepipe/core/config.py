@@ -3,20 +3,26 @@
 The schema in schemas/config.schema.yaml is the single description of every key: its types,
 bounds and defaults. The Snakefile validates `config` with it at workflow start and resolves it
 into the run description (`eaglepipe.core.run`), whose resolved copy is written to
-`.eaglepipe/config.json`, so a job sees exactly the configuration its run parsed.
+`.eaglepipe/config.json`, so a job sees exactly the configuration its run parsed. Beside it,
+`config.json.validated` ties its bytes to the schema that validated them: a job that reads an
+unchanged copy under an unchanged schema skips validating it again, and with it the import of
+jsonschema and yaml (a sixth of an extraction job's imports before its first request). Those
+two are imported where they are used for that reason.
 """
 
 from __future__ import annotations
 
 import copy
 import difflib
+import hashlib
 import os
 from pathlib import Path
-
-import jsonschema
-import yaml
+from typing import TYPE_CHECKING
 
 from .errors import PipelineError
+
+if TYPE_CHECKING:
+    import jsonschema
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 SCHEMA_PATH = PROJECT_ROOT / "schemas" / "config.schema.yaml"
@@ -40,8 +46,10 @@ STATE_DIR = Path(".eaglepipe")
 
 
 def load_schema() -> dict:
-    # libyaml's loader when pyyaml has it: the same result, a quarter of the time (every job
-    # validates its resolved config before its first request).
+    import yaml
+
+    # libyaml's loader when pyyaml has it: the same result, a quarter of the time (a job whose
+    # resolved config is no longer sealed validates it before its first request).
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
     return yaml.load(SCHEMA_PATH.read_text(), Loader=loader)
 
@@ -65,6 +73,8 @@ def _strict_validator(schema: dict):
     """The schema's validator, except that `integer` means an int: JSON Schema also counts a
     whole float (`epochs: 8.0`), which passed the check and then failed a job with a traceback
     (and, hashed as a float, made every shard of an unchanged setting stale)."""
+    import jsonschema
+
     base = jsonschema.validators.validator_for(schema)
     checker = base.TYPE_CHECKER.redefine("integer", _is_integer)
     return jsonschema.validators.extend(base, type_checker=checker)(schema)
@@ -75,6 +85,8 @@ def validate_config(config: dict) -> dict:
 
     Raises PipelineError naming the offending key, e.g. `config key shards.rows_per_shard: ...`.
     """
+    import jsonschema
+
     schema = load_schema()
     errors = sorted(_strict_validator(schema).iter_errors(config), key=lambda e: e.path)
     if errors:
@@ -116,39 +128,13 @@ def _fill_defaults(node: dict, schema: dict) -> None:
 # --- what Snakemake's command line hands over ----------------------------------------------------
 
 
-class DuplicateKeyError(yaml.YAMLError):
-    """A config file names one key twice in one mapping (`_UniqueKeyLoader`)."""
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """YAML's safe loader, refusing a mapping that names a key twice: the plain loader keeps
-    the last one, and a second `train:` section would silently drop the first one's settings."""
-
-    def construct_mapping(self, node, deep=False):
-        seen: dict = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                continue  # `<<:` merges are meant to be overridden
-            key = self.construct_object(key_node, deep=True)
-            line = key_node.start_mark.line + 1
-            if key in seen:
-                raise DuplicateKeyError(
-                    f"key {key} appears twice in one mapping (lines {seen[key]} and {line}): "
-                    "YAML keeps only the last, and the settings under the first would be lost; "
-                    "merge them into one"
-                )
-            seen[key] = line
-        return super().construct_mapping(node, deep=deep)
-
-
-def read_config_yaml(path: str | os.PathLike):
-    """A config file's YAML (JSON is YAML too); a key given twice in one mapping is an error."""
-    return yaml.load(Path(path).read_text(), Loader=_UniqueKeyLoader)
-
-
 def check_unique_keys(paths) -> None:
     """Every config file Snakemake loaded names each key once per mapping (Snakemake's own
     loader keeps the last of two silently)."""
+    import yaml
+
+    from .config_yaml import DuplicateKeyError, read_config_yaml
+
     for path in paths:
         try:
             read_config_yaml(path)
@@ -171,6 +157,8 @@ def check_config_files(paths) -> None:
     reported without the file that holds it; a target written after `--configfile f.yaml` is
     the usual way to get one (Snakemake reads it as a second config file).
     """
+    import yaml
+
     sections = set(load_schema()["properties"])
     for path in paths:
         try:
@@ -244,6 +232,8 @@ def _typed(value, given, schema: dict):
         return None  # as `key: null` (or `~`) in a config file reads
     if "string" in types or not types:
         return value
+    import yaml
+
     try:
         parsed = yaml.safe_load(value)
     except yaml.YAMLError:
@@ -263,6 +253,10 @@ def load_config(path: str | os.PathLike, *, base: str | os.PathLike | None = Non
 
 def _read_config_mapping(path: str | os.PathLike) -> dict:
     """A config file's mapping; anything else is one PipelineError naming the file."""
+    import yaml
+
+    from .config_yaml import DuplicateKeyError, read_config_yaml
+
     path = Path(path)
     try:
         raw = read_config_yaml(path)
@@ -295,15 +289,31 @@ def text_config(model_config: dict) -> dict:
     return model_config.get("text_config") or model_config
 
 
-def write_resolved(config: dict, path: str | os.PathLike = RESOLVED_CONFIG) -> Path:
-    from .atomic import write_json_if_changed
+def _seal_path(path: Path) -> Path:
+    return path.with_name(path.name + ".validated")
 
-    write_json_if_changed(path, config)
-    return Path(path)
+
+def _seal(config_bytes: bytes) -> str:
+    """What ties a resolved config's bytes to the schema that validated them."""
+    digest = hashlib.sha256(SCHEMA_PATH.read_bytes())
+    digest.update(b"\0")
+    digest.update(config_bytes)
+    return digest.hexdigest()
+
+
+def write_resolved(config: dict, path: str | os.PathLike = RESOLVED_CONFIG) -> Path:
+    """Write `config`, validated (defaults filled), for the run's jobs, and seal it (each file
+    only when its content changes)."""
+    from .atomic import write_if_changed, write_json_if_changed
+
+    path = Path(path)
+    write_json_if_changed(path, validate_config(config))
+    write_if_changed(_seal_path(path), _seal(path.read_bytes()).encode())
+    return path
 
 
 def read_resolved(path: str | os.PathLike = RESOLVED_CONFIG) -> dict:
-    from .jsonio import read_json_object
+    from .jsonio import read_json_object_bytes
 
     path = Path(path)
     if not path.exists():
@@ -314,9 +324,12 @@ def read_resolved(path: str | os.PathLike = RESOLVED_CONFIG) -> dict:
     # Written by the workflow: a damaged one is a hand edit or a torn copy.
     repair = f"delete {path} (config.yaml is then used) or rerun snakemake, which writes it again"
     try:
-        config = read_json_object(path, what="resolved config")
+        config, raw = read_json_object_bytes(path, what="resolved config")
     except PipelineError as exc:
         raise PipelineError(f"{exc}: {repair}") from None
+    seal = _seal_path(path)
+    if seal.is_file() and seal.read_text() == _seal(raw):
+        return config  # validated as it is, by this schema, when it was written
     try:
         return validate_config(config)
     except PipelineError as exc:
