@@ -245,7 +245,8 @@ def handoff_root(work: Path, need_bytes: int) -> Path:
 
 def make_run_dir(run_dir: Path, model_dir: Path, rows, args, shape, device: str) -> dict:
     """A run directory as the pipeline sees it: dataset, prepared table, summary, config."""
-    from eaglepipe.core.config import load_config, validate_config
+    from eaglepipe.core.config import validate_config
+    from eaglepipe.core.config_files import load_config
 
     token_bytes = 4 * shape["hidden"] * 2  # three aux layers and the final one, bf16
     row_bytes = token_bytes * args.tokens / len(rows)

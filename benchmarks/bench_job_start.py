@@ -214,7 +214,8 @@ def write_inputs(run_dir: Path, shards: int, rows_per_shard: int) -> tuple[Path,
 def job_config(model_dir: Path, dataset: Path, rows_per_shard: int, regenerate: bool) -> dict:
     from common import free_port
 
-    from eaglepipe.core.config import load_config, validate_config
+    from eaglepipe.core.config import validate_config
+    from eaglepipe.core.config_files import load_config
 
     config = load_config(REPO_ROOT / "config.yaml")
     config["model"]["path"] = str(model_dir)

@@ -382,7 +382,8 @@ def rows_per_shard_for(rows, args, shape) -> int:
 def pipeline_config(
     run_dir: Path, model_dir: Path, dataset: Path, rows_per_shard: int, args
 ) -> dict:
-    from eaglepipe.core.config import load_config, validate_config
+    from eaglepipe.core.config import validate_config
+    from eaglepipe.core.config_files import load_config
 
     dump_parent = "/dev/shm" if shm_free_gb() > 8 else str(run_dir)
     config = load_config(REPO_ROOT / "config.yaml")

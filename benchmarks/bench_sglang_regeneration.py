@@ -172,7 +172,8 @@ def write_conversations(path: Path, rows: int, prompt_tokens: int, vocab: int, s
 
 
 def pipeline_config(run_dir: Path, model_dir: Path, dataset: Path, args) -> dict:
-    from eaglepipe.core.config import load_config, validate_config
+    from eaglepipe.core.config import validate_config
+    from eaglepipe.core.config_files import load_config
 
     config = load_config(REPO_ROOT / "config.yaml")
     config["model"]["path"] = str(model_dir)

@@ -29,7 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from eaglepipe.core.config import load_config
+from eaglepipe.core.config_files import load_config
 from eaglepipe.core.fingerprint import hash_file
 from eaglepipe.core.run import resolve
 from eaglepipe.extract.chunk_file import RowTensors, plan_chunks, write_chunk

@@ -431,7 +431,8 @@ def compare_runs(single: dict, packed: dict, count: int, floors: list[float]) ->
 def server_config(
     model_dir: Path, dump_root: Path, extra_args: list[str], health_s: float, engine="sglang"
 ):
-    from eaglepipe.core.config import load_config, validate_config
+    from eaglepipe.core.config import validate_config
+    from eaglepipe.core.config_files import load_config
     from eaglepipe.core.run import resolve
 
     config = load_config(REPO_ROOT / "config.yaml")

@@ -78,7 +78,8 @@ def build_toy(shape: str, out: Path) -> None:
 
 
 def probe_config(run_dir: Path, model_dir: Path) -> dict:
-    from eaglepipe.core.config import load_config, validate_config
+    from eaglepipe.core.config import validate_config
+    from eaglepipe.core.config_files import load_config
 
     config = load_config(REPO_ROOT / "config.yaml")
     config["model"]["path"] = str(model_dir)

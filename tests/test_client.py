@@ -18,7 +18,7 @@ import pytest
 import torch
 from aiohttp import web
 
-from eaglepipe.core.config import load_config
+from eaglepipe.core.config_files import load_config
 from eaglepipe.core.errors import PipelineError
 from eaglepipe.core.run import resolve
 from eaglepipe.extract.client import (

@@ -24,7 +24,7 @@ from sglang_source import range_ends, sglang_source_root
 from transformers import DeepseekV3Config, LlamaConfig
 
 from eaglepipe.core.atomic import atomic_write_bytes
-from eaglepipe.core.config import load_config
+from eaglepipe.core.config_files import load_config
 from eaglepipe.core.errors import PipelineError
 from eaglepipe.core.run import RunSpec, resolve
 from eaglepipe.core.sealed import seal_problem

@@ -26,7 +26,8 @@ from test_drafter_export import (
 )
 
 from eaglepipe.core.atomic import atomic_write_bytes
-from eaglepipe.core.config import load_config, validate_config
+from eaglepipe.core.config import validate_config
+from eaglepipe.core.config_files import load_config
 from eaglepipe.core.drafter_options import NORM_FLAGS, default_options, drafter_options
 from eaglepipe.core.errors import PipelineError
 from eaglepipe.core.run import resolve

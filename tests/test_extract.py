@@ -22,7 +22,7 @@ import pytest
 import torch
 from conftest import shard_lock_held_elsewhere, small_filesystem
 
-from eaglepipe.core.config import load_config
+from eaglepipe.core.config_files import load_config
 from eaglepipe.core.errors import PipelineError
 from eaglepipe.core.run import resolve
 from eaglepipe.extract.chunk_file import open_chunk

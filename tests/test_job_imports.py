@@ -162,7 +162,7 @@ import json, sys
 import eaglepipe.extract.shard, eaglepipe.regenerate.shard
 from eaglepipe.core.config import config_from_arg
 config = config_from_arg(".eaglepipe/config.json")
-loaded = sorted(m for m in ("jsonschema", "yaml", "eaglepipe.core.config_yaml") if m in sys.modules)
+loaded = [m for m in ("jsonschema", "yaml", "eaglepipe.core.config_files") if m in sys.modules]
 print(json.dumps({"config": config, "loaded": loaded}))
 """
 

@@ -23,7 +23,7 @@ from drafter_helpers import synthetic_rows, write_config, write_table
 from pipeline_run import default_config, run_snakemake, small_config
 from pipeline_run import write_config as write_run_config
 
-from eaglepipe.core.config import load_config
+from eaglepipe.core.config_files import load_config
 from eaglepipe.core.errors import PipelineError
 from eaglepipe.core.run import resolve
 from eaglepipe.drafter.export import export

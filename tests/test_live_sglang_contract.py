@@ -24,7 +24,7 @@ import pytest
 from filelock import FileLock
 from sglang_source import _download_wheel, cache_dir
 
-from eaglepipe.core.config import load_config
+from eaglepipe.core.config_files import load_config
 from eaglepipe.core.run import resolve
 from eaglepipe.drafter.live_run import SpeculativeSetting
 from eaglepipe.drafter.live_sglang import serve_command

@@ -14,7 +14,7 @@ import pytest
 import yaml
 from conftest import PYTHON, REPO_ROOT, small_filesystem
 
-from eaglepipe.core.config import load_config
+from eaglepipe.core.config_files import load_config
 from eaglepipe.core.errors import PipelineError
 from eaglepipe.core.fingerprint import hash_file, model_config_hash, tokenizer_fingerprint
 from eaglepipe.core.run import resolve

@@ -31,7 +31,7 @@ from pipeline_run import (
     write_config,
 )
 
-from eaglepipe.core.config import load_config
+from eaglepipe.core.config_files import load_config
 from eaglepipe.core.run import resolve
 
 SHARDS = ["rows_0-10", "rows_10-20"]

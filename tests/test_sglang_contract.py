@@ -282,7 +282,7 @@ def launch(tmp_path_factory, version):
 
 
 def _config(model_dir: Path, *, tp_size: int = 1, extra_args=None, trust_remote_code=True):
-    from eaglepipe.core.config import load_config
+    from eaglepipe.core.config_files import load_config
 
     config = load_config(REPO_ROOT / "config.yaml")
     config["model"]["path"] = str(model_dir)

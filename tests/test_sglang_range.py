@@ -46,7 +46,7 @@ def server_site(tmp_path, monkeypatch):
 
 
 def llama_config(tmp_path: Path) -> dict:
-    from eaglepipe.core.config import load_config
+    from eaglepipe.core.config_files import load_config
 
     model = tmp_path / "model"
     model.mkdir()

@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import REPO_ROOT
 
-from eaglepipe.core.config import load_config
+from eaglepipe.core.config_files import load_config
 from eaglepipe.core.run import resolve
 from eaglepipe.extract.chunk_file import plan_chunks
 from eaglepipe.ops import status

@@ -9,7 +9,7 @@ import pytest
 import yaml
 from conftest import PYTHON, REPO_ROOT
 
-from eaglepipe.core.config import load_config
+from eaglepipe.core.config_files import load_config
 from eaglepipe.core.errors import PipelineError
 from eaglepipe.data import toy_cache
 from eaglepipe.data.chat_mask import tokenize_conversation

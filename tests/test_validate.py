@@ -26,7 +26,7 @@ import torch
 from aiohttp import web
 from conftest import PYTHON, REPO_ROOT, build_tiny_deepseek_v3
 
-from eaglepipe.core.config import load_config
+from eaglepipe.core.config_files import load_config
 from eaglepipe.core.errors import PipelineError
 from eaglepipe.core.fingerprint import hash_bytes
 from eaglepipe.core.run import resolve

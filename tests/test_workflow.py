@@ -443,7 +443,7 @@ def test_a_section_set_with_config_on_the_command_line_gets_its_types(tmp_path):
 
 
 def test_command_line_values_are_typed_and_config_files_checked(tmp_path):
-    from eaglepipe.core.config import check_config_files, type_command_line_values
+    from eaglepipe.core.config_files import check_config_files, type_command_line_values
 
     given = {"server": {"port": "31001", "host": "::1"}, "aux_layer_ids": ["1", "3", "5"]}
     config = {
@@ -477,7 +477,7 @@ def test_command_line_values_are_typed_and_config_files_checked(tmp_path):
 def test_null_set_with_config_on_the_command_line_is_null_where_the_key_takes_one():
     # Snakemake hands `--config 'server={dump_root: null}'` over as the text "null": the handoff
     # landed in a directory named `null` instead of the default.
-    from eaglepipe.core.config import type_command_line_values
+    from eaglepipe.core.config_files import type_command_line_values
 
     given = {"server": {"dump_root": "null", "host": "~"}, "model": {"path": "~"}}
     given["dataset"] = {"path": "null"}
@@ -489,7 +489,7 @@ def test_null_set_with_config_on_the_command_line_is_null_where_the_key_takes_on
 
 
 def test_a_key_given_twice_in_a_config_file_is_named_not_dropped(tmp_path):
-    from eaglepipe.core.config import load_config
+    from eaglepipe.core.config_files import load_config
 
     write_config(tmp_path, small_config(tmp_path))
     extra = tmp_path / "my.yaml"
@@ -510,7 +510,7 @@ def test_a_key_given_twice_in_a_config_file_is_named_not_dropped(tmp_path):
     merged = tmp_path / "merged.yaml"
     config.write_text(text)
     merged.write_text("base: &base {lr: 0.01}\ntrain:\n  <<: *base\n  lr: 0.02\n")
-    from eaglepipe.core.config_yaml import read_config_yaml
+    from eaglepipe.core.config_files import read_config_yaml
 
     assert read_config_yaml(merged)["train"] == {"lr": 0.02}
 

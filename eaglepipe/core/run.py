@@ -510,9 +510,12 @@ def resolve_at_workflow_start(
     `workflow.config_settings.config`): a key given twice in a file and a target read as a
     config file are named, and `--config` values get their schema types (`config` is changed
     in place, for Snakemake's own validation after this one)."""
-    cfg.check_unique_keys(loaded_files)
-    cfg.check_config_files(config_files)
-    cfg.type_command_line_values(config, command_line or {})
+    # Reading config files means yaml: imported here, at workflow start, and never by a job.
+    from .config_files import check_config_files, check_unique_keys, type_command_line_values
+
+    check_unique_keys(loaded_files)
+    check_config_files(config_files)
+    type_command_line_values(config, command_line or {})
     run = resolve(cfg.validate_config(config))
     run.facts()  # reads the target's depth and checks the aux layer ids: one clear error here
     run.model.require_weights()
