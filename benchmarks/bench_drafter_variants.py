@@ -40,9 +40,9 @@ from pathlib import Path
 
 import torch
 
-from eaglepipe.core.config import RESOLVED_CONFIG, config_from_arg
+from eaglepipe.core.config import RESOLVED_CONFIG
 from eaglepipe.core.drafter_options import NORM_FLAGS, default_options
-from eaglepipe.core.run import resolve
+from eaglepipe.core.run import config_from_arg, resolve
 from eaglepipe.drafter.evaluate import evaluate
 from eaglepipe.drafter.export import export
 from eaglepipe.drafter.live import live_acceptance, live_export_engine

@@ -18,7 +18,7 @@ from conftest import PYTHON, REPO_ROOT, build_tiny_llama
 from drafter_helpers import flip_low_bit, make_inputs, synthetic_rows, write_shards
 from safetensors import safe_open
 
-from eaglepipe.core.config import config_from_arg
+from eaglepipe.core.run import config_from_arg
 from eaglepipe.drafter.vocab import build_draft_vocab, save_vocab
 
 TORCHRUN = os.path.join(os.path.dirname(PYTHON), "torchrun")

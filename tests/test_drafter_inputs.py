@@ -17,8 +17,7 @@ import torch
 from conftest import PYTHON, REPO_ROOT, build_tiny_llama
 from drafter_helpers import flip_low_bit, make_inputs, synthetic_rows, write_shards
 
-from eaglepipe.core.config import config_from_arg
-from eaglepipe.core.run import resolve
+from eaglepipe.core.run import config_from_arg, resolve
 from eaglepipe.drafter.target_head import load_target_head
 from eaglepipe.drafter.train import build_drafter, save_drafter
 from eaglepipe.drafter.vocab import build_draft_vocab, load_vocab, save_vocab

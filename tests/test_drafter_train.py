@@ -19,8 +19,7 @@ import torch
 from conftest import PYTHON, REPO_ROOT, add_toy_tokenizer, build_tiny_llama, small_filesystem
 from drafter_helpers import make_inputs, synthetic_rows, train_tiny_target
 
-from eaglepipe.core.config import config_from_arg
-from eaglepipe.core.run import resolve
+from eaglepipe.core.run import config_from_arg, resolve
 from eaglepipe.drafter.evaluate import eval_rows, evaluate_model
 from eaglepipe.drafter.target_head import load_target_head
 from eaglepipe.drafter.train import build_drafter

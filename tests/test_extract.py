@@ -121,7 +121,7 @@ def make_workdir(root: Path, model_dir: Path) -> Path:
 
 
 def run_config(workdir: Path) -> dict:
-    from eaglepipe.core.config import config_from_arg
+    from eaglepipe.core.run import config_from_arg
 
     return config_from_arg(workdir / "config.json")
 

@@ -160,7 +160,7 @@ def test_a_tokenizer_with_its_own_code_or_class_goes_through_auto_tokenizer(targ
 SEALED_READ = """
 import json, sys
 import eaglepipe.extract.shard, eaglepipe.regenerate.shard
-from eaglepipe.core.config import config_from_arg
+from eaglepipe.core.run import config_from_arg
 config = config_from_arg(".eaglepipe/config.json")
 loaded = [m for m in ("jsonschema", "yaml", "eaglepipe.core.config_files") if m in sys.modules]
 print(json.dumps({"config": config, "loaded": loaded}))

@@ -181,25 +181,9 @@ def read_resolved(path: str | os.PathLike = RESOLVED_CONFIG) -> dict:
     except PipelineError as exc:
         raise PipelineError(f"{exc}: {repair}") from None
     seal = _seal_path(path)
-    if seal.is_file() and seal.read_text() == _seal(raw):
+    if seal.is_file() and seal.read_bytes() == _seal(raw).encode():
         return config  # validated as it is, by this schema, when it was written
     try:
         return validate_config(config)
     except PipelineError as exc:
         raise PipelineError(f"resolved config {path}: {exc}: {repair}") from None
-
-
-def config_from_arg(path: str | os.PathLike) -> dict:
-    """What a script's or `eaglepipe`'s `--config` names: the resolved JSON the workflow wrote,
-    or a config file as `snakemake --configfile` takes one (YAML or JSON): read over the
-    working directory's config.yaml, which the Snakefile loads first, so one that sets only a
-    few keys describes the same run as the workflow does."""
-    path = Path(path)
-    if path.suffix == ".json" and path.resolve() == RESOLVED_CONFIG.resolve():
-        return read_resolved(path)
-    from .config_files import load_config
-
-    base = WORKFLOW_CONFIG
-    if not base.is_file() or base.resolve() == path.resolve():
-        base = None
-    return load_config(path, base=base)

@@ -480,9 +480,26 @@ def resolve(config: dict) -> RunSpec:
     )
 
 
+def config_from_arg(path: str | os.PathLike) -> dict:
+    """What a script's or `eaglepipe`'s `--config` names: the resolved JSON the workflow wrote,
+    or a config file as `snakemake --configfile` takes one (YAML or JSON): read over the
+    working directory's config.yaml, which the Snakefile loads first, so one that sets only a
+    few keys describes the same run as the workflow does."""
+    path = Path(path)
+    if path.suffix == ".json" and path.resolve() == cfg.RESOLVED_CONFIG.resolve():
+        return cfg.read_resolved(path)
+    # Only a config file means yaml (a job reads the resolved JSON: eaglepipe.core.config).
+    from .config_files import load_config
+
+    base = cfg.WORKFLOW_CONFIG
+    if not base.is_file() or base.resolve() == path.resolve():
+        base = None
+    return load_config(path, base=base)
+
+
 def load_run(path: str | os.PathLike = cfg.RESOLVED_CONFIG) -> RunSpec:
     """The description a job runs under: the resolved JSON its run wrote, or a YAML config."""
-    return resolve(cfg.config_from_arg(path))
+    return resolve(config_from_arg(path))
 
 
 def write_run(run: RunSpec) -> None:
