@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -63,6 +65,36 @@ def pytest_runtest_setup(item):
     current = os.nice(0)
     if current < OTHER_MODULES_NICENESS:
         os.nice(OTHER_MODULES_NICENESS - current)  # only ever raised: lowering needs root
+
+
+# Ports for the tests' servers and stand-ins: each xdist worker takes them from a block of its
+# own, below the kernel's ephemeral range (32768 on, where `bind(("", 0))` and every outgoing
+# connection take theirs) and below the pipeline's drawn ports (eaglepipe.server.ports, from
+# 20000). With ports from `bind(0)` two workers' servers once drew the same port: the second
+# job found it held by the other worker's server.
+TEST_PORTS_LOW = 10000
+TEST_PORTS_PER_WORKER = 500
+_port_cursor: list[int] = []
+
+
+def free_port() -> int:
+    """A port free on 127.0.0.1 now, from this worker's block, not handed out before in this
+    process (until the block wraps)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    index = int(worker) if worker.isdigit() else 0
+    low = TEST_PORTS_LOW + (index % 20) * TEST_PORTS_PER_WORKER
+    if not _port_cursor:  # a random start: suites run side by side rarely start together
+        _port_cursor.append(random.randrange(TEST_PORTS_PER_WORKER))
+    for _ in range(TEST_PORTS_PER_WORKER):
+        port = low + _port_cursor[0] % TEST_PORTS_PER_WORKER
+        _port_cursor[0] += 1
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port in {low}..{low + TEST_PORTS_PER_WORKER - 1}")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -6,22 +6,15 @@ import copy
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import yaml
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, free_port
 
 SNAKEMAKE = str(Path(sys.executable).parent / "snakemake")
 SAMPLE = REPO_ROOT / "data" / "sample" / "conversations.jsonl"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def default_config() -> dict:

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+from conftest import free_port
 
 # What `.ci/run` installs; also the command a skipped test names.
 APT_PACKAGES = (
@@ -77,12 +78,6 @@ def missing_requirements() -> str | None:
     if os.geteuid() != 0:
         return "SLURM test cluster: slurmd must run as root to start jobs; run the tests as root"
     return None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def detected_node() -> dict[str, str]:

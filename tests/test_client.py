@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from aiohttp import web
+from conftest import free_port
 
 from eaglepipe.core.config_files import load_config
 from eaglepipe.core.errors import PipelineError
@@ -36,12 +36,6 @@ from eaglepipe.server.watch import liveness_check
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 H = 32
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def client_config(root: Path, model_dir: Path) -> dict:

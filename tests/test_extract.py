@@ -10,7 +10,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import shard_lock_held_elsewhere, small_filesystem
+from conftest import free_port, shard_lock_held_elsewhere, small_filesystem
 
 from eaglepipe.core.config_files import load_config
 from eaglepipe.core.errors import PipelineError
@@ -37,12 +36,6 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 SHARD = "rows_0-24"
 SKIPPED_ROW = 7  # a row prepare dropped: the shard has a gap there
 AUX_IDS = [1, 3, 4]  # the default for the 8-layer tiny Llama
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def prepared_rows() -> list[dict]:

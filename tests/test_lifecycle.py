@@ -23,7 +23,7 @@ import aiohttp
 import psutil
 import pytest
 import yaml
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, free_port
 
 from eaglepipe.core.config import validate_config
 from eaglepipe.core.errors import PipelineError
@@ -98,12 +98,6 @@ FAKE_ENGINE = textwrap.dedent(
     web.run_app(app, host=host, port=port, print=None)
     """
 )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_for(condition, what: str, timeout_s: float = WAIT_S):

@@ -22,6 +22,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 import torch
+from conftest import free_port
 
 from eaglepipe.core.errors import PipelineError
 from eaglepipe.server.faults import DIE_EXIT_CODE, ENV_VAR, parse_faults
@@ -38,12 +39,6 @@ START_TIMEOUT_S = 180
 WAVE_LENGTHS = [3, 17, 40, 64, 5, 100, 1, 23]
 TIGHT = {"rtol": 1e-5, "atol": 1e-5}
 SKEW_FAULTS = "shift_layer_batched,wrong_token_count"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def rid(row: int, attempt: int = 0) -> str:

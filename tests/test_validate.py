@@ -11,7 +11,6 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -24,7 +23,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from aiohttp import web
-from conftest import PYTHON, REPO_ROOT, build_tiny_deepseek_v3
+from conftest import PYTHON, REPO_ROOT, build_tiny_deepseek_v3, free_port
 
 from eaglepipe.core.config_files import load_config
 from eaglepipe.core.errors import PipelineError
@@ -564,12 +563,6 @@ def test_script_prints_one_error_line_and_exits_1_on_failure(workspace):
 
 
 # --- spot check against the real reference server -----------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
