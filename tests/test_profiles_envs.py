@@ -145,6 +145,12 @@ def test_dry_run_with_the_slurm_profile_groups_shards(tmp_path):
     group = load_profile("slurm")["groups"]["extract"]
     assert f"Group job {group}" in output
     assert "gres=gpu:8" in output and "slurm_extra=--exclusive" in output
+    # Every default resource is a number: Snakemake's own disk default, an expression over the
+    # job's input sizes, would be evaluated for every job (and is <TBD> before the inputs exist).
+    assert all(
+        isinstance(value, int) for value in load_profile("slurm")["default-resources"].values()
+    )
+    assert "disk_mb=1000" in output and "<TBD>" not in output
 
 
 @needs_workflow
