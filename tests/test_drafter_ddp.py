@@ -7,14 +7,13 @@ import json
 import os
 import shlex
 import shutil
-import socket
 import subprocess
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
-from conftest import PYTHON, REPO_ROOT, build_tiny_llama
+from conftest import PYTHON, REPO_ROOT, build_tiny_llama, free_port
 from drafter_helpers import flip_low_bit, make_inputs, synthetic_rows, write_shards
 from safetensors import safe_open
 
@@ -25,12 +24,6 @@ TORCHRUN = os.path.join(os.path.dirname(PYTHON), "torchrun")
 pytestmark = pytest.mark.skipif(
     not os.path.exists(TORCHRUN), reason="torchrun is not installed beside the interpreter"
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def readme_recipe(nproc: int, cwd: Path) -> list[str]:

@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import PYTHON, REPO_ROOT, add_toy_tokenizer, build_tiny_llama
+from conftest import PYTHON, REPO_ROOT, add_toy_tokenizer, build_tiny_llama, free_port
 from drafter_helpers import synthetic_rows, write_config, write_table
 from pipeline_run import default_config, run_snakemake, small_config
 from pipeline_run import write_config as write_run_config
@@ -41,8 +41,7 @@ from eaglepipe.drafter.target_head import load_target_head
 from eaglepipe.drafter.train import build_drafter, save_drafter
 from eaglepipe.drafter.vocab import build_draft_vocab, save_vocab
 from eaglepipe.server.ports import port_is_free
-from eaglepipe.server.sglang import MAX_SERVER_PORT, check_port
-from eaglepipe.server.sglang import free_server_port as free_port
+from eaglepipe.server.sglang import MAX_SERVER_PORT, check_port, free_server_port
 
 FAKE_SGLANG = REPO_ROOT / "tests" / "fake_sglang"
 EXTRA_ARGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch"]
@@ -496,7 +495,7 @@ def test_drafters_and_settings_on_one_target_share_one_greedy_reference(exported
 def test_a_server_that_dies_at_startup_fails_with_its_log_tail(exported, fake_sglang, monkeypatch):
     monkeypatch.setenv("FAKE_SGLANG_FAIL", "1")
     config = sglang_config(exported)
-    port = free_port("127.0.0.1")
+    port = free_port()
     with pytest.raises(PipelineError) as info:
         argv = serve_command(resolve(config), host="127.0.0.1", port=port)
         with served(argv, run=resolve(config), name="target", host="127.0.0.1", port=port):
@@ -524,7 +523,7 @@ def test_the_whole_process_group_is_stopped(exported, fake_sglang, monkeypatch):
     pid_file = fake_sglang / "child.pid"
     monkeypatch.setenv("FAKE_SGLANG_CHILD_PID_FILE", str(pid_file))
     config = sglang_config(exported)
-    port = free_port("127.0.0.1")
+    port = free_port()
     argv = serve_command(resolve(config), host="127.0.0.1", port=port)
     with served(argv, run=resolve(config), name="target", host="127.0.0.1", port=port) as url:
         assert url == f"http://127.0.0.1:{port}"
@@ -555,7 +554,7 @@ def start_serving_job(exported, stderr_path, attempts: int = 3):
     bind, another test's process can take the port: then the job fails with "address already
     in use" and it starts again on another port."""
     for _ in range(attempts):
-        port = free_port("127.0.0.1")
+        port = free_port()
         with stderr_path.open("w") as stderr:
             job = subprocess.Popen(
                 [PYTHON, "-c", SERVE_AND_WAIT, json.dumps(sglang_config(exported)), str(port)],
@@ -662,7 +661,7 @@ def test_sglang_servers_get_ports_whose_grpc_port_exists(monkeypatch):
     # SGLang 0.5.14 refuses to start when --port + 10000 is past 65535 (seen live on the H200,
     # where an ephemeral port of 56441 was picked for the live server).
     monkeypatch.delenv("SGLANG_GRPC_PORT", raising=False)
-    assert all(free_port("127.0.0.1") <= MAX_SERVER_PORT for _ in range(50))
+    assert all(free_server_port("127.0.0.1") <= MAX_SERVER_PORT for _ in range(50))
     check_port(MAX_SERVER_PORT)
     with pytest.raises(PipelineError, match=r"server.port 56441: SGLang also uses port 56441"):
         check_port(56441)
