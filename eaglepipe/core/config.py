@@ -15,7 +15,6 @@ both are imported where they are used, and config files (YAML) are read in
 from __future__ import annotations
 
 import copy
-import hashlib
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -147,11 +146,11 @@ def _seal_path(path: Path) -> Path:
 
 
 def _seal(config_bytes: bytes) -> str:
-    """What ties a resolved config's bytes to the schema that validated them."""
-    digest = hashlib.sha256(SCHEMA_PATH.read_bytes())
-    digest.update(b"\0")
-    digest.update(config_bytes)
-    return digest.hexdigest()
+    """What ties a resolved config's bytes to the schema that validated them (the project's
+    content hash: it detects a change, which is all a seal is for)."""
+    from .fingerprint import hash_bytes
+
+    return hash_bytes(SCHEMA_PATH.read_bytes() + b"\0" + config_bytes)
 
 
 def write_resolved(config: dict, path: str | os.PathLike = RESOLVED_CONFIG) -> Path:
