@@ -117,14 +117,15 @@ HOOK_LINE = re.compile(
 # On /dev/shm: >= 1 M tokens per shard and 5 M in the run; 2 jobs x 64 requests in flight (the
 # pipeline's GPU default), the bare run 64 (its GPU is busy all the time at 64); 4 shards, 2 waves
 # of 2 jobs. On disk (64 GiB, 49 GB at most at once) shards of 0.5 M tokens, the jobs' dumps
-# bounded first as the pipeline bounds them by default (a quarter of the handoff), then at
-# the 2 GiB a job of the /dev/shm run (all runs on disk before 2026-12-05 used 2 GiB).
+# bounded as the pipeline bounds them by default (a quarter of the handoff), each chunk handed
+# to the disk every 64 MiB (the default), then left to the kernel (`extract.chunk_writeback_mb:
+# 0`): the two disagreed on the H200 of 2026-12-06 (BENCHMARKS.md).
 PRESETS = {
     "scale-shm": dict(tokens=5_000_000, shard_tokens=1_250_000, parallel_shards=2,
                       storages="shm", verify_delete=True, bare_fraction=0.5),
     "scale-disk": dict(tokens=3_000_000, shard_tokens=500_000, parallel_shards=2,
                        storages="disk", verify_delete=True, bare_fraction=0.5,
-                       inflight_gb="auto,2"),
+                       inflight_gb="auto", chunk_writeback_mb="64,0"),
 }  # fmt: skip
 
 
@@ -169,6 +170,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         "the pipeline's default (a quarter of the handoff's free space); a comma list runs "
         "each (e.g. 2,auto). 2 keeps a /dev/shm run's dumps, chunks and model within /dev/shm",
     )  # fmt: skip
+    parser.add_argument(
+        "--chunk-writeback-mb", default="64",
+        help="extract.chunk_writeback_mb: each chunk handed to the disk every this many MiB as "
+        "it is written, 0 for the kernel's own timing; a comma list runs each (e.g. 64,0)",
+    )  # fmt: skip
     parser.add_argument("--bare-inflight", type=int, default=64, help="the bare run's client")
     parser.add_argument(
         "--bare-fraction", type=float, default=1.0,
@@ -209,6 +215,14 @@ def parse_args(argv=None) -> argparse.Namespace:
             max_inflight_bytes(value)
         except ValueError:
             parser.error(f"--inflight-gb: {value!r} is neither a positive number nor auto")
+    try:
+        args.writeback_variants = [
+            int(v) for v in str(args.chunk_writeback_mb).split(",") if v.strip()
+        ]
+    except ValueError:
+        args.writeback_variants = []
+    if not args.writeback_variants or min(args.writeback_variants) < 0:
+        parser.error("--chunk-writeback-mb: one or more integers >= 0, comma-separated")
     if not set(args.storages) <= {"shm", "disk"}:
         parser.error("--storages: shm and/or disk")
     if args.dry_run and not args.sglang_version:
@@ -411,6 +425,7 @@ def pipeline_config(
     config["extract"].update(
         max_inflight_requests=args.inflight_requests,
         max_inflight_bytes=max_inflight_bytes(args.inflight_gb_variants[0]),
+        chunk_writeback_mb=args.writeback_variants[0],
     )
     return validate_config(config)
 
@@ -627,23 +642,26 @@ def max_inflight_bytes(gb: str) -> int | None:
     return int(float(gb) * 2**30)
 
 
-def variant_settings(args) -> list[tuple[str, int, str]]:
-    """The pipeline runs of one call: each storage at each in-flight requests and dump GiB
-    value, in order."""
+def variant_settings(args) -> list[tuple[str, int, str, int]]:
+    """The pipeline runs of one call: each storage at each in-flight requests, dump GiB and
+    chunk writeback value, in order."""
     return [
-        (storage, n, gb)
+        (storage, n, gb, mb)
         for storage in args.storages
         for n in args.inflight_variants
         for gb in args.inflight_gb_variants
+        for mb in args.writeback_variants
     ]
 
 
-def variant_name(storage: str, inflight: int, gb: str, args) -> str:
-    """`shm` / `disk` for the first values (what the ratios use); after them `shm@32`, or
-    `disk@64/auto` where the dump bound differs."""
-    if (inflight, gb) == (args.inflight_variants[0], args.inflight_gb_variants[0]):
+def variant_name(storage: str, inflight: int, gb: str, writeback_mb: int, args) -> str:
+    """`shm` / `disk` for the first values (what the ratios use); after them `shm@32`,
+    `disk@64/auto` where the dump bound differs, `disk@64/wb0` where the chunk writeback does."""
+    firsts = (args.inflight_variants[0], args.inflight_gb_variants[0], args.writeback_variants[0])
+    if (inflight, gb, writeback_mb) == firsts:
         return storage
     suffix = "" if gb == args.inflight_gb_variants[0] else f"/{gb}"
+    suffix += "" if writeback_mb == args.writeback_variants[0] else f"/wb{writeback_mb}"
     return f"{storage}@{inflight}{suffix}"
 
 
@@ -668,16 +686,18 @@ def run_pipeline(run_dir: Path, config: dict, rows, warmup, args, deadline) -> d
             asyncio.run(send_rows(handle.url, warmup, args.bare_inflight, "warm"))
             names = shards(resolve(config))
             result["shards"] = len(names)
-            for storage, inflight, gb in variant_settings(args):
-                name = variant_name(storage, inflight, gb, args)
+            for storage, inflight, gb, writeback_mb in variant_settings(args):
+                name = variant_name(storage, inflight, gb, writeback_mb, args)
                 left = deadline - time.monotonic()
-                entry = {"storage": storage, "inflight_per_job": inflight, "inflight_gb": gb}
+                entry = {"storage": storage, "inflight_per_job": inflight, "inflight_gb": gb,
+                         "chunk_writeback_mb": writeback_mb}  # fmt: skip
                 result["variants"][name] = entry
                 if left < 45:
                     entry["skipped"] = f"not run: {max(left, 0):.0f} s of the budget left (45)"
                     continue
                 config["extract"]["max_inflight_requests"] = inflight
                 config["extract"]["max_inflight_bytes"] = max_inflight_bytes(gb)
+                config["extract"]["chunk_writeback_mb"] = writeback_mb
                 shm_dir = chunk_storage(run_dir, storage)
                 try:
                     offset = handle.log_path.stat().st_size
@@ -819,6 +839,11 @@ def inflight_gb_label(entry: dict) -> str:
     return "a quarter of the handoff" if gb == "auto" else f"<= {gb} GiB a job"
 
 
+def writeback_label(entry: dict) -> str:
+    mb = entry.get("chunk_writeback_mb", 64)  # every run from 03ab4f1 (2026-12-05) to here
+    return "left to the kernel" if mb == 0 else f"handed to the disk every {mb} MiB"
+
+
 def report(results: dict) -> str:
     bare = results.get("bare", {})
     rows = [["SGLang bare prefill (no hook, no capture)", bare.get("tokens"), bare.get("seconds"),
@@ -838,7 +863,7 @@ def report(results: dict) -> str:
         rows.append([
             f"pipeline: hook + {results['setup']['parallel_shards']} shard jobs x "
             f"{entry.get('inflight_per_job')} in flight (dumps {inflight_gb_label(entry)}), "
-            f"chunks on {entry.get('storage', name)}",
+            f"chunks on {entry.get('storage', name)} ({writeback_label(entry)})",
             entry.get("tokens"), entry.get("seconds"), entry.get("tokens_per_s"),
             ratio(entry.get("tokens_per_s"), bare.get("tokens_per_s")),
             entry.get("gpu_util_mean_pct"), (entry.get("prefill") or {}).get("tokens_per_batch"),
@@ -969,6 +994,7 @@ def main(argv=None) -> int:
             "inflight_per_job": args.inflight_requests,
             "inflight_variants": args.inflight_variants,
             "inflight_gb_variants": args.inflight_gb_variants,
+            "chunk_writeback_mb_variants": args.writeback_variants,
             "bare_inflight": args.bare_inflight,
             "shard_gb": args.shard_gb,
             "chunk_mb": args.chunk_mb,

@@ -329,7 +329,7 @@ def pipeline_config_for(ctx: Context, model_dir: Path, run_dir: Path, dataset: P
     settings = Namespace(
         engine="sglang", mem_fraction_static=args.mem_fraction_static, health_s=300.0,
         chunk_mb=args.chunk_mb, inflight_requests=args.inflight_requests,
-        inflight_gb_variants=["2"],
+        inflight_gb_variants=["2"], writeback_variants=[64],
     )  # fmt: skip
     config = pipeline_config(run_dir, model_dir, dataset, scale_rows_per_shard(args), settings)
     config["aux_layer_ids"] = list(ctx.state.get("aux_layer_ids") or default_aux_ids())

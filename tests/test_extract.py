@@ -358,6 +358,34 @@ def test_truncated_chunk_is_redone(main_run, in_dir):
         assert (shard_dir / name).stat().st_mtime_ns == mtime
 
 
+def test_chunk_writeback_mb_reaches_the_chunk_writer(main_run, in_dir, monkeypatch):
+    """`extract.chunk_writeback_mb` is the step each chunk is handed to the disk at (0: never;
+    what each step does: tests/test_shard_store.py); the chunk is the same either way."""
+    from eaglepipe.core import atomic
+    from eaglepipe.extract import chunk_file
+
+    source_dir, reference, _ = main_run
+    workdir = in_dir(source_dir)
+    chunk = reference["chunks"][0]
+    victim = workdir / "hidden_states" / SHARD / chunk["file"]
+    steps = []
+
+    class RecordingWriteback(atomic.Writeback):
+        def __init__(self, fd, *, step=None):
+            super().__init__(fd, step=step)
+            steps.append(self.step)
+
+    monkeypatch.setattr(chunk_file, "Writeback", RecordingWriteback)
+    for mb in (0, 3):
+        config = run_config(workdir)
+        config["extract"]["chunk_writeback_mb"] = mb
+        victim.write_bytes(b"")
+        manifest = extract_shard(resolve(config), SHARD, log=lambda line: None)
+        assert manifest["chunks"][0]["bytes"] == chunk["bytes"]
+        assert manifest["timing"]["requests_sent"] == len(chunk["row_ids"])
+    assert steps == [0, 3 << 20]
+
+
 def test_stale_dump_of_another_nonce_is_swept_never_ingested(main_run, in_dir, tiny_llama_dir):
     workdir = in_dir(main_run[0])
     dump_dir = Path(server_status()["state"]["dump_dir"])
@@ -519,7 +547,7 @@ def test_a_shard_outside_the_plan_is_refused_before_any_work(tmp_path, tiny_llam
     assert not (workdir / "hidden_states").exists()
 
 
-def _assembler(shard_dir: Path, lookahead_bytes: int):
+def _assembler(shard_dir: Path, lookahead_bytes: int, writeback_bytes: int = 64 << 20):
     """Four chunks of two 4-token rows each, hidden size 8: each row is 256 bytes of dumps."""
     from eaglepipe.core.progress import Progress
     from eaglepipe.extract.shard import ChunkAssembler, ShardRows
@@ -535,7 +563,7 @@ def _assembler(shard_dir: Path, lookahead_bytes: int):
     shard_dir.mkdir(parents=True, exist_ok=True)
     return ChunkAssembler(
         shard_dir, chunks, [0, 1, 2, 3], rows, "digest", 8, {}, progress, lambda line: None,
-        lookahead_bytes,
+        lookahead_bytes, writeback_bytes,
     )  # fmt: skip
 
 

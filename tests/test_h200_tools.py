@@ -1152,17 +1152,22 @@ def test_the_extraction_benchmark_end_to_end_on_the_reference_server(tmp_path):
     done = run_script(
         "benchmarks/bench_sglang_extraction.py", "--engine", "reference", "--tokens", "700",
         "--storages", "shm", "--parallel-shards", "2", "--verify-delete", "--inflight-gb",
-        "2,auto", "--work-root", str(tmp_path), "--out", str(out),
+        "2,auto", "--chunk-writeback-mb", "64,0", "--work-root", str(tmp_path), "--out", str(out),
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads(out.read_text())
     variants = results["pipeline"]["variants"]
-    # Each dump bound is its own run on the same server; the first is what the ratios use.
-    assert set(variants) == {"shm", "shm@64/auto"}
-    assert [variants[v]["inflight_gb"] for v in ("shm", "shm@64/auto")] == ["2", "auto"]
-    assert variants["shm@64/auto"]["tokens"] == results["setup"]["tokens"]
+    # Each dump bound and chunk writeback is its own run on the same server; the first is what
+    # the ratios use.
+    names = ["shm", "shm@64/wb0", "shm@64/auto", "shm@64/auto/wb0"]
+    assert set(variants) == set(names)
+    assert [variants[v]["inflight_gb"] for v in names] == ["2", "2", "auto", "auto"]
+    assert [variants[v]["chunk_writeback_mb"] for v in names] == [64, 0, 64, 0]
+    assert all(variants[v]["tokens"] == results["setup"]["tokens"] for v in names)
     report = (tmp_path / "r.md").read_text()
     assert "(dumps <= 2 GiB a job)" in report and "(dumps a quarter of the handoff)" in report
+    assert report.count("(left to the kernel)") == 2
+    assert report.count("(handed to the disk every 64 MiB)") == 2
     shm = variants["shm"]
     assert shm["tokens"] == results["setup"]["tokens"] >= 700
     assert shm["chunks"] >= 1 and shm["job_startup_s"] > 0

@@ -274,6 +274,23 @@ def test_chunk_pages_go_to_the_disk_while_the_chunk_is_written(tmp_path, monkeyp
     assert paced.bytes - 40 * 3 * H * 2 <= covered <= paced.bytes  # within one row's section
 
 
+def test_a_writeback_step_of_zero_leaves_the_chunk_to_the_kernel(tmp_path, monkeypatch):
+    """`writeback_bytes=0` (extract.chunk_writeback_mb: 0) never calls sync_file_range, where
+    1 KiB hands a 30 KB chunk over in steps; the two files are the same."""
+    calls = []
+    monkeypatch.setattr(atomic, "_sync_file_range", lambda *args: calls.append(args) or 0)
+    rows = [make_row(i, 40) for i in range(6)]
+    records = {}
+    for step in (0, 1024):
+        (tmp_path / str(step)).mkdir()
+        records[step] = write_chunk(tmp_path / str(step), 0, rows, hidden_size=H,
+                                    writeback_bytes=step)  # fmt: skip
+        if step == 0:
+            assert calls == []
+    assert len(calls) >= 5
+    assert (records[0].bytes, records[0].xxh3_128) == (records[1024].bytes, records[1024].xxh3_128)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sync_file_range is Linux's")
 def test_writeback_binding_reaches_the_kernel(tmp_path):
     """The ctypes binding is the real call: 0 for a file's range, EBADF for a closed fd."""

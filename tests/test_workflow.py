@@ -113,6 +113,12 @@ def refused_dry_run(workdir: Path, config: dict) -> tuple[str, str]:
         ),
         # A whole float passed the schema's `integer`, then the train job failed in a traceback.
         ("train", "epochs", 8.0, "config key train.epochs: 8.0 is not of type 'integer'"),
+        (
+            "extract",
+            "chunk_writeback_mb",
+            -1,
+            "config key extract.chunk_writeback_mb: -1 is less than the minimum of 0",
+        ),
         # Was an InputFunctionException of the live_acceptance rule.
         ("export", "engines", [], "export.engines is empty: live acceptance needs an exported"),
     ],

@@ -53,7 +53,8 @@ class Writeback:
     (10 % of RAM by default) or the final fsync: the disk idles while the file is filled, then
     the fsync waits for all of it. Every `step` bytes the range just written is handed to
     `sync_file_range` (Linux; elsewhere the final fsync does it all), which returns at once.
-    Its errors are not raised here: the caller's fsync reports any failed write."""
+    Its errors are not raised here: the caller's fsync reports any failed write. A `step` of 0
+    leaves the timing to the kernel (`extract.chunk_writeback_mb: 0`)."""
 
     def __init__(self, fd: int, *, step: int | None = None):
         self.fd = fd
@@ -61,7 +62,7 @@ class Writeback:
         self.started_to = 0  # bytes [0, started_to) are already handed to the device
 
     def advance(self, written: int) -> None:
-        if _sync_file_range is None or written - self.started_to < self.step:
+        if _sync_file_range is None or self.step <= 0 or written - self.started_to < self.step:
             return
         _sync_file_range(
             self.fd, self.started_to, written - self.started_to, _SYNC_FILE_RANGE_WRITE

@@ -195,6 +195,7 @@ class ExtractSettings(Section):
     max_inflight_requests: int | None  # None: AUTO_INFLIGHT_REQUESTS, by the server's device
     max_inflight_bytes: int | None
     lookahead_bytes: int | None
+    chunk_writeback_mb: int  # 0: the kernel times the chunks' disk writes
     retries: int
     request_timeout_s: float
 

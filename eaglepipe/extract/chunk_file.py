@@ -238,8 +238,12 @@ def write_chunk(
     *,
     hidden_size: int,
     num_aux_layers: int = 3,
+    writeback_bytes: int | None = None,
 ) -> ChunkRecord:
     """Write `rows` (in row-id order) as chunk `index`; returns its record (not yet journalled).
+
+    Every `writeback_bytes` written (None: `WRITEBACK_STEP`, 64 MiB) are handed to the disk at
+    once (`eaglepipe.core.atomic.Writeback`); 0 leaves that to the kernel.
 
     The safetensors file is written by hand rather than with `safetensors.torch.save_file`:
     that function builds the whole file in memory (a second copy of a GiB-sized chunk) and
@@ -280,7 +284,7 @@ def write_chunk(
     updates = []
     try:
         with open(tmp_path, "wb", buffering=0) as f:
-            writeback = Writeback(f.fileno())
+            writeback = Writeback(f.fileno(), step=writeback_bytes)
 
             def emit(buf: bytes | memoryview) -> None:
                 nonlocal written

@@ -162,9 +162,11 @@ class ChunkAssembler:
         progress: Progress,
         log: Callable[[str], None],
         lookahead_bytes: int,
+        writeback_bytes: int,
     ):
         self.engine = engine
         self.lookahead_bytes = lookahead_bytes
+        self.writeback_bytes = writeback_bytes
         self.shard_dir = shard_dir
         self.chunks = chunks
         self.todo = todo
@@ -226,7 +228,13 @@ class ChunkAssembler:
                     self._advanced.notify_all()
 
     def _write(self, index: int, rows: list[RowTensors]) -> ChunkRecord:
-        record = write_chunk(self.shard_dir, index, rows, hidden_size=self.hidden_size)
+        record = write_chunk(
+            self.shard_dir,
+            index,
+            rows,
+            hidden_size=self.hidden_size,
+            writeback_bytes=self.writeback_bytes,
+        )
         append_journal(self.shard_dir, record, self.digest, extra=self.engine)
         self.log(
             f"wrote {record.file}: {len(record.row_ids)} rows, {record.num_tokens} tokens, "
@@ -289,7 +297,17 @@ def _extract_chunks(
             max(1, free_bytes(handle.dump_dir) // 4),
         )
         assembler = ChunkAssembler(
-            shard_dir, chunks, todo, rows, digest, hidden_size, engine, progress, log, lookahead
+            shard_dir,
+            chunks,
+            todo,
+            rows,
+            digest,
+            hidden_size,
+            engine,
+            progress,
+            log,
+            lookahead,
+            run.extract.chunk_writeback_mb << 20,
         )
         client = ExtractionClient(
             handle.url,
