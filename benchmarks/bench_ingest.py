@@ -105,8 +105,17 @@ def make_dumps(handoff: Path, rows: int, tokens: int, hidden: int) -> None:
             writer.submit([make_rid(PREFIX, NONCE, row_id, 0)], [tokens], aux, final)
 
 
-def ingest(handoff: Path, out: Path, rows: int, tokens: int, hidden: int, chunk_bytes: int):
-    """The job's per-row path (no torch): returns (chunk bytes written, chunk file sizes)."""
+def ingest(
+    handoff: Path,
+    out: Path,
+    rows: int,
+    tokens: int,
+    hidden: int,
+    chunk_bytes: int,
+    writeback_bytes: int,
+):
+    """The job's per-row path (no torch): returns (chunk bytes written, chunk file sizes);
+    `writeback_bytes` as `extract.chunk_writeback_mb` sets it (0: the kernel's timing)."""
     import numpy as np
 
     from eaglepipe.extract.chunk_file import RowTensors, plan_chunks, plan_digest, write_chunk
@@ -131,7 +140,9 @@ def ingest(handoff: Path, out: Path, rows: int, tokens: int, hidden: int, chunk_
             check_dump(aux, final, requests[row_id], rid, settings)
             path.unlink()
             chunk_rows.append(RowTensors(row_id, ids, mask, aux, final))
-        record = write_chunk(out, index, chunk_rows, hidden_size=hidden)
+        record = write_chunk(
+            out, index, chunk_rows, hidden_size=hidden, writeback_bytes=writeback_bytes
+        )
         append_journal(out, record, digest)
         written += record.bytes
         sizes.append(record.bytes)
@@ -142,10 +153,6 @@ def worker_main(spec: dict) -> int:
     """One worker process: make its dumps, say ready, wait for the go file, ingest, report."""
     handoff, out, go = Path(spec["handoff"]), Path(spec["out"]), Path(spec["go"])
     make_dumps(handoff, spec["rows"], spec["tokens"], spec["hidden"])
-    if not spec["writeback"]:
-        import eaglepipe.core.atomic
-
-        eaglepipe.core.atomic._sync_file_range = None  # the kernel's own writeback timing
     # Imports before the clock starts (ingest's own are then lookups).
     import numpy  # noqa: F401
 
@@ -153,13 +160,15 @@ def worker_main(spec: dict) -> int:
     import eaglepipe.extract.client  # noqa: F401
     import eaglepipe.extract.shard_files  # noqa: F401
     import eaglepipe.server.handoff  # noqa: F401
+    from eaglepipe.core.atomic import WRITEBACK_STEP
 
     print("ready", flush=True)
     while not go.exists():
         time.sleep(0.001)
     written, sizes = ingest(
-        handoff, out, spec["rows"], spec["tokens"], spec["hidden"], spec["chunk_bytes"]
-    )
+        handoff, out, spec["rows"], spec["tokens"], spec["hidden"], spec["chunk_bytes"],
+        WRITEBACK_STEP if spec["writeback"] else 0,
+    )  # fmt: skip
     print(json.dumps({"done_at": time.time(), "bytes": written, "sizes": sizes}), flush=True)
     return 0
 
