@@ -297,18 +297,10 @@ def _extract_chunks(
             max(1, free_bytes(handle.dump_dir) // 4),
         )
         assembler = ChunkAssembler(
-            shard_dir,
-            chunks,
-            todo,
-            rows,
-            digest,
-            hidden_size,
-            engine,
-            progress,
-            log,
-            lookahead,
-            run.extract.chunk_writeback_mb << 20,
-        )
+            shard_dir, chunks, todo, rows, digest, hidden_size, engine, progress, log,
+            lookahead_bytes=lookahead,
+            writeback_bytes=run.extract.chunk_writeback_mb << 20,
+        )  # fmt: skip
         client = ExtractionClient(
             handle.url,
             Path(handle.dump_dir),
