@@ -51,37 +51,29 @@ def read_config_yaml(path: str | os.PathLike):
 # --- what Snakemake's command line hands over ----------------------------------------------------
 
 
-def check_unique_keys(paths) -> None:
-    """Every config file Snakemake loaded names each key once per mapping (Snakemake's own
-    loader keeps the last of two silently)."""
-    for path in paths:
+def check_config_files(config_files, loaded_files=()) -> None:
+    """Every config file Snakemake loaded (`loaded_files`, the Snakefile's `configfile:` too)
+    names each key once per mapping (Snakemake's own loader keeps the last of two silently),
+    and every file given with `--configfile` (`config_files`) is a config: a mapping of config
+    sections. Each file is read once.
+
+    Snakemake merges the files before the workflow sees the result, so an unknown key would be
+    reported without the file that holds it; a target written after `--configfile f.yaml` is
+    the usual way to get one (Snakemake reads it as a second config file).
+    """
+    parsed = {}
+    for path in dict.fromkeys(map(os.path.abspath, [*loaded_files, *config_files])):
         try:
-            read_config_yaml(path)
+            parsed[path] = read_config_yaml(path)
         except DuplicateKeyError as exc:
             raise PipelineError(f"config file {_as_typed(path)}: {exc}") from None
         except (OSError, yaml.YAMLError):
             continue  # Snakemake read it; its own error is the better one
-
-
-def _as_typed(path) -> str:
-    """`path` as the user typed it (Snakemake made it absolute)."""
-    shown = os.path.relpath(path)
-    return str(path) if shown.startswith("..") else shown
-
-
-def check_config_files(paths) -> None:
-    """Every file given with `--configfile` must be a config: a mapping of config sections.
-
-    Snakemake merges them before the workflow sees the result, so an unknown key would be
-    reported without the file that holds it; a target written after `--configfile f.yaml` is
-    the usual way to get one (Snakemake reads it as a second config file).
-    """
     sections = set(load_schema()["properties"])
-    for path in paths:
-        try:
-            raw = yaml.safe_load(Path(path).read_text())
-        except (OSError, yaml.YAMLError):
-            continue  # Snakemake read it; its own error is the better one
+    for path in map(os.path.abspath, config_files):
+        if path not in parsed:
+            continue
+        raw = parsed[path]
         if isinstance(raw, dict) and set(raw) <= sections:
             continue
         shown = _as_typed(path)
@@ -109,6 +101,12 @@ def check_config_files(paths) -> None:
             f"{shown} --configfile FILE`) or end the config files with `--` (`snakemake "
             f"--configfile FILE -- {shown}`)"
         )
+
+
+def _as_typed(path) -> str:
+    """`path` as the user typed it (Snakemake made it absolute)."""
+    shown = os.path.relpath(path)
+    return str(path) if shown.startswith("..") else shown
 
 
 def type_command_line_values(config: dict, command_line: dict) -> None:

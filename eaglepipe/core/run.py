@@ -529,10 +529,9 @@ def resolve_at_workflow_start(
     config file are named, and `--config` values get their schema types (`config` is changed
     in place, for Snakemake's own validation after this one)."""
     # Reading config files means yaml: imported here, at workflow start, and never by a job.
-    from .config_files import check_config_files, check_unique_keys, type_command_line_values
+    from .config_files import check_config_files, type_command_line_values
 
-    check_unique_keys(loaded_files)
-    check_config_files(config_files)
+    check_config_files(config_files, loaded_files)
     type_command_line_values(config, command_line or {})
     run = resolve(cfg.validate_config(config))
     run.facts()  # reads the target's depth and checks the aux layer ids: one clear error here
