@@ -129,6 +129,18 @@ PRESETS = {
 }  # fmt: skip
 
 
+def int_list(parser: argparse.ArgumentParser, option: str, value, minimum: int) -> list[int]:
+    """A comma list of integers >= `minimum` (each a variant of the same run), or the parser's
+    one-line error naming `option`."""
+    try:
+        values = [int(v) for v in str(value).split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < minimum:
+        parser.error(f"{option}: one or more integers >= {minimum}, comma-separated")
+    return values
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -203,9 +215,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.set_defaults(**PRESETS[args.preset])
         args = parser.parse_args(argv)
     args.storages = [s.strip() for s in args.storages.split(",") if s.strip()]
-    args.inflight_variants = [int(n) for n in str(args.inflight_requests).split(",") if n.strip()]
-    if not args.inflight_variants or min(args.inflight_variants) < 1:
-        parser.error("--inflight-requests: one or more positive integers, comma-separated")
+    args.inflight_variants = int_list(parser, "--inflight-requests", args.inflight_requests, 1)
     args.inflight_requests = args.inflight_variants[0]
     args.inflight_gb_variants = [g.strip() for g in str(args.inflight_gb).split(",") if g.strip()]
     if not args.inflight_gb_variants:
@@ -215,14 +225,7 @@ def parse_args(argv=None) -> argparse.Namespace:
             max_inflight_bytes(value)
         except ValueError:
             parser.error(f"--inflight-gb: {value!r} is neither a positive number nor auto")
-    try:
-        args.writeback_variants = [
-            int(v) for v in str(args.chunk_writeback_mb).split(",") if v.strip()
-        ]
-    except ValueError:
-        args.writeback_variants = []
-    if not args.writeback_variants or min(args.writeback_variants) < 0:
-        parser.error("--chunk-writeback-mb: one or more integers >= 0, comma-separated")
+    args.writeback_variants = int_list(parser, "--chunk-writeback-mb", args.chunk_writeback_mb, 0)
     if not set(args.storages) <= {"shm", "disk"}:
         parser.error("--storages: shm and/or disk")
     if args.dry_run and not args.sglang_version:

@@ -638,6 +638,29 @@ def test_the_specforge_drivers_pipeline_overrides_pass_the_config_schema():
     validate_config(config)
 
 
+@pytest.mark.parametrize(
+    ("option", "value", "minimum"),
+    [
+        ("--inflight-requests", "x", 1),
+        ("--inflight-requests", "32,0", 1),
+        ("--chunk-writeback-mb", "-1", 0),
+        ("--chunk-writeback-mb", ",", 0),
+    ],
+)
+def test_the_extraction_benchmarks_variant_lists_refuse_bad_values(capsys, option, value, minimum):
+    """Each comma list of run variants is integers at or above its minimum, or one line naming
+    the option (a non-integer was a ValueError traceback before)."""
+    with benchmarks_importable():
+        from bench_sglang_extraction import parse_args
+    args = parse_args(["--inflight-requests", "32,64", "--chunk-writeback-mb", "64,0"])
+    assert (args.inflight_variants, args.inflight_requests) == ([32, 64], 32)
+    assert args.writeback_variants == [64, 0]
+    with pytest.raises(SystemExit):
+        parse_args([option, value])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.endswith(f"error: {option}: one or more integers >= {minimum}, comma-separated")
+
+
 def test_the_specforge_driver_continues_where_an_earlier_call_stopped(tmp_path):
     """A later call skips the steps WORK/state.json records as done, summarises the seeds it
     has, and leaves a step it has no time for to the next call (exit 3)."""
