@@ -15,10 +15,14 @@ every running job is starting or finishing at once (BENCHMARKS.md, "job turnover
   start to the line it logs just before its first request, and the manifest's own
   `first_request_s` where it records one;
 - read: a shard's rows from a prepared table of `--rows` rows (its own parquet row group,
-  `eaglepipe.extract.shard.load_shard_rows`) against the whole table read and then sliced.
+  `eaglepipe.extract.shard.load_shard_rows`) against the whole table read and then sliced;
+- lease: the server lease a job takes before its first request (`eaglepipe.server.leases.Lease`)
+  idle and beside `--writers` processes writing `--writer-gb` GB each into the same filesystem
+  as shard jobs write their chunks, against the same file written with fsyncs.
 
     python -u benchmarks/bench_job_start.py --out /tmp/job_start.json
     python -u benchmarks/bench_job_start.py --parts read --rows 20000 --rows-per-shard 200
+    python -u benchmarks/bench_job_start.py --parts lease --writer-gb 12
 """
 
 from __future__ import annotations
@@ -52,10 +56,12 @@ from common import (  # noqa: E402
     write_results,
 )
 
+from eaglepipe.core.atomic import atomic_write_json  # noqa: E402
 from eaglepipe.extract.shard import load_shard_rows  # noqa: E402
 from eaglepipe.prepare.table import load_prepared, rows_in_range  # noqa: E402
+from eaglepipe.server.leases import Lease, ServerPaths  # noqa: E402
 
-PARTS = ("imports", "jobs", "read")
+PARTS = ("imports", "jobs", "read", "lease")
 GOAL_S = 1.0
 # What each job logs right before its first request (extract/shard.py, regenerate/shard.py).
 FIRST_REQUEST_LINE = {"extract": ": requesting ", "regenerate": ": regenerating "}
@@ -65,18 +71,23 @@ TINY = dict(hidden=64, layers=8, heads=4, kv_heads=2, intermediate=128, vocab=51
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--parts", default=",".join(PARTS), help="imports,jobs,read")
+    parser.add_argument("--parts", default=",".join(PARTS), help=",".join(PARTS))
     parser.add_argument("--jobs", type=int, default=3, help="jobs timed per stage")
     parser.add_argument("--rows", type=int, default=20000, help="prepared rows (read part)")
     parser.add_argument("--rows-per-shard", type=int, default=200, help="(read part)")
     parser.add_argument("--mean-len", type=int, default=2000, help="mean tokens per row (read)")
     parser.add_argument("--repeat", type=int, default=3, help="best of this many")
+    parser.add_argument("--samples", type=int, default=20, help="idle leases per way (lease)")
+    parser.add_argument("--writers", type=int, default=2, help="chunk writers (lease part)")
+    parser.add_argument("--writer-gb", type=float, default=8.0, help="GB each writer writes")
     parser.add_argument("--dir", default=None, help="scratch parent dir (default: /tmp)")
     parser.add_argument("--out", default=None, help="results JSON (markdown beside it)")
     args = parser.parse_args(argv)
     args.parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     if not args.parts or not set(args.parts) <= set(PARTS):
         parser.error(f"--parts: some of {', '.join(PARTS)}")
+    if args.samples < 1 or args.writers < 1 or args.writer_gb <= 0:
+        parser.error("--samples and --writers: at least 1; --writer-gb: more than 0")
     return args
 
 
@@ -368,6 +379,114 @@ def measure_read(args, work: Path) -> dict:
     }
 
 
+# ----------------------------------------------------------------------------- the lease
+
+# Writes GB as a shard job writes its chunks: 1 GiB files, handed to the disk every 64 MiB
+# (`eaglepipe.core.atomic.Writeback`, the default) and fsynced; each then deleted, as a user
+# moves finished shards away, so the disk does not fill.
+WRITER = """
+import os, sys
+from eaglepipe.core.atomic import Writeback
+block, stem = os.urandom(1 << 20), sys.argv[1]
+left = int(float(sys.argv[2]) * 1e9) >> 20
+index = 0
+while left > 0:
+    path, size = f"{stem}.{index}", min(1024, left)
+    with open(path, "wb") as f:
+        pacer = Writeback(f.fileno())
+        for written in range(1, size + 1):
+            f.write(block)
+            pacer.advance(written << 20)
+        f.flush()
+        os.fsync(f.fileno())
+    os.unlink(path)
+    left, index = left - size, index + 1
+"""
+
+
+def take_lease(paths: ServerPaths) -> float:
+    """Seconds to take the lease as a job does (its file written, its heartbeat started)."""
+    lease = Lease(paths, ttl_s=60.0, run_token="bench", kind="shared")
+    started = time.perf_counter()
+    lease.acquire()
+    seconds = time.perf_counter() - started
+    lease.release()
+    return seconds
+
+
+def write_durably(paths: ServerPaths) -> float:
+    """Seconds to write the same lease file with its fsyncs (file and directory)."""
+    lease = Lease(paths, ttl_s=60.0, run_token="bench", kind="shared")
+    started = time.perf_counter()
+    atomic_write_json(lease.path, lease.content, durable=True)
+    seconds = time.perf_counter() - started
+    lease.path.unlink()
+    return seconds
+
+
+LEASE_WAYS = {"the job's lease": take_lease, "the same file fsynced": write_durably}
+
+
+def sample_leases(paths: ServerPaths, keep_going) -> dict:
+    """Each way in turn while `keep_going(rounds done)`; medians and maxima in ms."""
+    seconds: dict[str, list[float]] = {way: [] for way in LEASE_WAYS}
+    rounds = 0
+    while keep_going(rounds):
+        for way, measure in LEASE_WAYS.items():
+            seconds[way].append(measure(paths))
+            time.sleep(0.05)
+        rounds += 1
+    return {
+        way: {
+            "samples": len(values),
+            "median_ms": round(1000 * statistics.median(values), 3) if values else None,
+            "max_ms": round(1000 * max(values), 3) if values else None,
+        }
+        for way, values in seconds.items()
+    }
+
+
+def measure_lease(args, work: Path) -> dict:
+    paths = ServerPaths(work / "server")
+    idle = sample_leases(paths, lambda rounds: rounds < args.samples)
+    writers = [
+        subprocess.Popen(
+            [sys.executable, "-c", WRITER, str(work / f"writer{i}.bin"), str(args.writer_gb)],
+            cwd=REPO_ROOT,
+        )
+        for i in range(args.writers)
+    ]
+    started = time.perf_counter()
+    try:
+        time.sleep(1.0)  # the writers get going first
+        # While they all write (a round at least): the stalls come while the disk is busy.
+        beside = sample_leases(
+            paths, lambda rounds: rounds == 0 or all(w.poll() is None for w in writers)
+        )
+        for writer in writers:
+            if writer.wait() != 0:
+                raise SystemExit(f"a chunk writer exited with {writer.returncode}")
+    finally:
+        for writer in writers:
+            writer.kill()
+            writer.wait()
+    seconds = time.perf_counter() - started
+    if list(paths.leases.glob("*")) or list(work.glob("writer*")):
+        raise SystemExit(f"lease or writer files left in {work}")
+    result = {
+        "idle": idle,
+        "beside_writers": beside,
+        "writers": args.writers,
+        "writer_gb": args.writer_gb,
+        "written_gb_per_s": round(args.writers * args.writer_gb / seconds, 3),
+    }
+    for phase in ("idle", "beside_writers"):
+        log(f"lease, {phase}: " + ", ".join(
+            f"{way} median {v['median_ms']} ms, max {v['max_ms']} ms ({v['samples']})"
+            for way, v in result[phase].items()))  # fmt: skip
+    return result
+
+
 # ----------------------------------------------------------------------------- report
 
 
@@ -439,6 +558,31 @@ def markdown_of(results: dict, repeat: int) -> str:
             )
             + f"\nwhole / shard: {read['speedup']}x\n"
         )
+    lease = results.get("lease")
+    if lease:
+        phases = ("idle", "beside_writers")
+        rows = [
+            [way] + [lease[phase][way][key] for phase in phases
+                     for key in ("median_ms", "max_ms", "samples")]
+            for way in LEASE_WAYS
+        ]  # fmt: skip
+        parts.append(
+            "### A job's server lease, idle and beside chunk writers "
+            f"({lease['writers']} x {lease['writer_gb']:g} GB into the same filesystem, "
+            f"{lease['written_gb_per_s']} GB/s)\n\n"
+            + markdown_table(
+                [
+                    "lease file",
+                    "idle median ms",
+                    "max ms",
+                    "n",
+                    "beside the writers median ms",
+                    "max ms",
+                    "n",
+                ],
+                rows,
+            )  # fmt: skip
+        )
     return (
         "\n".join(parts)
         + f"\nMachine: {machine_line(results['machine'])}.  \nCommand: `{results['command']}`\n"
@@ -465,6 +609,8 @@ def main(argv=None) -> int:
             results["jobs"] = measure_jobs(args, work, model_dir)
         if "read" in args.parts:
             results["read"] = measure_read(args, work)
+        if "lease" in args.parts:
+            results["lease"] = measure_lease(args, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     markdown = markdown_of(results, args.repeat)

@@ -155,6 +155,36 @@ def test_job_start_quick_check_reads_the_same_rows_both_ways(tmp_path):
     assert list(scratch.iterdir()) == []
 
 
+def test_job_start_times_the_lease_idle_and_beside_chunk_writers(tmp_path):
+    """The lease a job takes, and the same file fsynced, idle and while chunk writers fill the
+    same filesystem; the writers' files and the leases are gone afterwards."""
+    out = tmp_path / "job_start.json"
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    run_benchmark(
+        "bench_job_start.py", "--parts", "lease", "--samples", "3", "--writers", "2",
+        "--writer-gb", "0.5", "--dir", str(scratch), "--out", str(out),
+    )  # fmt: skip
+    lease = json.loads(out.read_text())["lease"]
+    assert lease["writers"] == 2 and lease["written_gb_per_s"] > 0
+    for way in ("the job's lease", "the same file fsynced"):
+        assert lease["idle"][way]["samples"] == 3
+        assert 0 < lease["idle"][way]["median_ms"] <= lease["idle"][way]["max_ms"]
+        assert lease["beside_writers"][way]["samples"] >= 1
+    assert "beside chunk writers (2 x 0.5 GB" in out.with_suffix(".md").read_text()
+    assert list(scratch.iterdir()) == []
+
+
+def test_job_start_refuses_a_lease_run_without_writers(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "benchmarks" / "bench_job_start.py"),
+         "--parts", "lease", "--writers", "0", "--dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2 and "--writers: at least 1" in done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.slow
 def test_job_start_times_real_jobs_to_their_first_request(tmp_path):
     """Real extraction and regeneration jobs against a running reference server: each one's

@@ -40,7 +40,8 @@
 #   bash tools/h200.sh job-start OUT    benchmarks/bench_job_start.py --parts imports,read: a shard
 #                                       job's imports in fresh interpreters and its row read on
 #                                       this machine (no GPU, no server; ~30 s; runs as is
-#                                       with --dry-run too)
+#                                       with --dry-run too); `--parts lease --writer-gb 12`:
+#                                       the job's server lease beside two chunk writers
 #   bash tools/h200.sh ingest   OUT     benchmarks/bench_ingest.py: H = 7168 dumps to checksummed
 #                                       chunks with 1-16 workers vs raw writes, /dev/shm and disk
 #                                       (no GPU, no SGLang; ~5 min)

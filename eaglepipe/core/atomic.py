@@ -124,8 +124,8 @@ def dumps_json(obj: Any) -> bytes:
     return (json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode()
 
 
-def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
-    atomic_write_bytes(path, dumps_json(obj))
+def atomic_write_json(path: str | os.PathLike, obj: Any, *, durable: bool = True) -> None:
+    atomic_write_bytes(path, dumps_json(obj), durable=durable)
 
 
 def write_json_if_changed(path: str | os.PathLike, obj: Any, *, durable: bool = True) -> bool:
