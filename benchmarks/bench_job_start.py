@@ -17,8 +17,8 @@ every running job is starting or finishing at once (BENCHMARKS.md, "job turnover
 - read: a shard's rows from a prepared table of `--rows` rows (its own parquet row group,
   `eaglepipe.extract.shard.load_shard_rows`) against the whole table read and then sliced;
 - lease: the server lease a job takes before its first request (`eaglepipe.server.leases.Lease`)
-  idle and beside `--writers` processes writing `--writer-gb` GB each into the same filesystem
-  as shard jobs write their chunks, against the same file written with fsyncs.
+  idle and beside `--writers` threads writing `--writer-gb` GB each into the same filesystem as
+  shard jobs write their chunks (bench_ingest's raw writes), against the same file fsynced.
 
     python -u benchmarks/bench_job_start.py --out /tmp/job_start.json
     python -u benchmarks/bench_job_start.py --parts read --rows 20000 --rows-per-shard 200
@@ -79,7 +79,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--repeat", type=int, default=3, help="best of this many")
     parser.add_argument("--samples", type=int, default=20, help="idle leases per way (lease)")
     parser.add_argument("--writers", type=int, default=2, help="chunk writers (lease part)")
-    parser.add_argument("--writer-gb", type=float, default=8.0, help="GB each writer writes")
+    parser.add_argument(
+        "--writer-gb", type=float, default=8.0,
+        help="GB each writer writes (all kept until the part ends: writers x GB of free space)",
+    )  # fmt: skip
     parser.add_argument("--dir", default=None, help="scratch parent dir (default: /tmp)")
     parser.add_argument("--out", default=None, help="results JSON (markdown beside it)")
     args = parser.parse_args(argv)
@@ -381,27 +384,22 @@ def measure_read(args, work: Path) -> dict:
 
 # ----------------------------------------------------------------------------- the lease
 
-# Writes GB as a shard job writes its chunks: 1 GiB files, handed to the disk every 64 MiB
-# (`eaglepipe.core.atomic.Writeback`, the default) and fsynced; each then deleted, as a user
-# moves finished shards away, so the disk does not fill.
-WRITER = """
-import os, sys
-from eaglepipe.core.atomic import Writeback
-block, stem = os.urandom(1 << 20), sys.argv[1]
-left = int(float(sys.argv[2]) * 1e9) >> 20
-index = 0
-while left > 0:
-    path, size = f"{stem}.{index}", min(1024, left)
-    with open(path, "wb") as f:
-        pacer = Writeback(f.fileno())
-        for written in range(1, size + 1):
-            f.write(block)
-            pacer.advance(written << 20)
-        f.flush()
-        os.fsync(f.fileno())
-    os.unlink(path)
-    left, index = left - size, index + 1
+# bench_ingest's raw writes: files of up to 1 GiB written as chunks are (handed to the disk every
+# 64 MiB, then fsynced), by one thread per writer, in a process of its own so that the lease's
+# timing shares no interpreter with them.
+WRITERS = """
+import json, sys
+from pathlib import Path
+from bench_ingest import raw_write
+raw_write(Path(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3]), writeback=True)
 """
+
+
+def writer_file_sizes(writers: int, gigabytes: float) -> list[int]:
+    """Each writer's `gigabytes` as files of up to 1 GiB, as the chunks are bounded."""
+    total = int(gigabytes * 1e9)
+    sizes = [1 << 30] * (total >> 30) + ([total % (1 << 30)] if total % (1 << 30) else [])
+    return sizes * writers
 
 
 def take_lease(paths: ServerPaths) -> float:
@@ -449,36 +447,30 @@ def sample_leases(paths: ServerPaths, keep_going) -> dict:
 def measure_lease(args, work: Path) -> dict:
     paths = ServerPaths(work / "server")
     idle = sample_leases(paths, lambda rounds: rounds < args.samples)
-    writers = [
-        subprocess.Popen(
-            [sys.executable, "-c", WRITER, str(work / f"writer{i}.bin"), str(args.writer_gb)],
-            cwd=REPO_ROOT,
-        )
-        for i in range(args.writers)
-    ]
+    sizes = writer_file_sizes(args.writers, args.writer_gb)
+    writer = subprocess.Popen(
+        [sys.executable, "-c", WRITERS, str(work), json.dumps(sizes), str(args.writers)],
+        cwd=Path(__file__).resolve().parent,
+    )
     started = time.perf_counter()
     try:
         time.sleep(1.0)  # the writers get going first
-        # While they all write (a round at least): the stalls come while the disk is busy.
-        beside = sample_leases(
-            paths, lambda rounds: rounds == 0 or all(w.poll() is None for w in writers)
-        )
-        for writer in writers:
-            if writer.wait() != 0:
-                raise SystemExit(f"a chunk writer exited with {writer.returncode}")
+        # While they write (a round at least): the stalls come while the disk is busy.
+        beside = sample_leases(paths, lambda rounds: rounds == 0 or writer.poll() is None)
+        if writer.wait() != 0:
+            raise SystemExit(f"the chunk writers exited with {writer.returncode}")
     finally:
-        for writer in writers:
-            writer.kill()
-            writer.wait()
+        writer.kill()
+        writer.wait()
     seconds = time.perf_counter() - started
-    if list(paths.leases.glob("*")) or list(work.glob("writer*")):
+    if list(paths.leases.glob("*")) or list(work.glob("bench-ingest-raw-*")):
         raise SystemExit(f"lease or writer files left in {work}")
     result = {
         "idle": idle,
         "beside_writers": beside,
         "writers": args.writers,
         "writer_gb": args.writer_gb,
-        "written_gb_per_s": round(args.writers * args.writer_gb / seconds, 3),
+        "written_gb_per_s": round(sum(sizes) / 1e9 / seconds, 3),
     }
     for phase in ("idle", "beside_writers"):
         log(f"lease, {phase}: " + ", ".join(
