@@ -44,6 +44,10 @@ def _config(toy_dir, data_path, **dataset_overrides):
     config["model"]["path"] = str(toy_dir)
     config["dataset"]["path"] = str(data_path)
     config["dataset"]["regenerate"]["enabled"] = False  # prepare reads the dataset's own replies
+    # The whole-row rule and the stop at the first bad row, unless a test asks otherwise (the
+    # shipped trim and skip: test_prepare_sharegpt.py).
+    config["dataset"]["bad_rows"] = "error"
+    config["dataset"]["turn_order"] = "strict"
     config["dataset"].update(dataset_overrides)
     config["shards"]["rows_per_shard"] = 16
     return config
@@ -109,6 +113,9 @@ def test_table_matches_contract_and_masks(tmp_path, toy_dir, sample_rows):
     assert json.loads((tmp_path / "prepared" / "skipped.json").read_text()) == {
         "count": 0,
         "reasons": {},
+        "lost": {},
+        "trimmed_rows": 0,
+        "source_cut": None,
         "rows": [],
     }
 
@@ -184,7 +191,9 @@ def test_unknown_holdout_shard_is_named(tmp_path, toy_dir, sample_rows):
 
 def test_truncation_to_max_length(tmp_path, toy_dir, sample_rows):
     data = _jsonl(tmp_path / "d.jsonl", sample_rows)
-    summary = _run(_config(toy_dir, data, max_length=48, bad_rows="skip"), tmp_path)
+    everything = {"rows": 1.0, "assistant_tokens": 1.0}
+    config = _config(toy_dir, data, max_length=48, bad_rows="skip", unusable_limit=everything)
+    summary = _run(config, tmp_path)
     table = load_prepared(tmp_path / "prepared" / "tokenized.parquet")
     assert table["num_tokens"].max() <= 48
     assert table["truncated"].sum() == summary["truncated_rows"] > 0
@@ -194,7 +203,7 @@ def test_truncation_to_max_length(tmp_path, toy_dir, sample_rows):
 
 BAD_CASES = [
     ({"text": "hi"}, dataset.NO_KNOWN_KEY),
-    ({"messages": [{"role": "robot", "content": "x"}]}, dataset.UNKNOWN_ROLE),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "unknown role 'robot'"),
     ({"messages": []}, dataset.EMPTY_CONVERSATION),
     ({"messages": [{"role": "user", "content": 3}]}, dataset.NON_STRING_CONTENT),
     ({"messages": [{"role": "user", "content": "only a question"}]}, dataset.NO_ASSISTANT_TURN),
@@ -220,7 +229,8 @@ def test_error_policy_names_the_row_and_problem(tmp_path, toy_dir, sample_rows, 
     ("rows", "overrides", "expected"),
     [
         ("empty", {}, "no usable rows (kept 0 of 0)"),
-        ("sample", {"max_length": 4, "bad_rows": "skip"}, "no usable rows (kept 0 of 12; skipped"),
+        ("sample", {"max_length": 4, "bad_rows": "skip", "unusable_limit": {"rows": 1.0,
+                    "assistant_tokens": 1.0}}, "no usable rows (kept 0 of 12; skipped"),
         ("sample", {"holdout": {"mode": "fraction", "fraction": 1.0, "seed": 0, "shards": []}},
          "all 12 kept rows are held out"),
     ],
@@ -267,6 +277,7 @@ def test_skip_policy_counts_and_prints_every_reason(tmp_path, toy_dir, sample_ro
         max_length=128,
         bad_rows="skip",
         holdout=no_holdout,
+        unusable_limit={"rows": 1.0, "assistant_tokens": 1.0},
     )
     summary = _run(config, tmp_path)
     skipped = json.loads((tmp_path / "prepared" / "skipped.json").read_text())

@@ -317,7 +317,10 @@ def _trim(messages: list[dict]) -> tuple[list[dict], tuple[DroppedTurns, ...]]:
         )
         del kept[trailing:]
     if not any(message["role"] == "assistant" for message in kept):
-        lost = next((d for d in dropped if any(m["role"] == "assistant" for m in d.messages)), None)
+        # The reason of the drop that took a reply, else of a role no mapping knows.
+        lost = next(
+            (d for d in dropped if any(m["role"] == "assistant" for m in d.messages)), None
+        ) or next((d for d in dropped if d.reason.startswith(UNKNOWN_ROLE)), None)
         if lost is None:
             raise RowProblem(
                 NO_ASSISTANT_TURN, "the conversation has no assistant message", _plain(messages)

@@ -33,6 +33,7 @@ falls below `fraction`; `holdout.mode: shards` takes every row of the listed sha
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -194,6 +195,8 @@ class _TableWriter:
 
         self.path = path
         self.rows_per_shard = rows_per_shard
+        # A prepared directory made here goes again if prepare stops: nothing half-written.
+        self.made_dir = not path.parent.exists()
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         os.close(fd)
@@ -240,6 +243,9 @@ class _TableWriter:
             self.writer.close()
         finally:
             self.tmp.unlink(missing_ok=True)
+            if self.made_dir:
+                with contextlib.suppress(OSError):
+                    self.path.parent.rmdir()
 
 
 def _umask() -> int:
