@@ -65,7 +65,7 @@ class SourceCut:
         where = "decompressed byte" if self.compressed else "byte"
         return (
             f"dataset.path {self.path}: the JSON array is {self.why} at {where} "
-            f"{self.offset:,}, after {self.whole_records:,} whole records; only those are used"
+            f"{self.offset:,}, after {self.whole_records:,} whole records"
         )
 
 

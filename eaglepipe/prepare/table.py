@@ -383,7 +383,7 @@ def run_prepare(
     summary["skipped_rows"] = len(skipped)
     summary["trimmed_rows"] = trimmed_rows
     summary["lost"] = losses.as_dict()
-    summary["source_cut"] = cut.describe() if cut is not None else None
+    summary["source_cut"] = f"{cut.describe()}; only those are used" if cut is not None else None
     skipped_doc = {
         "count": len(skipped),
         "reasons": dict(sorted(Counter(b.reason for b in skipped).items())),
