@@ -331,3 +331,21 @@ def test_too_many_unusable_rows_stop_the_workflow_start_naming_the_top_reasons(
     provenance.check_shard_plan(
         _run_spec(path, unusable_limit={"rows": 0.5, "assistant_tokens": 1.0})
     )
+
+
+def test_dry_run_on_a_real_slice_with_the_shipped_defaults_plans_its_whole_records(files, tmp_path):
+    from pipeline_run import default_config, isolate, run_snakemake, write_config
+
+    from eaglepipe.plan.shard_plan import plan_shards
+
+    config = isolate(default_config(), tmp_path)
+    config["dataset"]["path"] = str(files["cut"])
+    write_config(tmp_path, config)
+    result = run_snakemake(tmp_path, "-n")
+    output = result.stdout + result.stderr
+    cut_lines = [line for line in output.splitlines() if "cut off in the middle" in line]
+    assert len(cut_lines) == 1 and f"after {SLICE_ROWS} whole records" in cut_lines[0]
+    shards = plan_shards(SLICE_ROWS, config["shards"]["rows_per_shard"])
+    for shard in shards:  # regeneration is on by default: one job per planned shard
+        assert f"regenerated/{shard.name}/manifest.json" in output
+    assert f"regenerated/rows_{SLICE_ROWS}-" not in output
