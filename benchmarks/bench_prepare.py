@@ -9,7 +9,8 @@ replies) in a scratch directory and prints rows/s, tokens/s and the peak RSS of 
 process and of its workers (each measured as its own maximum resident set). Then, on the first
 `--profile-rows` rows, in this process and on one core, the split of the time between reading
 the file, the chat template's renders, the tokenizer, the masks and the loss counts, and
-writing the table (each row's work timed by cProfile's per-function totals).
+writing the table (each row's work timed by cProfile's per-function totals), and the same
+rows tokenized by the reference path and by the fast one (`reference_over_fast`, one run).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import argparse
 import copy
 import cProfile
 import json
+import os
 import pstats
 import resource
 import tempfile
@@ -29,7 +31,8 @@ import numpy as np
 
 from eaglepipe.core.config_files import load_config
 from eaglepipe.core.run import resolve
-from eaglepipe.data.dataset import DatasetRows
+from eaglepipe.data.chat_mask import tokenize_conversation
+from eaglepipe.data.dataset import Conversation, DatasetRows, RowProblem
 from eaglepipe.data.tokenizer import load_target_tokenizer
 from eaglepipe.prepare.rows import prepare_row
 from eaglepipe.prepare.table import run_prepare, table_of
@@ -65,7 +68,15 @@ def iter_raw(dataset: Path):
     return iter(SourceRecords(dataset))
 
 
+def _cpu_seconds() -> float:
+    own, children = (
+        resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+    )
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
 def whole_run(config: dict, workers: int, scratch: Path) -> dict:
+    cpu_before = _cpu_seconds()
     start = time.perf_counter()
     summary = run_prepare(
         resolve(config),
@@ -84,6 +95,10 @@ def whole_run(config: dict, workers: int, scratch: Path) -> dict:
         "rows_per_s": round(rows / seconds, 1),
         "tokens_per_s": round(summary["tokens"] / seconds),
         # ru_maxrss is in KiB on Linux; RUSAGE_CHILDREN: the largest of the workers.
+        # CPU seconds of the run, this process and its workers: what the wall time would be on
+        # `workers` idle cores, whatever else shares the machine (also reported: its load).
+        "cpu_seconds": round(_cpu_seconds() - cpu_before, 1),
+        "load_average_1min": round(os.getloadavg()[0], 1),
         "peak_rss_mib_main": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
         "peak_rss_mib_worker": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024),
         "lost": summary["lost"],
@@ -126,6 +141,17 @@ def time_split(config: dict, rows: int) -> dict:
                 c[3] for (_, _, caller), c in callers.items() if caller == "count_assistant_tokens"
             )
     kept = [p for p in prepared if p.bad is None]
+    # The same rows' tokens and masks by the reference path and by the fast one, unprofiled.
+    conversations = [row for row in source if isinstance(row, Conversation)]
+    path_seconds = {}
+    for fast in (False, True):
+        start = time.perf_counter()
+        for row in conversations:
+            try:
+                tokenize_conversation(tokenizer, row.messages, run.dataset.max_length, fast=fast)
+            except RowProblem:
+                pass
+        path_seconds["fast" if fast else "reference"] = time.perf_counter() - start
     import pyarrow.parquet as pq
 
     start = time.perf_counter()
@@ -153,6 +179,8 @@ def time_split(config: dict, rows: int) -> dict:
         "seconds": {k: round(v, 2) for k, v in split.items()},
         "share": {k: f"{v / total:.0%}" for k, v in split.items()},
         "tokens": int(sum(len(p.input_ids) for p in kept)),
+        "tokenize_seconds": {k: round(v, 2) for k, v in path_seconds.items()},
+        "reference_over_fast": round(path_seconds["reference"] / path_seconds["fast"], 2),
         "mean_assistant_mask": float(np.mean([p.loss_mask.mean() for p in kept])),
     }
 
