@@ -68,15 +68,7 @@ def iter_raw(dataset: Path):
     return iter(SourceRecords(dataset))
 
 
-def _cpu_seconds() -> float:
-    own, children = (
-        resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
-    )
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
-
-
 def whole_run(config: dict, workers: int, scratch: Path) -> dict:
-    cpu_before = _cpu_seconds()
     start = time.perf_counter()
     summary = run_prepare(
         resolve(config),
@@ -95,9 +87,7 @@ def whole_run(config: dict, workers: int, scratch: Path) -> dict:
         "rows_per_s": round(rows / seconds, 1),
         "tokens_per_s": round(summary["tokens"] / seconds),
         # ru_maxrss is in KiB on Linux; RUSAGE_CHILDREN: the largest of the workers.
-        # CPU seconds of the run, this process and its workers: what the wall time would be on
-        # `workers` idle cores, whatever else shares the machine (also reported: its load).
-        "cpu_seconds": round(_cpu_seconds() - cpu_before, 1),
+        # What else shared the machine: the wall time is only comparable at a like load.
         "load_average_1min": round(os.getloadavg()[0], 1),
         "peak_rss_mib_main": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
         "peak_rss_mib_worker": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024),
