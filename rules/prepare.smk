@@ -31,8 +31,11 @@ rule prepare:
         "logs/prepare.log",
     conda:
         ENV
+    # One tokenizing process per thread (eaglepipe/prepare/rows.py).
+    threads: 2
     params:
         script=script("prepare.py"),
         config=RESOLVED,
     shell:
-        "python -u {params.script:q} --config {params.config} 2>&1 | tee {log}"
+        "python -u {params.script:q} --config {params.config} --workers {threads}"
+        " 2>&1 | tee {log}"

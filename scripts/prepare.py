@@ -12,9 +12,12 @@ from eaglepipe.prepare.table import run_prepare
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--config", required=True, help="resolved config JSON or a YAML config")
+    parser.add_argument(
+        "--workers", type=int, default=1, help="processes that tokenize (the rule's threads)"
+    )
     args = parser.parse_args()
     with one_line_errors():
-        run_prepare(load_run(args.config))
+        run_prepare(load_run(args.config), workers=args.workers)
     return 0
 
 

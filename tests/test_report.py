@@ -291,3 +291,18 @@ def test_script_reads_every_planned_shard_and_fails_in_one_line(tmp_path):
         f"error: report input {tmp_path / 'missing.json'} does not exist"
     ]
     assert not (tmp_path / "a.png").exists()
+
+
+def test_dataset_figure_shows_losses_per_reason_and_a_cut_source(tmp_path):
+    table, summary, skipped = write_prepared(tmp_path)
+    doc = json.loads(skipped.read_text())
+    doc["lost"] = {
+        "leading non-user turns": {"rows": 0, "turns": 9, "assistant_turns": 9,
+                                   "assistant_tokens": 4000},
+        "empty conversation": {"rows": 2, "turns": 0, "assistant_turns": 0,
+                               "assistant_tokens": 0},
+    }  # fmt: skip
+    doc["source_cut"] = {"message": "cut", "offset": 10, "whole_records": 40, "why": "cut off"}
+    skipped.write_text(json.dumps(doc))
+    out = report.dataset_figure(table, summary, skipped, tmp_path / "report" / "dataset.png")
+    assert_png(out)

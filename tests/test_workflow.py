@@ -137,7 +137,7 @@ def test_a_config_error_is_one_line_without_a_traceback(tmp_path, section, key, 
         ('{"messages": [oops\n', "row 7 (line 8): invalid JSON: "),
         (
             '{"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "x"}]}\n',
-            "row 7 (line 8): unknown role: message 1 has role 'tool'",
+            "row 7 (line 8): unknown role 'tool': message 1 has role 'tool'",
         ),
         # A lone surrogate: the toy target's tokenizer training ended in a UnicodeEncodeError.
         (
@@ -155,6 +155,7 @@ def test_a_bad_source_row_is_refused_before_any_job_unless_skipped(tmp_path, bad
     lines = dataset.read_text().splitlines(keepends=True)
     lines[7] = bad_line
     dataset.write_text("".join(lines))
+    config["dataset"].update(bad_rows="error", turn_order="strict")
     line, output = refused_dry_run(tmp_path, config)
     assert line.startswith(f"error: {dataset} {expected}"), line
     assert line.endswith("(set dataset.bad_rows: skip to skip and count such rows)")
@@ -172,6 +173,7 @@ def test_bad_rows_that_leave_nothing_to_train_or_evaluate_are_refused_at_the_sta
     dataset = Path(config["dataset"]["path"])
     good = dataset.read_text().splitlines(keepends=True)
     config["dataset"]["bad_rows"] = "skip"
+    config["dataset"]["unusable_limit"] = {"rows": 1.0, "assistant_tokens": 1.0}
     config["dataset"]["holdout"].update(mode="shards", shards=["rows_0-10"])
     dataset.write_text(
         "".join(['{"messages": [{"role": "user", "content": "hi"}]}\n'] * 10 + good[10:])

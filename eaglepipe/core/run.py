@@ -141,11 +141,24 @@ class RegenerateSettings(Section):
 
 
 @dataclass(frozen=True)
+class UnusableLimit(Section):
+    """`dataset.unusable_limit`: the fractions of source rows and of assistant tokens that may
+    be unusable under `bad_rows: skip` before the run stops (data/loss_counts.py)."""
+
+    rows: float
+    assistant_tokens: float
+
+
+@dataclass(frozen=True)
 class DatasetSettings(Section):
     path: str
     format: str
     max_length: int
+    # trim: keep a conversation up to its first turn out of order (SpecForge, EAGLE); strict:
+    # such a row is a bad row (data/dataset.py).
+    turn_order: str
     bad_rows: str
+    unusable_limit: UnusableLimit
     holdout: HoldoutSettings
     regenerate: RegenerateSettings
 
@@ -453,6 +466,7 @@ def resolve(config: dict) -> RunSpec:
         check_toy_shape(model_cfg["toy"])
     dataset = dict(config["dataset"])
     dataset["holdout"] = _build(HoldoutSettings, dataset["holdout"])
+    dataset["unusable_limit"] = _build(UnusableLimit, dataset["unusable_limit"])
     dataset["regenerate"] = _build(RegenerateSettings, dataset["regenerate"])
     server = dict(config["server"])
     server["sglang"] = _build(SGLangSettings, server["sglang"])

@@ -32,14 +32,26 @@ conversation); a content the template does not render verbatim is a bad row
 Truncation: the first `max_length` tokens are kept (the conversation's start, where the
 context of every kept token lies). A row whose assistant tokens all fall beyond the limit is a
 bad row ("assistant tokens truncated away"); a row with none at all is "no assistant tokens".
+
+The fast path (the default) gives the same ids and mask with less work on long rows: the text
+is tokenized only up to the first special-token boundary (an end-of-turn marker, a role header)
+past which `max_length` tokens are reached (a fast tokenizer splits its special tokens out
+before anything else, so what precedes one tokenizes alone exactly as in the whole text), and
+assistant spans are found by prefix renders only up to where the kept tokens end. A row the
+fast path finds nothing to train on is redone by the reference path, for its exact reason.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..core.errors import PipelineError
 from .dataset import ASSISTANT_TRUNCATED, NO_ASSISTANT_TOKENS, TEMPLATE_ERROR, RowProblem
+
+# Where `max_length` is checked, in the words both paths raise it with.
+_TRUNCATED_DETAIL = "every assistant token lies beyond dataset.max_length={}"
 
 _PROBE_USER = "\u2063probe-user\u2063"
 _PROBE_ASSISTANT = "\u2063probe-assistant\u2063"
@@ -107,7 +119,14 @@ def end_of_turn_marker(tokenizer) -> str:
 def assistant_char_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
     """The full rendered text and the character spans `[start, end)` the loss mask covers."""
     full = render(tokenizer, messages)
-    end_of_turn = _EndOfTurn(tokenizer)
+    return full, _spans(tokenizer, messages, full, _EndOfTurn(tokenizer))
+
+
+def _spans(
+    tokenizer, messages: list[dict], full: str, end_of_turn, until: int | None = None
+) -> list[tuple[int, int]]:
+    """The assistant spans of `full`, in order; with `until`, only those starting before it
+    (the later ones cannot touch a token that ends by `until`)."""
     spans: list[tuple[int, int]] = []
     cursor = 0
     for i, message in enumerate(messages):
@@ -117,11 +136,13 @@ def assistant_char_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tup
         if span is None:
             span = _locate_reply(full, message["content"], cursor, end_of_turn, i)
         start, end = span
+        if until is not None and start > until:
+            break
         end = start + len(full[start:end].rstrip())
         if end > start:
             spans.append((start, end))
         cursor = max(cursor, end)
-    return full, spans
+    return spans
 
 
 def _span_from_prefix_renders(
@@ -184,6 +205,21 @@ def _mask_from_offsets(
     return [1 if (in_span[s] if s == e else any(in_span[s:e])) else 0 for s, e in offsets]
 
 
+def _mask_array(offsets: np.ndarray, spans: list[tuple[int, int]], text_length: int) -> np.ndarray:
+    """`_mask_from_offsets` as uint8 numpy, by prefix sums (the same bits)."""
+    in_span = np.zeros(text_length + 1, dtype=np.int32)
+    for a, b in spans:
+        in_span[a:b] = 1
+    covered = np.concatenate(([0], np.cumsum(in_span)))
+    if not len(offsets):
+        return np.zeros(0, dtype=np.uint8)
+    starts, ends = offsets[:, 0], offsets[:, 1]
+    overlap = covered[ends] - covered[starts] > 0
+    empty = starts == ends
+    overlap[empty] = in_span[starts[empty]] > 0
+    return overlap.astype(np.uint8)
+
+
 def _tokenize_by_segments(tokenizer, text: str, spans: list[tuple[int, int]]):
     ids: list[int] = []
     mask: list[int] = []
@@ -202,18 +238,27 @@ def _tokenize_by_segments(tokenizer, text: str, spans: list[tuple[int, int]]):
 
 
 def tokenize_conversation(
-    tokenizer, messages: list[dict], max_length: int, use_offsets: bool | None = None
+    tokenizer,
+    messages: list[dict],
+    max_length: int,
+    use_offsets: bool | None = None,
+    fast: bool = True,
 ) -> TokenizedConversation:
     """input_ids and assistant loss mask of one conversation, truncated to `max_length`.
 
     Raises RowProblem ("no assistant tokens", "assistant tokens truncated away", "chat
-    template error") for a row that cannot be trained on.
+    template error") for a row that cannot be trained on. `fast=False` is the reference path
+    (whole text tokenized, every span rendered) the fast one must equal.
     """
     if max_length < 1:
         raise PipelineError(f"dataset.max_length must be positive, not {max_length}")
-    text, spans = assistant_char_spans(tokenizer, messages)
     if use_offsets is None:
         use_offsets = bool(getattr(tokenizer, "is_fast", False))
+    if fast and use_offsets:
+        found = _tokenize_fast(tokenizer, messages, max_length)
+        if found is not None:
+            return found
+    text, spans = assistant_char_spans(tokenizer, messages)
     if use_offsets:
         encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         ids = list(encoded["input_ids"])
@@ -226,8 +271,98 @@ def tokenize_conversation(
     if truncated:
         ids, mask = ids[:max_length], mask[:max_length]
         if not any(mask):
-            raise RowProblem(
-                ASSISTANT_TRUNCATED,
-                f"every assistant token lies beyond dataset.max_length={max_length}",
-            )
+            raise RowProblem(ASSISTANT_TRUNCATED, _TRUNCATED_DETAIL.format(max_length))
     return TokenizedConversation(ids, mask, truncated)
+
+
+class _SpecialTokens:
+    """The special tokens a fast tokenizer splits its input at, probed once per tokenizer: the
+    fast path cuts the text only at them. None when one of them also takes the whitespace
+    beside it (lstrip / rstrip), which would move the boundary."""
+
+    _cache: dict[int, tuple[object, tuple[str, ...] | None]] = {}
+
+    @classmethod
+    def of(cls, tokenizer) -> tuple[str, ...] | None:
+        key = id(tokenizer)
+        entry = cls._cache.get(key)
+        if entry is None or entry[0] is not tokenizer:
+            entry = (tokenizer, cls._probe(tokenizer))
+            cls._cache[key] = entry
+        return entry[1]
+
+    @staticmethod
+    def _probe(tokenizer) -> tuple[str, ...] | None:
+        decoder = getattr(tokenizer, "added_tokens_decoder", None)
+        if not decoder or getattr(tokenizer, "split_special_tokens", False):
+            return None
+        tokens = []
+        for added in decoder.values():
+            if not getattr(added, "special", False):
+                continue
+            if getattr(added, "lstrip", False) or getattr(added, "rstrip", False):
+                return None
+            tokens.append(str(added))
+        return tuple(sorted(set(tokens), key=len, reverse=True)) or None
+
+
+def _special_boundaries(text: str, specials: tuple[str, ...]) -> list[int]:
+    """Sorted start positions of special-token strings in `text`."""
+    found = set()
+    for token in specials:
+        at = text.find(token)
+        while at >= 0:
+            found.add(at)
+            at = text.find(token, at + len(token))
+    return sorted(found)
+
+
+def _tokenize_fast(tokenizer, messages: list[dict], max_length: int):
+    """The fast path's TokenizedConversation, or None where only the reference path can tell
+    (no special tokens to cut at; nothing to train on in the kept tokens)."""
+    specials = _SpecialTokens.of(tokenizer)
+    if specials is None:
+        return None
+    full = render(tokenizer, messages)
+    boundaries = [b for b in _special_boundaries(full, specials) if b > 0] + [len(full)]
+    # A first guess of the characters max_length tokens take, then scaled by what was found.
+    wanted = 2 * max_length
+    index = 0
+    while True:
+        while index < len(boundaries) - 1 and boundaries[index] < wanted:
+            index += 1
+        cut = boundaries[index]
+        ids, offsets = encode_text(tokenizer, full[:cut])
+        if len(ids) > max_length or cut == len(full):
+            break
+        wanted = max(cut + 1, int(cut * 1.2 * (max_length + 1) / max(len(ids), 1)))
+    truncated = len(ids) > max_length
+    kept = min(len(ids), max_length)
+    offsets = np.asarray(offsets[:kept], dtype=np.int64).reshape(-1, 2)
+    until = int(offsets[:, 1].max()) if kept else 0
+    end_of_turn = _EndOfTurn(tokenizer)
+    spans = _spans(tokenizer, messages, full, end_of_turn, until if truncated else None)
+    mask = _mask_array(offsets, spans, len(full))
+    if not mask.any():
+        # Every character lies in some token, so a span past the kept tokens has tokens there.
+        if truncated and _spans(tokenizer, messages, full, end_of_turn):
+            raise RowProblem(ASSISTANT_TRUNCATED, _TRUNCATED_DETAIL.format(max_length))
+        return None
+    return TokenizedConversation(list(ids[:kept]), mask.tolist(), truncated)
+
+
+def encode_text(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """ids and offsets of `text`, as `tokenizer(text, add_special_tokens=False,
+    return_offsets_mapping=True)` gives them; straight from the Rust tokenizer when it is set
+    to neither truncate nor pad (transformers' wrapping of the result costs as much again)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if (
+        backend is not None
+        and backend.truncation is None
+        and backend.padding is None
+        and not getattr(backend, "encode_special_tokens", False)
+    ):
+        encoding = backend.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    return list(encoded["input_ids"]), [tuple(o) for o in encoded["offset_mapping"]]

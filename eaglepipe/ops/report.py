@@ -170,15 +170,36 @@ def dataset_figure(
         f"{len(lengths)} conversations, {int(lengths.sum()):,} tokens, {truncated} truncated"
     )
 
-    if reasons:
+    lost = skipped.get("lost") or {}
+    if lost:
+        # Per reason: assistant tokens lost (the bar), rows dropped whole and turns (its label).
+        names = sorted(lost, key=lambda r: (-lost[r]["assistant_tokens"], -lost[r]["turns"], r))
+        values = [lost[n]["assistant_tokens"] for n in names[::-1]]
+        ax_skip.barh(names[::-1], values, color="tab:red")
+        ax_skip.set_xlabel("assistant tokens lost")
+        for y, name in enumerate(names[::-1]):
+            c = lost[name]
+            ax_skip.text(
+                c["assistant_tokens"], y, f" {c['rows']} rows, {c['turns']} turns", va="center"
+            )
+        title = (
+            f"lost: {sum(c['rows'] for c in lost.values())} rows, "
+            f"{sum(c['turns'] for c in lost.values())} turns, "
+            f"{sum(c['assistant_tokens'] for c in lost.values()):,} assistant tokens"
+        )
+    elif reasons:
         names = sorted(reasons, key=lambda r: (-reasons[r], r))
         ax_skip.barh(names[::-1], [reasons[n] for n in names[::-1]], color="tab:red")
         ax_skip.set_xlabel("rows")
         for y, name in enumerate(names[::-1]):
             ax_skip.text(reasons[name], y, f" {reasons[name]}", va="center")
+        title = f"skipped rows: {int(skipped.get('count', sum(reasons.values())))}"
     else:
         _empty_note(ax_skip, "no rows skipped")
-    ax_skip.set_title(f"skipped rows: {int(skipped.get('count', sum(reasons.values())))}")
+        title = "skipped rows: 0"
+    if skipped.get("source_cut"):
+        title += f"\nsource cut off after {skipped['source_cut']['whole_records']:,} records"
+    ax_skip.set_title(title)
     fig.tight_layout()
     return save_figure(fig, out_png)
 

@@ -596,6 +596,7 @@ def print_status(
         )
         text = "\n".join(lines) + "\n" + text
     text += "\n" + "\n".join(drafter_lines(workdir, names, found.validations))
+    text += "".join("\n" + line for line in prepared_loss_lines(workdir))
     extra = [note] if note else []
     if found.prepared:
         extra.append(
@@ -613,6 +614,21 @@ def print_status(
         text += "\n" + "\n".join(extra)
     print(text, file=stream or sys.stdout, flush=True)
     return 1 if summary.failed or regeneration_failed else 0
+
+
+def prepared_loss_lines(workdir: Path) -> list[str]:
+    """What prepare dropped, per reason in rows, turns and assistant tokens, and a cut-off
+    source, from `prepared/summary.json` (nothing before prepare has run)."""
+    from ..prepare.table import loss_lines
+
+    summary = _read_json(workdir / PREPARED_DIR / "summary.json")
+    if not summary or "source_rows" not in summary:
+        return []
+    head = (
+        f"prepared: kept {summary.get('rows', 0):,} of {summary['source_rows']:,} rows, "
+        f"{summary.get('assistant_tokens', 0):,} assistant tokens"
+    )
+    return [head, *(f"  {line}" for line in loss_lines(summary))]
 
 
 def judge_staleness(run: RunSpec, names: list[str], workdir: Path):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from functools import cache
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from ..core.errors import PipelineError
 from ..core.fingerprint import file_identity, hash_file, hash_json
 from ..core.run import RunSpec
 from ..data.dataset import bad_row_error
+from ..data.loss_counts import check_unusable_rows
 from .shard_plan import (
     check_holdout,
     count_source_rows,
@@ -40,6 +42,7 @@ from .shard_plan import (
     planned_near,
     shard_source_digests,
     source_bad_rows,
+    source_cut,
 )
 
 
@@ -71,24 +74,34 @@ def shards(run: RunSpec) -> list[str]:
 
 def check_shard_plan(run: RunSpec) -> None:
     """What the shard plan makes plainly wrong, refused when the workflow starts (not after a
-    toy target's build or every shard's regeneration): a dataset without a row, and a held-out
-    split that names shards not in the plan or leaves evaluation or training without a row."""
+    toy target's build or every shard's regeneration): a dataset without a row, a JSON array
+    cut off under `bad_rows: error`, more unusable rows than `dataset.unusable_limit.rows`, and
+    a held-out split that names shards not in the plan or leaves evaluation or training without
+    a row. A cut-off array under `skip` is named in one line and its whole records used."""
     path = _dataset_path(run)
     rows = count_source_rows(path)
+    cut = source_cut(path)
+    if cut is not None:
+        if run.dataset.bad_rows == "error":
+            raise PipelineError(
+                f"{cut.describe()} (set dataset.bad_rows: skip to use the whole records)"
+            )
+        print(f"eaglepipe: warning: {cut.describe()}; they are used", file=sys.stderr, flush=True)
     if rows == 0:
         raise PipelineError(f"dataset.path {path} has no rows: there is nothing to extract")
     # Else the first regenerate (or prepare) job to reach a bad row stops, hours into a run;
     # under skip, one that drops every row, or every held-out one, stops evaluation after it.
-    first_bad, bad_ids = source_bad_rows(path, run.dataset.format)
-    if first_bad is not None and run.dataset.bad_rows == "error":
-        raise bad_row_error(path, first_bad)
-    if len(bad_ids) == rows:
+    bad = source_bad_rows(path, run.dataset.format, run.dataset.turn_order)
+    if bad.first is not None and run.dataset.bad_rows == "error":
+        raise bad_row_error(path, bad.first)
+    if len(bad.row_ids) == rows:
         raise PipelineError(
             f"dataset.path {path}: all {rows} rows are bad rows that dataset.bad_rows: skip "
-            f"drops, the first: {first_bad.describe(path)}; check dataset.format "
+            f"drops, the first: {bad.first.describe(path)}; check dataset.format "
             f"({run.dataset.format}) and the file"
         )
-    check_holdout(run.dataset.holdout, rows, run.shards.rows_per_shard, bad_ids)
+    check_unusable_rows(path, rows, bad.reasons, run.dataset.unusable_limit)
+    check_holdout(run.dataset.holdout, rows, run.shards.rows_per_shard, bad.row_ids)
 
 
 def model_fingerprint(run: RunSpec) -> str:
@@ -113,6 +126,7 @@ def _tokenization_settings(run: RunSpec) -> dict:
     return {
         "max_length": dataset.max_length,
         "format": dataset.format,
+        "turn_order": dataset.turn_order,
         "bad_rows": dataset.bad_rows,
         "trust_remote_code": run.model.trust_remote_code,
     }
@@ -227,6 +241,8 @@ def regeneration_settings(run: RunSpec) -> dict:
         # A turn whose prompt reaches max_length ends the regenerated conversation.
         "max_length": dataset.max_length,
         "format": dataset.format,
+        # Which turns of a source row are regenerated.
+        "turn_order": dataset.turn_order,
         "trust_remote_code": run.model.trust_remote_code,
     }
 

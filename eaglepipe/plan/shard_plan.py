@@ -1,8 +1,9 @@
 """The shard plan: half-open row-id ranges over the *source* dataset, named `rows_{start}-{end}`.
 
 Snakemake needs the shard list when it builds the DAG, so the plan is computed at parse time
-from the source's row count (Parquet metadata, or a count of the non-blank lines of a JSONL
-file), not from a checkpoint. Ranges are over source rows, so a row skipped by `prepare`
+from the source's row count (Parquet metadata, or the records of a JSONL file or JSON array as
+`data.source_files` reads them: a cut-off array counts its whole records), not from a
+checkpoint. Ranges are over source rows, so a row skipped by `prepare`
 leaves a gap in its shard and never shifts the shards after it.
 
 Counting a large JSONL file and hashing every shard's rows costs a full read, and the
@@ -28,18 +29,20 @@ from ..core.atomic import atomic_write_json
 from ..core.errors import PipelineError
 from ..core.fingerprint import file_identity
 from ..core.run import HoldoutSettings
-from ..data.dataset import (
-    BadRow,
-    bad_rows_of,
-    iter_jsonl_lines,
+from ..data.dataset import BadRow, iter_rows
+from ..data.source_files import (
+    SourceCut,
+    SourceRecords,
     iter_parquet_records,
+    parquet_num_rows,
     source_kind,
 )
 
 DEFAULT_CACHE_DIR = ".eaglepipe/cache"
 # 2: keyed on file_identity (inode, ctime), not size + mtime; 3: a row without an assistant
-# message, or with a null format key beside a usable one, is read anew; every bad row's id kept
-_CACHE_VERSION = 3
+# message, or with a null format key beside a usable one, is read anew; every bad row's id kept;
+# 4: JSON arrays and their cut, bad rows per format and turn order, with counts per reason
+_CACHE_VERSION = 4
 _NAME_RE = re.compile(r"^rows_(\d+)-(\d+)$")
 
 
@@ -222,27 +225,30 @@ def _load_cache(path: Path, cache_dir: str | os.PathLike) -> tuple[dict, Path]:
     return cached, cache_file
 
 
-def _row_bytes(path: Path):
-    """Each source row's raw bytes, in row-id order (JSONL line, or canonical JSON of a row)."""
-    if source_kind(path) == "jsonl":
-        for _, _, raw in iter_jsonl_lines(path):
-            yield raw
-    else:
+def _row_bytes(path: Path, found: dict):
+    """Each source row's raw bytes, in row-id order (a JSONL line or a JSON array's element as
+    in the file, or the canonical JSON of a Parquet row); `found["cut"]` is set after the
+    last one (a SourceCut as a dict, or None)."""
+    found["cut"] = None
+    if source_kind(path) == "parquet":
         for record in iter_parquet_records(path):
             yield json.dumps(
                 record, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str
             ).encode()
+        return
+    records = SourceRecords(path)
+    for record in records:
+        yield record.raw
+    found["cut"] = asdict(records.cut) if records.cut else None
 
 
-def _count_rows(path: Path) -> int:
+def _count_rows(path: Path, cached: dict) -> None:
     if source_kind(path) == "parquet":
-        import pyarrow.parquet as pq
-
-        try:
-            return pq.ParquetFile(path).metadata.num_rows
-        except (OSError, ValueError) as exc:
-            raise PipelineError(f"dataset.path {path}: cannot read Parquet: {exc}") from None
-    return sum(1 for _ in iter_jsonl_lines(path))
+        cached["num_rows"], cached["cut"] = parquet_num_rows(path), None
+        return
+    found: dict = {}
+    cached["num_rows"] = sum(1 for _ in _row_bytes(path, found))
+    cached["cut"] = found["cut"]
 
 
 def count_source_rows(
@@ -251,28 +257,63 @@ def count_source_rows(
     """Number of data rows in the source (cached by path and file identity)."""
     path = Path(path).resolve()
     cached, cache_file = _load_cache(path, cache_dir)
-    if "num_rows" not in cached:
-        cached["num_rows"] = _count_rows(path)
+    if "num_rows" not in cached or "cut" not in cached:
+        _count_rows(path, cached)
         atomic_write_json(cache_file, cached)
     return cached["num_rows"]
 
 
-def source_bad_rows(
-    path: str | os.PathLike, fmt: str, cache_dir: str | os.PathLike = DEFAULT_CACHE_DIR
-) -> tuple[BadRow | None, frozenset[int]]:
-    """The source's first row that cannot be read as a conversation in `fmt` (or None), and the
-    ids of all such rows (cached like the row count, per format)."""
+def source_cut(
+    path: str | os.PathLike, cache_dir: str | os.PathLike = DEFAULT_CACHE_DIR
+) -> SourceCut | None:
+    """Where a JSON array source stops being readable (None for a whole file), cached like the
+    row count."""
     path = Path(path).resolve()
     cached, cache_file = _load_cache(path, cache_dir)
-    by_format = cached.setdefault("bad_rows", {})
-    if fmt not in by_format:
-        bad = bad_rows_of(path, fmt)
-        first = asdict(bad[0]) if bad else None
-        by_format[fmt] = {"first": first, "row_ids": [row.row_id for row in bad]}
+    if "cut" not in cached:
+        _count_rows(path, cached)
         atomic_write_json(cache_file, cached)
-    found = by_format[fmt]
+    return None if cached["cut"] is None else SourceCut(**cached["cut"])
+
+
+@dataclass(frozen=True)
+class SourceBadRows:
+    """What the source's rows make unusable as a whole, before any tokenizer: the first such
+    row, every one's id, and how many per reason."""
+
+    first: BadRow | None
+    row_ids: frozenset[int]
+    reasons: dict[str, int]
+
+
+def source_bad_rows(
+    path: str | os.PathLike,
+    fmt: str,
+    turn_order: str = "trim",
+    cache_dir: str | os.PathLike = DEFAULT_CACHE_DIR,
+) -> SourceBadRows:
+    """The source's rows that cannot be read as a conversation in `fmt` under `turn_order`
+    (cached like the row count, per format and turn order)."""
+    path = Path(path).resolve()
+    cached, cache_file = _load_cache(path, cache_dir)
+    by_rule = cached.setdefault("bad_rows", {})
+    key = f"{fmt}/{turn_order}"
+    if key not in by_rule:
+        first = None
+        ids: list[int] = []
+        reasons: dict[str, int] = {}
+        for row in iter_rows(path, fmt, turn_order):
+            if isinstance(row, BadRow):
+                if first is None:
+                    first = {"row_id": row.row_id, "reason": row.reason, "detail": row.detail}
+                    first["line"] = row.line
+                ids.append(row.row_id)
+                reasons[row.reason] = reasons.get(row.reason, 0) + 1
+        by_rule[key] = {"first": first, "row_ids": ids, "reasons": reasons}
+        atomic_write_json(cache_file, cached)
+    found = by_rule[key]
     first = None if found["first"] is None else BadRow(**found["first"])
-    return first, frozenset(found["row_ids"])
+    return SourceBadRows(first, frozenset(found["row_ids"]), dict(found["reasons"]))
 
 
 def shard_source_digests(
@@ -290,7 +331,8 @@ def shard_source_digests(
         digests: dict[str, str] = {}
         hasher = xxhash.xxh3_128()
         num_rows = 0
-        for raw in _row_bytes(path):
+        found: dict = {}
+        for raw in _row_bytes(path, found):
             # Length-prefixed, so moving bytes across a row boundary changes the digest.
             hasher.update(len(raw).to_bytes(8, "little"))
             hasher.update(raw)
@@ -302,7 +344,7 @@ def shard_source_digests(
             start = num_rows - num_rows % rows_per_shard
             digests[Shard(start, num_rows).name] = hasher.hexdigest()
         by_size[key] = digests
-        cached["num_rows"] = num_rows
+        cached["num_rows"], cached["cut"] = num_rows, found["cut"]
         atomic_write_json(cache_file, cached)
     return by_size[key]
 

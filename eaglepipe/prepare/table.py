@@ -6,12 +6,21 @@ downstream target up to date):
 - `prepared/tokenized.parquet`: one row per kept source row, ordered by `row_id`
   (`row_id`, `split`, `num_tokens`, `input_ids`, `loss_mask`, `truncated`,
   `length_limited_turns`);
-- `prepared/skipped.json`: count, per-reason counts and the skipped rows;
-- `prepared/summary.json`: counts, length histogram, split and shard sizes, provenance, and
-  the size and xxh3-128 of the other two files (written last: the table's manifest).
+- `prepared/skipped.json`: count, per-reason counts and the skipped rows, what was lost per
+  reason in rows, turns and assistant tokens (`data/loss_counts.py`: bad rows and the turns
+  `dataset.turn_order: trim` dropped), and where a cut-off JSON array stops;
+- `prepared/summary.json`: counts, length histogram, split and shard sizes, losses,
+  provenance, and the size and xxh3-128 of the other two files (written last: the table's
+  manifest).
 
-The Parquet bytes are deterministic: the table is built from an explicit Arrow schema with no
-pandas metadata, and written to memory before being compared with the file on disk.
+The rows are tokenized by `workers` processes (`prepare/rows.py`) and the table is written one
+shard's row group at a time into a temporary file, renamed over the old table only when its
+bytes differ: memory holds a few batches of rows, whatever the dataset's size. The Parquet bytes
+are deterministic: an explicit Arrow schema with no pandas metadata, one row group per shard.
+
+Under `dataset.bad_rows: skip` the run stops when more than `dataset.unusable_limit` of the
+rows or of the assistant tokens is lost, naming the top reasons; under `error`, at the first
+bad row or a cut-off JSON array.
 
 With `dataset.regenerate.enabled`, the conversations are read from the regenerated shards
 (`regenerated/<shard>/rows.jsonl`, each checked against its manifest) instead of the source:
@@ -24,30 +33,24 @@ falls below `fraction`; `holdout.mode: shards` takes every row of the listed sha
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
+import tempfile
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
 from ..core import config as config_mod
-from ..core.atomic import dumps_json, write_if_changed
+from ..core.atomic import dumps_json, fsync_dir, write_if_changed
 from ..core.errors import PipelineError, set_aside_repair
 from ..core.fingerprint import hash_bytes, hash_file
 from ..core.progress import Progress
 from ..core.run import RunSpec
-from ..data.chat_mask import tokenize_conversation
-from ..data.dataset import (
-    BadRow,
-    Conversation,
-    RowProblem,
-    bad_row_error,
-    dataset_hash,
-    iter_rows,
-)
+from ..data.dataset import BadRow, Conversation, DatasetRows, bad_row_error, dataset_hash
+from ..data.loss_counts import LossCounts, check_unusable_rows, check_unusable_tokens
 from ..data.tokenizer import load_target_tokenizer
 from ..plan.provenance import prepare_provenance
 from ..plan.shard_plan import (
@@ -57,6 +60,7 @@ from ..plan.shard_plan import (
     is_eval_row,
     plan_shards,
 )
+from .rows import prepared_rows
 
 HISTOGRAM_BINS = 16
 # summary.json's record of the other files' sizes and checksums.
@@ -87,28 +91,9 @@ def prepared_table_bytes(
 ) -> bytes:
     """The prepared table's Parquet bytes: zstd, one row group per shard of `rows_per_shard`
     rows (what a shard job's read skips by; benchmarks write their tables with it too)."""
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    lengths = np.array([len(a) for a in token_arrays], dtype=np.int64)
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
-    if lengths.sum() >= np.iinfo(np.int32).max:
-        raise PipelineError("the prepared table exceeds 2^31 tokens: split the dataset")
-    np.cumsum(lengths, out=offsets[1:])
-    values = np.concatenate(token_arrays) if token_arrays else np.zeros(0, np.int32)
-    masks = np.concatenate(mask_arrays) if mask_arrays else np.zeros(0, np.uint8)
-    table = pa.Table.from_arrays(
-        [
-            pa.array(np.asarray(row_ids, dtype=np.int64)),
-            pa.array(splits, type=pa.string()),
-            pa.array(lengths.astype(np.int32)),
-            pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=pa.int32())),
-            pa.ListArray.from_arrays(pa.array(offsets), pa.array(masks, type=pa.uint8())),
-            pa.array(np.asarray(truncated, dtype=bool)),
-            pa.array([list(turns) for turns in limited], type=pa.list_(pa.int32())),
-        ],
-        schema=table_schema(),
-    )
+    table = table_of(row_ids, splits, token_arrays, mask_arrays, truncated, limited)
     # One row group per shard, so a shard job reads only its own rows (load_prepared's range).
     shard_ids = np.asarray(row_ids, dtype=np.int64) // rows_per_shard
     group_starts = np.flatnonzero(np.diff(shard_ids, prepend=-1)).tolist() + [len(shard_ids)]
@@ -121,6 +106,31 @@ def prepared_table_bytes(
     return buffer.getvalue()
 
 
+def table_of(row_ids, splits, token_arrays, mask_arrays, truncated, limited):
+    """The rows as an Arrow table of `table_schema()`."""
+    import pyarrow as pa
+
+    lengths = np.array([len(a) for a in token_arrays], dtype=np.int64)
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
+    if lengths.sum() >= np.iinfo(np.int32).max:
+        raise PipelineError("the prepared table exceeds 2^31 tokens: split the dataset")
+    np.cumsum(lengths, out=offsets[1:])
+    values = np.concatenate(token_arrays) if token_arrays else np.zeros(0, np.int32)
+    masks = np.concatenate(mask_arrays) if mask_arrays else np.zeros(0, np.uint8)
+    return pa.Table.from_arrays(
+        [
+            pa.array(np.asarray(row_ids, dtype=np.int64)),
+            pa.array(splits, type=pa.string()),
+            pa.array(lengths.astype(np.int32)),
+            pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=pa.int32())),
+            pa.ListArray.from_arrays(pa.array(offsets), pa.array(masks, type=pa.uint8())),
+            pa.array(np.asarray(truncated, dtype=bool)),
+            pa.array([list(turns) for turns in limited], type=pa.list_(pa.int32())),
+        ],
+        schema=table_schema(),
+    )
+
+
 def _histogram(lengths: np.ndarray, max_length: int) -> dict:
     edges = np.unique(np.linspace(0, max_length, HISTOGRAM_BINS + 1).round().astype(np.int64))
     edges[-1] = max_length + 1  # the last bin includes rows of exactly max_length tokens
@@ -128,19 +138,31 @@ def _histogram(lengths: np.ndarray, max_length: int) -> dict:
     return {"edges": edges.tolist(), "counts": counts.tolist()}
 
 
-def conversation_rows(run: RunSpec) -> Iterator[Conversation | BadRow]:
-    """Every row in row-id order: the source's, or with regeneration the regenerated shards'."""
+def conversation_rows(run: RunSpec, source_rows: DatasetRows | None = None):
+    """Every row in row-id order: the source's, or with regeneration the regenerated shards'
+    (carrying the turns the source row's turn order dropped, for counting)."""
+    source_rows = source_rows or DatasetRows(
+        run.dataset.path, run.dataset.format, run.dataset.turn_order
+    )
     if not run.dataset.regenerate.enabled:
-        yield from iter_rows(run.dataset.path, run.dataset.format)
+        yield from source_rows
         return
     from ..regenerate.store import iter_regenerated_rows
     from ..regenerate.summary import fresh_regenerated_manifests
 
+    source = iter(source_rows)
     for _, path in fresh_regenerated_manifests(run):
         for record in iter_regenerated_rows(path):
+            original = next(source, None)
+            while original is not None and original.row_id < record["row_id"]:
+                original = next(source, None)
+            dropped = original.dropped if isinstance(original, Conversation) else ()
             bad = record.get("bad")
             if bad:
-                yield BadRow(record["row_id"], bad["reason"], bad.get("detail", ""))
+                messages = original.messages if original is not None else ()
+                yield BadRow(
+                    record["row_id"], bad["reason"], bad.get("detail", ""), messages=tuple(messages)
+                )
             else:
                 yield Conversation(
                     record["row_id"],
@@ -148,7 +170,10 @@ def conversation_rows(run: RunSpec) -> Iterator[Conversation | BadRow]:
                     length_limited_turns=assistant_ordinals(
                         record["messages"], record.get("length_limited_turns", ())
                     ),
+                    dropped=dropped,
                 )
+    for _ in source:  # read to the end, so a cut-off array's cut is known
+        pass
 
 
 def assistant_ordinals(messages: list[dict], message_indices) -> tuple[int, ...]:
@@ -160,12 +185,101 @@ def assistant_ordinals(messages: list[dict], message_indices) -> tuple[int, ...]
     return tuple(sorted(ordinal[i] for i in message_indices if i in ordinal))
 
 
+class _TableWriter:
+    """The prepared table written one shard's row group at a time into a temporary file beside
+    the target, then renamed over it only when its bytes differ (else removed): memory holds
+    one shard's rows, and an unchanged table keeps its mtime."""
+
+    def __init__(self, path: Path, rows_per_shard: int):
+        import pyarrow.parquet as pq
+
+        self.path = path
+        self.rows_per_shard = rows_per_shard
+        # A prepared directory made here goes again if prepare stops: nothing half-written.
+        self.made_dir = not path.parent.exists()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        os.close(fd)
+        self.tmp = Path(tmp)
+        self.writer = pq.ParquetWriter(self.tmp, table_schema(), compression="zstd")
+        self.group: list[tuple] = []
+        self.shard: int | None = None
+
+    def add(self, row_id: int, split: str, ids, mask, truncated: bool, limited) -> None:
+        shard = row_id // self.rows_per_shard
+        if shard != self.shard:
+            self.flush()
+            self.shard = shard
+        self.group.append((row_id, split, ids, mask, truncated, limited))
+
+    def flush(self) -> None:
+        if self.group:
+            columns = list(zip(*self.group, strict=True))
+            table = table_of(*columns)
+            self.writer.write_table(table, row_group_size=len(self.group))
+            self.group = []
+
+    def finish(self) -> tuple[int, str, bool]:
+        """(bytes, xxh3-128, whether the target was replaced)."""
+        self.flush()
+        self.writer.close()
+        size, digest = self.tmp.stat().st_size, hash_file(self.tmp)
+        try:
+            same = self.path.stat().st_size == size and hash_file(self.path) == digest
+        except FileNotFoundError:
+            same = False
+        if same:
+            self.tmp.unlink()
+            return size, digest, False
+        with open(self.tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.chmod(self.tmp, 0o666 & ~_umask())
+        os.replace(self.tmp, self.path)
+        fsync_dir(self.path.parent)
+        return size, digest, True
+
+    def abandon(self) -> None:
+        try:
+            self.writer.close()
+        finally:
+            self.tmp.unlink(missing_ok=True)
+            if self.made_dir:
+                with contextlib.suppress(OSError):
+                    self.path.parent.rmdir()
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+class _Tally:
+    """What the summary needs of every kept row (a few bytes each, not its tokens)."""
+
+    def __init__(self) -> None:
+        self.row_ids: list[int] = []
+        self.splits: list[str] = []
+        self.lengths: list[int] = []
+        self.assistant: list[int] = []
+        self.truncated = 0
+
+    def add(self, row_id: int, split: str, length: int, assistant: int, truncated: bool) -> None:
+        self.row_ids.append(row_id)
+        self.splits.append(split)
+        self.lengths.append(length)
+        self.assistant.append(assistant)
+        self.truncated += bool(truncated)
+
+
 def run_prepare(
     run: RunSpec,
     prepared_dir: str | os.PathLike | None = None,
     cache_dir: str | os.PathLike = DEFAULT_CACHE_DIR,
+    workers: int = 1,
 ) -> dict:
-    """Run the prepare stage; returns the summary (also written to prepared/summary.json)."""
+    """Run the prepare stage with `workers` processes; returns the summary (also written to
+    prepared/summary.json)."""
     prepared_dir = Path(prepared_dir) if prepared_dir is not None else config_mod.PREPARED_DIR
     dataset_cfg = run.dataset
     source = Path(dataset_cfg.path)
@@ -177,24 +291,23 @@ def run_prepare(
     seed = holdout.seed
     rows_per_shard = run.shards.rows_per_shard
 
-    tokenizer = load_target_tokenizer(run)
+    load_target_tokenizer(run)  # a tokenizer that cannot load stops here, in this process
     model_dir = run.model.directory
     total = count_source_rows(source, cache_dir)
     eval_shards = holdout_shard_indices(holdout, total, rows_per_shard)
     regenerated = " (assistant turns regenerated by the target)" * run.dataset.regenerate.enabled
     print(
         f"prepare: {total:,} source rows in {source}{regenerated}, tokenizer of {model_dir}, "
-        f"max_length {max_length}, bad rows: {policy}",
+        f"max_length {max_length}, turn order: {dataset_cfg.turn_order}, bad rows: {policy}, "
+        f"{workers} worker(s)",
         flush=True,
     )
 
-    row_ids: list[int] = []
-    splits: list[str] = []
-    token_arrays: list[np.ndarray] = []
-    mask_arrays: list[np.ndarray] = []
-    truncated: list[bool] = []
-    limited: list[tuple[int, ...]] = []
+    source_rows = DatasetRows(source, dataset_cfg.format, dataset_cfg.turn_order)
+    tally = _Tally()
     skipped: list[BadRow] = []
+    losses = LossCounts()
+    trimmed_rows = 0
     progress = Progress(
         "prepare",
         total,
@@ -203,61 +316,106 @@ def run_prepare(
         percent=True,
         log=lambda line: print(line, flush=True),
     )
+    table = _TableWriter(prepared_dir / config_mod.PREPARED_TABLE.name, rows_per_shard)
     done = tokens = 0
-    for row in conversation_rows(run):
-        done += 1
-        if not isinstance(row, BadRow):
-            try:
-                tokenized = tokenize_conversation(tokenizer, row.messages, max_length)
-            except RowProblem as problem:
-                row = BadRow(row.row_id, problem.reason, problem.detail, row.line)
-        if isinstance(row, BadRow):
-            if policy == "error":
-                raise bad_row_error(source, row)
-            skipped.append(row)
-            if len(skipped) <= _SKIP_EXAMPLES_PRINTED:
-                print(f"prepare: skipping {row.describe(source)}", flush=True)
-            progress.advance()
-            continue
-        if mode == "shards":
-            held_out = row.row_id // rows_per_shard in eval_shards
-        else:
-            held_out = is_eval_row(row.row_id, fraction, seed)
-        row_ids.append(row.row_id)
-        splits.append("eval" if held_out else "train")
-        token_arrays.append(np.asarray(tokenized.input_ids, dtype=np.int32))
-        mask_arrays.append(np.asarray(tokenized.loss_mask, dtype=np.uint8))
-        truncated.append(tokenized.truncated)
-        limited.append(row.length_limited_turns)
-        tokens += tokenized.num_tokens
-        progress.advance(tokens=tokenized.num_tokens)
-    if done != total:
-        raise PipelineError(
-            f"dataset.path {source} changed while it was read ({total} rows counted, {done} read)"
+    try:
+        rows = prepared_rows(
+            conversation_rows(run, source_rows),
+            lambda: load_target_tokenizer(run),
+            max_length,
+            workers,
         )
+        for row in rows:
+            done += 1
+            for reason, lost in row.lost:
+                losses.add(reason, lost)
+            if row.bad is not None:
+                if policy == "error":
+                    raise bad_row_error(source, row.bad)
+                skipped.append(row.bad)
+                if len(skipped) <= _SKIP_EXAMPLES_PRINTED:
+                    print(f"prepare: skipping {row.bad.describe(source)}", flush=True)
+                progress.advance()
+                continue
+            trimmed_rows += bool(row.lost)
+            if mode == "shards":
+                held_out = row.row_id // rows_per_shard in eval_shards
+            else:
+                held_out = is_eval_row(row.row_id, fraction, seed)
+            split = "eval" if held_out else "train"
+            table.add(
+                row.row_id,
+                split,
+                row.input_ids,
+                row.loss_mask,
+                row.truncated,
+                row.length_limited_turns,
+            )
+            tally.add(
+                row.row_id, split, len(row.input_ids), int(row.loss_mask.sum()), row.truncated
+            )
+            tokens += len(row.input_ids)
+            progress.advance(tokens=len(row.input_ids))
+        if tokens >= np.iinfo(np.int32).max:
+            raise PipelineError("the prepared table exceeds 2^31 tokens: split the dataset")
+        if done != total:
+            raise PipelineError(
+                f"dataset.path {source} changed while it was read ({total} rows counted, "
+                f"{done} read)"
+            )
+        cut = source_rows.cut
+        if cut is not None and policy == "error":
+            raise PipelineError(
+                f"{cut.describe()} (set dataset.bad_rows: skip to use the whole records)"
+            )
+        require_training_rows(source, total, tally.splits, skipped)
+        if policy == "skip":
+            check_unusable_rows(
+                source, total, dict(Counter(b.reason for b in skipped)), dataset_cfg.unusable_limit
+            )
+            check_unusable_tokens(source, sum(tally.assistant), losses, dataset_cfg.unusable_limit)
+        table_bytes, table_hash, table_written = table.finish()
+    except BaseException:
+        table.abandon()
+        raise
 
-    require_training_rows(source, total, splits, skipped)
-    summary = _summary(
-        run, source, model_dir, total, row_ids, splits, token_arrays, mask_arrays, truncated
-    )
+    summary = _summary(run, source, model_dir, total, tally)
     summary["skipped_rows"] = len(skipped)
+    summary["trimmed_rows"] = trimmed_rows
+    summary["lost"] = losses.as_dict()
+    summary["source_cut"] = f"{cut.describe()}; only those are used" if cut is not None else None
     skipped_doc = {
         "count": len(skipped),
         "reasons": dict(sorted(Counter(b.reason for b in skipped).items())),
+        "lost": losses.as_dict(),
+        "trimmed_rows": trimmed_rows,
+        "source_cut": (
+            None
+            if cut is None
+            else {
+                "message": cut.describe(),
+                "offset": cut.offset,
+                "whole_records": cut.whole_records,
+                "why": cut.why,
+            }
+        ),
         "rows": [{"row_id": b.row_id, "reason": b.reason, "detail": b.detail} for b in skipped],
     }
-    contents = {
-        config_mod.PREPARED_TABLE.name: prepared_table_bytes(
-            row_ids, splits, token_arrays, mask_arrays, truncated, limited, rows_per_shard
-        ),
-        config_mod.PREPARED_SKIPPED.name: dumps_json(skipped_doc),
-    }
+    skipped_bytes = dumps_json(skipped_doc)
     # The summary, written last, is the manifest of the other two (`eaglepipe verify`).
     summary[SUMMARY_FILES_KEY] = {
-        name: {"bytes": len(data), "xxh3_128": hash_bytes(data)} for name, data in contents.items()
+        config_mod.PREPARED_TABLE.name: {"bytes": table_bytes, "xxh3_128": table_hash},
+        config_mod.PREPARED_SKIPPED.name: {
+            "bytes": len(skipped_bytes),
+            "xxh3_128": hash_bytes(skipped_bytes),
+        },
     }
-    contents[config_mod.PREPARED_SUMMARY.name] = dumps_json(summary)
-    written = {name: write_if_changed(prepared_dir / name, data) for name, data in contents.items()}
+    written = {config_mod.PREPARED_TABLE.name: table_written}
+    for name, data in (
+        (config_mod.PREPARED_SKIPPED.name, skipped_bytes),
+        (config_mod.PREPARED_SUMMARY.name, dumps_json(summary)),
+    ):
+        written[name] = write_if_changed(prepared_dir / name, data)
     _print_outcome(summary, skipped_doc, prepared_dir, written)
     return summary
 
@@ -281,16 +439,14 @@ def require_training_rows(
         )
 
 
-def _summary(
-    run, source, model_dir, total, row_ids, splits, token_arrays, mask_arrays, truncated
-) -> dict:
+def _summary(run, source, model_dir, total, tally: _Tally) -> dict:
     dataset_cfg = run.dataset
     max_length = dataset_cfg.max_length
     rows_per_shard = run.shards.rows_per_shard
-    lengths = np.array([len(a) for a in token_arrays], dtype=np.int64)
-    assistant = np.array([int(m.sum()) for m in mask_arrays], dtype=np.int64)
-    is_eval = np.array([s == "eval" for s in splits], dtype=bool)
-    shard_index = np.asarray(row_ids, dtype=np.int64) // rows_per_shard
+    lengths = np.asarray(tally.lengths, dtype=np.int64)
+    assistant = np.asarray(tally.assistant, dtype=np.int64)
+    is_eval = np.array([s == "eval" for s in tally.splits], dtype=bool)
+    shard_index = np.asarray(tally.row_ids, dtype=np.int64) // rows_per_shard
     shards = []
     for index, shard in enumerate(plan_shards(total, rows_per_shard)):
         in_shard = shard_index == index
@@ -304,11 +460,12 @@ def _summary(
         )
     return {
         "source_rows": total,
-        "rows": len(row_ids),
+        "rows": len(tally.row_ids),
         "tokens": int(lengths.sum()),
         "assistant_tokens": int(assistant.sum()),
-        "truncated_rows": int(sum(truncated)),
+        "truncated_rows": tally.truncated,
         "max_length": max_length,
+        "turn_order": dataset_cfg.turn_order,
         "length_histogram": _histogram(lengths, max_length),
         "length_stats": {
             "min": int(lengths.min()) if len(lengths) else 0,
@@ -354,6 +511,8 @@ def _print_outcome(summary: dict, skipped: dict, prepared_dir: Path, written: di
     if skipped["count"]:
         reasons = ", ".join(f"{reason}: {n}" for reason, n in skipped["reasons"].items())
         print(f"prepare: skipped {skipped['count']:,} bad rows ({reasons})", flush=True)
+    for line in loss_lines(summary):
+        print(f"prepare: {line}", flush=True)
     if summary["rows"] and not split["eval"]["rows"]:
         print("prepare: warning: the held-out split is empty (see dataset.holdout)", flush=True)
     changed = [name for name, was_written in written.items() if was_written]
@@ -363,6 +522,30 @@ def _print_outcome(summary: dict, skipped: dict, prepared_dir: Path, written: di
         + (f"; unchanged {', '.join(unchanged)}" if unchanged else ""),
         flush=True,
     )
+
+
+def loss_lines(summary: dict) -> list[str]:
+    """What a prepared summary says was lost, per reason, and where the source was cut off
+    (prepare's log, `eaglepipe status`)."""
+    lines = []
+    if summary.get("source_cut"):
+        lines.append(summary["source_cut"])
+    lost = summary.get("lost") or {}
+    if lost:
+        kept = summary.get("assistant_tokens", 0)
+        whole = kept + sum(c["assistant_tokens"] for c in lost.values())
+        lines.append(
+            f"lost per reason (rows dropped whole, turns, assistant tokens; "
+            f"{summary.get('trimmed_rows', 0):,} kept rows trimmed):"
+        )
+        for reason, c in sorted(lost.items(), key=lambda item: -item[1]["assistant_tokens"]):
+            share = f" ({c['assistant_tokens'] / whole:.1%})" if whole else ""
+            lines.append(
+                f"  {reason}: {c['rows']:,} rows, {c['turns']:,} turns "
+                f"({c['assistant_turns']:,} assistant), {c['assistant_tokens']:,} assistant "
+                f"tokens{share}"
+            )
+    return lines
 
 
 def listed_file_problem(path: Path, listed: dict, summary: Path) -> str | None:

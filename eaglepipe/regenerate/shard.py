@@ -82,7 +82,8 @@ def turn_seed(seed: int, row_id: int, turn: int) -> int:
 
 def shard_source_rows(run: RunSpec, shard: Shard) -> list[Conversation | BadRow]:
     rows = []
-    for row in iter_rows(run.dataset.path, run.dataset.format):
+    # The rows as prepare reads them: under turn_order trim, the kept turns only.
+    for row in iter_rows(run.dataset.path, run.dataset.format, run.dataset.turn_order):
         if row.row_id >= shard.end:
             break
         if row.row_id >= shard.start:
