@@ -17,19 +17,22 @@ a6b6b023): `from` mapped by its ROLE_MAPPING (human -> user; gpt, chatgpt, bing,
 assistant), messages of any other role dropped. Then, as `preprocess_conversations`
 (specforge/data/preprocessing.py) does, an empty conversation is skipped and every other row is
 parsed with `GeneralParser(tokenizer, ChatTemplate(...)).parse(row, max_length, tool=[])`. Its
-eagle3 recipe applies no loss-mask filter afterwards, so every parsed row is a training row. The
-ChatTemplate's strings are probed from the target's own chat template. The parser's warnings
-are counted per kind (leading turns dropped, conversations cut at an out-of-order turn).
+eagle3 recipe then keeps the rows with at least one loss-masked position (`minimum_loss_tokens`
+is 1 in specforge/algorithms/eagle3/providers.py, applied by `build_eagle3_dataset`; eagle3 has
+no other loss-mask filter): those are the rows SpecForge trains on. The ChatTemplate's strings
+are probed from the target's own chat template. The parser's warnings are counted per kind
+(leading turns dropped, conversations cut at an out-of-order turn).
 
 The pipeline's side is its own prepare stage (`pipeline_side`, the one function that knows the
 pipeline's API) on the same records written as JSONL, with `--set` overrides (default
 `dataset.bad_rows=skip`: under the error policy prepare stops at the first unusable row).
 
-Both sides are counted from their loss masks alike: rows, rows with a loss-masked token,
-assistant turns (runs of loss-masked positions: each assistant reply with its end-of-turn token
-is one run, the unmasked assistant header separates them) and loss-masked positions; the
-pipeline's drops per reason (rows and the assistant turns those rows held), and where the
-pipeline keeps fewer turns than SpecForge, row by row.
+Both sides are counted from their loss masks alike: rows kept (those with a loss-masked
+position; SpecForge's rows parsed beside them), assistant turns (runs of loss-masked positions:
+each assistant reply with its end-of-turn token is one run, the unmasked assistant header
+separates them), loss-masked positions and the kept rows' positions; the pipeline's drops per
+reason (rows, and the assistant turns those rows held), and where the pipeline keeps fewer turns
+than SpecForge, row by row.
 
 The tokenizer and chat template are the embedded toy target's (`--target`, else built here with
 the config's toy settings and no pre-training steps: only its tokenizer is used).
@@ -83,6 +86,7 @@ SPECFORGE_WARNINGS = {
     # Also what it says when no message is left (a conversation of assistant turns only).
     "Tokenizer does not have a chat_template": "rendered by its fallback (template refused)",
 }
+COLUMNS = ("rows", "assistant_turns", "loss_tokens", "tokens")
 _READ_CHARS = 1 << 20
 _PROBE = "\u2063probe\u2063"
 
@@ -214,16 +218,18 @@ def mask_runs(mask) -> int:
 
 
 def count_masks(masks_by_row: dict[int, np.ndarray]) -> dict:
-    """Rows, rows with a loss-masked token, assistant turns, loss-masked and all positions."""
-    turns = {row: mask_runs(m) for row, m in masks_by_row.items()}
+    """Rows parsed; rows kept (a row without a loss-masked position trains nothing, and
+    neither side trains on it), their assistant turns, loss-masked and all positions."""
     loss = {row: int(np.count_nonzero(m)) for row, m in masks_by_row.items()}
+    kept = {row: m for row, m in masks_by_row.items() if loss[row]}
+    turns = {row: mask_runs(m) for row, m in kept.items()}
     return {
-        "rows": len(masks_by_row),
-        "rows_with_loss": sum(1 for n in loss.values() if n),
+        "rows_parsed": len(masks_by_row),
+        "rows": len(kept),
         "assistant_turns": sum(turns.values()),
         "loss_tokens": sum(loss.values()),
-        "tokens": sum(len(m) for m in masks_by_row.values()),
-        "per_row": {row: (turns[row], loss[row]) for row in masks_by_row},
+        "tokens": sum(len(m) for m in kept.values()),
+        "per_row": {row: (turns[row], loss[row]) for row in kept},
     }
 
 
@@ -369,13 +375,19 @@ def parse_with_specforge(rows_jsonl: Path, target: Path, max_length: int, out: P
     from specforge.data.template import ChatTemplate
     from transformers import AutoTokenizer
 
+    from eaglepipe.core.progress import Progress
+
     tokenizer = AutoTokenizer.from_pretrained(target)
     fields = chat_template_fields(tokenizer)
     parser = GeneralParser(tokenizer, ChatTemplate(**fields))
     masks, skipped_empty, errors, warned = {}, 0, Counter(), Counter()
+    with open(rows_jsonl, encoding="utf-8") as f:
+        total = sum(1 for _ in f)
+    progress = Progress("SpecForge GeneralParser", total, percent=True, every_s=30.0)
     started = time.monotonic()
     with open(rows_jsonl, encoding="utf-8") as f:
         for line in f:
+            progress.advance()
             row = json.loads(line)
             row_id, conversation = int(row["id"]), row["conversations"]
             if not conversation:  # preprocess_conversations skips it
@@ -501,7 +513,7 @@ def compare(
         result["pipeline_short_of_specforge"] = deficit(pipeline, {"per_row": per_row}, drops)
         result["ratio"] = {
             key: round(pipeline[key] / sf_counts[key], 4) if sf_counts[key] else None
-            for key in ("rows_with_loss", "assistant_turns", "loss_tokens")
+            for key in ("rows", "assistant_turns", "loss_tokens", "tokens")
         }
     return result
 
@@ -509,20 +521,19 @@ def compare(
 def markdown(result: dict) -> str:
     """The table BENCHMARKS.md takes: rows, turns and loss-masked tokens, each way."""
     lines = [
-        "| | rows | rows with loss tokens | assistant turns | loss-masked tokens | tokens |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        "| | rows kept | assistant turns | loss-masked tokens | tokens |",
+        "| --- | ---: | ---: | ---: | ---: |",
     ]
     sides = [("eaglepipe prepare", result["pipeline"])]
     if "specforge" in result:
         sides.insert(0, (f"SpecForge {SPECFORGE_VERSION} GeneralParser", result["specforge"]))
     for name, side in sides:
-        cells = [side[k] for k in ("rows", "rows_with_loss", "assistant_turns", "loss_tokens")]
-        lines.append(f"| {name} | " + " | ".join(f"{c:,}" for c in [*cells, side["tokens"]]) + " |")
+        cells = [side[k] for k in COLUMNS]
+        lines.append(f"| {name} | " + " | ".join(f"{c:,}" for c in cells) + " |")
     if "ratio" in result:
         ratio = result["ratio"]
-        cells = [ratio[k] for k in ("rows_with_loss", "assistant_turns", "loss_tokens")]
-        cells = [f"{c:.3f}" if c is not None else "-" for c in cells]
-        lines.append("| eaglepipe / SpecForge | | " + " | ".join(cells) + " | |")
+        cells = [f"{ratio[k]:.3f}" if ratio[k] is not None else "-" for k in COLUMNS]
+        lines.append("| eaglepipe / SpecForge | " + " | ".join(cells) + " |")
     drops = ", ".join(
         f"{reason}: {d['rows']:,} rows ({d['source_assistant_turns']:,} turns)"
         for reason, d in result["pipeline"]["dropped"].items()
@@ -534,7 +545,9 @@ def markdown(result: dict) -> str:
         sf = result["specforge"]
         said = ", ".join(f"{k}: {v:,}" for k, v in sf["warnings"].items())
         lines.append(
-            f"SpecForge: {sf['skipped_empty_rows']:,} empty rows skipped; messages of other "
+            f"SpecForge: {sf['skipped_empty_rows']:,} empty rows skipped, "
+            f"{sf['rows_parsed'] - sf['rows']:,} parsed rows without a loss-masked position "
+            f"dropped; messages of other "
             f"roles dropped: {sf['dropped_roles'] or 'none'}; parser warnings: {said or 'none'}; "
             f"parse errors: {sf['parse_errors'] or 'none'}."
         )

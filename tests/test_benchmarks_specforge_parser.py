@@ -113,9 +113,10 @@ def test_mask_runs_count_and_the_deficit_by_reason():
         {0: np.array([0, 1, 1, 0, 1], np.uint8), 1: np.array([0, 1, 0, 1, 1], np.uint8),
          2: np.array([0, 0, 0], np.uint8)}
     )  # fmt: skip
-    assert {k: theirs[k] for k in ("rows", "rows_with_loss", "assistant_turns", "loss_tokens")} == {
-        "rows": 3, "rows_with_loss": 2, "assistant_turns": 4, "loss_tokens": 6,
+    assert {k: theirs[k] for k in ("rows_parsed", "rows", "assistant_turns", "loss_tokens")} == {
+        "rows_parsed": 3, "rows": 2, "assistant_turns": 4, "loss_tokens": 6,
     }  # fmt: skip
+    assert theirs["tokens"] == 10  # the kept rows' positions
     assert bench.deficit(ours, theirs, {1: "turns out of order"}) == {
         "turns out of order": {"rows": 1, "turns": 2, "loss_tokens": 3}
     }
@@ -161,7 +162,7 @@ def test_pipeline_side_counts_what_prepare_kept_and_dropped(tmp_path, toy_dir):
     assert reasons[5] == "empty conversation" and reasons[6] == "no assistant turn"
     # The clean dialogue keeps both turns; the long reply keeps its first positions only.
     assert 0 not in reasons and 7 not in reasons
-    assert pipeline["rows_with_loss"] == pipeline["rows"]
+    assert pipeline["rows_parsed"] == pipeline["rows"]  # prepare keeps no row without loss
     assert pipeline["assistant_turns"] <= result["source_assistant_turns"]
     assert pipeline["tokens"] <= MAX_LENGTH * pipeline["rows"]
 
@@ -248,7 +249,8 @@ def test_specforge_general_parser_on_20_records(tmp_path, toy_dir):
     )  # fmt: skip
     specforge = result["specforge"]
     assert result["records"] == 20
-    assert specforge["skipped_empty_rows"] == 1 and specforge["rows"] == 19
+    assert specforge["skipped_empty_rows"] == 1 and specforge["rows_parsed"] == 19
+    assert specforge["rows"] == 18  # no_reply trains nothing
     assert specforge["parse_errors"] == {}
     assert specforge["dropped_roles"] == {"system": 1}
     warned = specforge["warnings"]
