@@ -596,6 +596,7 @@ def print_status(
         )
         text = "\n".join(lines) + "\n" + text
     text += "\n" + "\n".join(drafter_lines(workdir, names, found.validations))
+    text += "".join("\n" + line for line in benchmark_lines(run, workdir))
     extra = [note] if note else []
     if found.prepared:
         extra.append(
@@ -613,6 +614,20 @@ def print_status(
         text += "\n" + "\n".join(extra)
     print(text, file=stream or sys.stdout, flush=True)
     return 1 if summary.failed or regeneration_failed else 0
+
+
+def benchmark_lines(run: RunSpec, workdir: Path) -> list[str]:
+    """Each configured benchmark's results table (drafter/benchmarks/<name>.json), or that it
+    has not run."""
+    from ..prompt_bench.measure import BENCHMARK_DIR, read_result
+    from ..prompt_bench.summary import status_lines
+
+    lines = []
+    for name in run.benchmarks.names:
+        path = workdir / BENCHMARK_DIR / f"{name}.json"
+        result = read_result(path)
+        lines += status_lines(result) if result else [f"benchmark {name}: not run ({path})"]
+    return lines
 
 
 def judge_staleness(run: RunSpec, names: list[str], workdir: Path):
