@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO_ROOT, add_toy_tokenizer, build_tiny_llama
 from drafter_helpers import synthetic_rows, write_config, write_table
-from pipeline_run import run_snakemake
+from pipeline_run import run_snakemake, small_config
+from pipeline_run import write_config as write_run_config
 from safetensors.torch import load_file, save_file
 
 from eaglepipe.core.config import validate_config
@@ -192,9 +193,10 @@ def test_bad_benchmark_input_is_one_error_naming_the_benchmark_and_key(tmp_path)
 
 
 def test_the_workflow_refuses_an_unknown_benchmark_before_any_job(tmp_path):
-    config = tmp_path / "bench.yaml"
-    config.write_text("benchmarks:\n  run:\n    humaneval: {max_new_tokens: 8}\n")
-    result = run_snakemake(tmp_path, "-n", "--configfile", str(config), check=False)
+    config = small_config(tmp_path)
+    config["benchmarks"]["run"] = {"humaneval": {"max_new_tokens": 8}}
+    write_run_config(tmp_path, config)
+    result = run_snakemake(tmp_path, "-n", check=False)
     output = result.stdout + result.stderr
     assert result.returncode != 0
     assert "benchmarks.run.humaneval: unknown benchmark 'humaneval' (known: mtbench)" in output
