@@ -423,8 +423,15 @@ def test_the_stage_measures_ours_and_an_external_drafter_per_category_and_turn(
 
 def test_status_names_a_benchmark_that_has_not_run(exported, tmp_path):
     run = resolve(bench_config(exported, {"mtbench": {}}))
-    path = tmp_path / "drafter" / "benchmarks" / "mtbench.json"
-    assert benchmark_lines(run, tmp_path) == [f"benchmark mtbench: not run ({path})"]
+    expected = ["benchmark mtbench: not run (drafter/benchmarks/mtbench.json)"]
+    assert benchmark_lines(run, tmp_path) == expected
+    (tmp_path / "drafter" / "benchmarks").mkdir(parents=True)
+    result = {"benchmark": "mtbench", "harness": "sglang", "prompts": 80, "turns_asked": 158}
+    result["too_long"] = [{"id": "99", "turn": 1}, {"id": "99", "turn": 2}]
+    (tmp_path / "drafter" / "benchmarks" / "mtbench.json").write_text(json.dumps(result))
+    assert benchmark_lines(run, tmp_path) == [
+        "benchmark mtbench (sglang): 80 prompts, 158 turns, 2 turns too long for the context"
+    ]
 
 
 def test_the_stamp_follows_the_prompt_files_content_and_the_settings(exported, tmp_path):

@@ -624,8 +624,8 @@ def benchmark_lines(run: RunSpec, workdir: Path) -> list[str]:
 
     lines = []
     for name in run.benchmarks.names:
-        path = workdir / BENCHMARK_DIR / f"{name}.json"
-        result = read_result(path)
+        path = BENCHMARK_DIR / f"{name}.json"
+        result = read_result(workdir / path)
         lines += status_lines(result) if result else [f"benchmark {name}: not run ({path})"]
     return lines
 
