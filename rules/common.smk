@@ -234,6 +234,12 @@ def benchmark_inputs(wildcards):
     }
     for drafter, path in RUN.benchmarks.drafters:
         inputs[f"drafter_{drafter}"] = ancient(f"{path}/model.safetensors")
+    # One live server (or CPU decode) at a time, and timings not shared with another: after
+    # live acceptance and the benchmark before this one (order only: ancient).
+    earlier = BENCHMARKS[: BENCHMARKS.index(name)]
+    inputs["after"] = ancient(
+        f"drafter/benchmarks/{earlier[-1]}.json" if earlier else "drafter/live.json"
+    )
     return inputs
 
 

@@ -203,6 +203,24 @@ def test_the_workflow_refuses_an_unknown_benchmark_before_any_job(tmp_path):
     assert "Traceback" not in output
 
 
+def test_each_benchmark_runs_after_live_acceptance_and_the_one_before_it(tmp_path):
+    import re
+
+    rows = write_jsonl(tmp_path / "mine.jsonl.gz", [{"text": "hi"}], compress=True)
+    config = small_config(tmp_path)
+    config["benchmarks"]["run"] = {
+        "mtbench": {"per_category": 1},
+        "mine": {"path": str(rows), "fields": {"prompt": "text"}},
+    }
+    write_run_config(tmp_path, config)
+    dag = run_snakemake(tmp_path, "--dag", "dot", "drafter/benchmarks/mine.json").stdout
+    labels = dict(re.findall(r'(\d+)\[label = "([^"]+)"', dag))
+    edges = {(labels[a], labels[b]) for a, b in re.findall(r"(\d+) -> (\d+)", dag)}
+    assert ("benchmark\\nbenchmark: mtbench", "benchmark\\nbenchmark: mine") in edges
+    assert ("live_acceptance", "benchmark\\nbenchmark: mtbench") in edges
+    assert ("export", "benchmark\\nbenchmark: mine") in edges
+
+
 # --- turns, plain answers and their cache ---------------------------------------------------
 
 
