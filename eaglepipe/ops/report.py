@@ -551,7 +551,9 @@ def benchmark_figure(result: dict, out_png: str | os.PathLike) -> Path:
     groups: list[tuple[str, str]] = []  # (label, how to find it)
     if measured:
         first = measured[0]
-        groups += [(c, c) for c in first["by_category"]]
+        # The file's order of categories (the JSON's keys are written sorted).
+        order = result.get("categories") or list(first["by_category"])
+        groups += [(c, c) for c in order if c in first["by_category"]]
         groups += [(f"turn {t}", f"turn:{t}") for t in first["by_turn"]]
         groups.append((BENCH_ALL, BENCH_ALL))
     fig, ax = plt.subplots(figsize=(max(7.0, 0.9 * len(groups) + 3), 4.4))

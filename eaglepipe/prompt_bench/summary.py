@@ -70,7 +70,8 @@ def table_rows(result: dict) -> list[dict]:
     for measured in result.get("results") or []:
         groups = [(ALL, measured[ALL])]
         groups += [(f"turn {t}", g) for t, g in measured["by_turn"].items()]
-        groups += list(measured["by_category"].items())
+        order = result.get("categories") or list(measured["by_category"])
+        groups += [(c, measured["by_category"][c]) for c in order if c in measured["by_category"]]
         for name, figures in groups:
             rows.append(
                 {
