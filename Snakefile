@@ -22,6 +22,7 @@ include: "rules/extract.smk"
 include: "rules/validate.smk"
 include: "rules/train.smk"
 include: "rules/report.smk"
+include: "rules/benchmark.smk"
 
 
 onstart:

@@ -14,6 +14,8 @@ from eaglepipe.server.handoff import check_dump_root
 from eaglepipe.drafter.variants import check_draft_layer, check_export_support
 from eaglepipe.data.tokenizer import check_chat_template_files
 from eaglepipe.core.errors import one_line_errors
+import eaglepipe.prompt_bench.checks as benchmark_checks
+from eaglepipe.prompt_bench.measure import benchmark_export_engine
 from snakemake.utils import validate
 
 hooks.tune_gc_for_dag()
@@ -55,6 +57,11 @@ with one_line_errors():
     PREPARE_IS_FRESH = freshness.prepare_is_fresh(RUN)
     STALE_VALIDATIONS = freshness.stale_validations(RUN, SHARDS)
     INCOMPLETE_TARGETS = freshness.incomplete_targets(SHARDS, regenerate=REGENERATE)
+    # Benchmarks (benchmarks.run): an unknown name, a missing prompt file, a field mapping
+    # the file lacks or a drafter SGLang would not load, before any job runs.
+    BENCHMARKS = RUN.benchmarks.names
+    benchmark_checks.check_benchmarks(RUN)
+    benchmark_checks.write_benchmark_stamps(RUN)
 # What extraction reads of prepare's outputs, and whether they exist at parse time.
 PREPARED_INPUTS = {
     "table": "prepared/tokenized.parquet",
@@ -74,6 +81,8 @@ wildcard_constraints:
     start=r"\d+",
     end=r"\d+",
     engine=r"sglang|vllm",
+    # Only configured benchmarks have a rule (names are [A-Za-z0-9_-], schema-checked).
+    benchmark="|".join(BENCHMARKS) or "(?!)",
 
 
 def script(name):
@@ -212,6 +221,44 @@ def live_export_arg(wildcards, input):
     return f"--export-dir {os.path.dirname(input.export)}"
 
 
+def benchmark_engine():
+    return benchmark_export_engine(RUN)
+
+
+def benchmark_inputs(wildcards):
+    """The export the benchmark serves, its stamp, the prompt file and the other drafters'
+    files (content decides: their checksums are in the stamp)."""
+    name = wildcards.benchmark
+    inputs = {
+        "export": f"drafter/export/{benchmark_engine()}/model.safetensors",
+        "settings": str(benchmark_checks.stamp_path(name)),
+    }
+    for drafter, path in RUN.benchmarks.drafters:
+        inputs[f"drafter_{drafter}"] = ancient(f"{path}/model.safetensors")
+    # One live server (or CPU decode) at a time, and timings not shared with another: after
+    # live acceptance and the benchmark before this one (order only: ancient).
+    earlier = BENCHMARKS[: BENCHMARKS.index(name)]
+    inputs["after"] = ancient(
+        f"drafter/benchmarks/{earlier[-1]}.json" if earlier else "drafter/live.json"
+    )
+    return inputs
+
+
+def benchmark_export_dir(wildcards, input):
+    return os.path.dirname(input.export)
+
+
+def benchmark_results(wildcards=None):
+    return [f"drafter/benchmarks/{name}.json" for name in BENCHMARKS]
+
+
+def benchmark_targets():
+    if not BENCHMARKS:
+        return []
+    plots = [f"drafter/benchmarks/{name}.png" for name in BENCHMARKS]
+    return [*benchmark_results(), *plots, "report/benchmarks.csv"]
+
+
 def report_figures(wildcards=None):
     return [
         "report/dataset.png",
@@ -244,5 +291,6 @@ def final_targets():
         "drafter/live.json",
         *export_targets(),
         *report_figures(),
+        *benchmark_targets(),
         *INCOMPLETE_TARGETS,
     ]

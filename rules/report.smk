@@ -114,3 +114,23 @@ rule report_acceptance:
     shell:
         "python -u {params.script:q} acceptance --eval {input.eval} --live {input.live}"
         " --out {output.png} --table {output.csv} 2>&1 | tee {log}"
+
+
+rule report_benchmarks:
+    """One table of every benchmark: per drafter, setting, category and turn."""
+    input:
+        benchmark_results,
+    output:
+        report(
+            "report/benchmarks.csv",
+            caption="captions/benchmark.rst",
+            category="5. Benchmarks",
+        ),
+    log:
+        "logs/report/benchmarks.log",
+    conda:
+        ENV
+    params:
+        script=script("report_figures.py"),
+    shell:
+        "python -u {params.script:q} benchmarks {input} --table {output} 2>&1 | tee {log}"

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Draw one group of report figures (and its table): dataset, extraction, validation, training,
-acceptance. Called by rules/report.smk; the figures are marked for `snakemake --report`."""
+acceptance; or the benchmarks' table. Called by rules/report.smk; the figures are marked for
+`snakemake --report`."""
 
 from __future__ import annotations
 
@@ -59,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="PNG to write")
     p.add_argument("--table", help="CSV of per-position figures to write")
 
+    p = sub.add_parser("benchmarks", help="one table of every benchmark's results")
+    p.add_argument("results", nargs="+", help="drafter/benchmarks/<name>.json files")
+    p.add_argument("--table", required=True, help="CSV to write")
+
     args = parser.parse_args(argv)
     with one_line_errors():
         if args.figure == "dataset":
@@ -73,9 +78,11 @@ def main(argv: list[str] | None = None) -> int:
             report.validation_figure(reports, args.out, args.table)
         elif args.figure == "training":
             report.training_figure(args.log, args.out)
+        elif args.figure == "benchmarks":
+            report.benchmark_table(args.results, args.table)
         else:
             report.acceptance_figure(args.eval, args.out, args.live, args.table)
-    print(f"wrote {args.out}", flush=True)
+    print(f"wrote {getattr(args, 'out', None) or args.table}", flush=True)
     return 0
 
 

@@ -41,6 +41,7 @@ LONGEST_FIRST = [
     "test_lifecycle.py",
     "test_drafter_train.py",
     "test_live_acceptance.py",
+    "test_prompt_bench.py",
     "test_extract.py",
 ]
 

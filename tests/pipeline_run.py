@@ -43,6 +43,8 @@ def small_config(workdir: Path, *, rows: int = 40, rows_per_shard: int = 10) -> 
     # The regenerate stage has its own runs (test_regenerate.py, test_embedded_default.py); these
     # test the stages after it, on the dataset's replies.
     config["dataset"]["regenerate"]["enabled"] = False
+    # The benchmark stage has its own runs (test_prompt_bench.py, test_embedded_default.py).
+    config["benchmarks"]["run"] = {}
     return isolate(config, workdir)
 
 

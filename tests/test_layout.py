@@ -20,6 +20,7 @@ STAGES = (
     "extract",
     "validate",
     "drafter",
+    "prompt_bench",
     "ops",
 )
 

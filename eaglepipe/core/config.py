@@ -118,11 +118,18 @@ def _hint(error: jsonschema.ValidationError) -> str:
 
 
 def _fill_defaults(node: dict, schema: dict) -> None:
-    for key, sub in schema.get("properties", {}).items():
+    properties = schema.get("properties", {})
+    for key, sub in properties.items():
         if key not in node and "default" in sub:
             node[key] = copy.deepcopy(sub["default"])
         if isinstance(node.get(key), dict) and sub.get("type") == "object":
             _fill_defaults(node[key], sub)
+    # A mapping of user-named entries (benchmarks.run): each entry gets its schema's defaults.
+    entry = schema.get("additionalProperties")
+    if isinstance(entry, dict) and entry.get("type") == "object":
+        for key, value in node.items():
+            if key not in properties and isinstance(value, dict):
+                _fill_defaults(value, entry)
 
 
 def merge_config(base: dict, override: dict) -> dict:

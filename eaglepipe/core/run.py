@@ -292,6 +292,66 @@ class ExportSettings(Section):
     engines: tuple[str, ...]
 
 
+# ---------------------------------------------------------------- benchmarks
+
+
+@dataclass(frozen=True)
+class BenchmarkFields(Section):
+    """Which field of a prompt file's row is the prompt, the category and the id (None: the
+    known benchmark's, or none)."""
+
+    prompt: str | None
+    category: str | None
+    id: str | None
+
+
+@dataclass(frozen=True)
+class BenchmarkSettings(Section):
+    """One configured benchmark (`benchmarks.run.<name>`): its prompt file, how to read it, the
+    subset and the reply budget."""
+
+    name: str
+    path: str | None  # None: the known benchmark's bundled copy
+    fields: BenchmarkFields
+    per_category: int | None
+    max_new_tokens: int
+    sha256: str | None
+    count: int | None
+
+
+@dataclass(frozen=True)
+class BenchmarksSettings(Section):
+    """The benchmark stage: which benchmarks, at which speculative settings, for which drafters
+    besides ours (name -> draft directory, in config order)."""
+
+    run: tuple[BenchmarkSettings, ...]
+    speculative: tuple[str, ...]
+    drafters: tuple[tuple[str, str], ...]
+
+    @property
+    def names(self) -> list[str]:
+        return [b.name for b in self.run]
+
+    def get(self, name: str) -> BenchmarkSettings:
+        for benchmark in self.run:
+            if benchmark.name == name:
+                return benchmark
+        raise PipelineError(f"config key benchmarks.run: no benchmark named {name!r}")
+
+
+def resolve_benchmarks(section: dict) -> BenchmarksSettings:
+    """The `benchmarks` section (defaults filled by the schema) as typed settings."""
+    run = []
+    for name, entry in (section.get("run") or {}).items():
+        values = {**entry, "name": name, "fields": _build(BenchmarkFields, entry["fields"])}
+        run.append(_build(BenchmarkSettings, values))
+    return BenchmarksSettings(
+        run=tuple(run),
+        speculative=tuple(section["speculative"]),
+        drafters=tuple((name, str(path)) for name, path in section["drafters"].items()),
+    )
+
+
 @dataclass(frozen=True)
 class TargetModel:
     """The target model: where it is and what its files say (read once, on first use)."""
@@ -418,6 +478,7 @@ class RunSpec:
     train: TrainSettings
     evaluate: EvaluateSettings
     export: ExportSettings
+    benchmarks: BenchmarksSettings
     # The resolved config as canonical JSON: what is written for jobs and hashed as a whole.
     resolved_json: str
 
@@ -491,6 +552,7 @@ def resolve(config: dict) -> RunSpec:
         train=_build(TrainSettings, train),
         evaluate=_build(EvaluateSettings, config["evaluate"]),
         export=_build(ExportSettings, config["export"]),
+        benchmarks=resolve_benchmarks(config["benchmarks"]),
         resolved_json=json.dumps(config, sort_keys=True),
     )
 

@@ -254,8 +254,12 @@ def config_as_read(config: dict) -> DrafterConfig:
 # Loading
 
 
-def load_like_engine(export_dir: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
+def load_like_engine(
+    export_dir: str | os.PathLike, engine: str | None = None
+) -> tuple[dict, dict[str, torch.Tensor]]:
     """Read an exported dir the way its engine does: (config, engine parameter -> tensor).
+    `engine` names the engine of a draft directory another tool wrote (its config.json has no
+    `eaglepipe` block).
 
     Stacked parameters are assembled from their shards in the engine's order; `hot_token_id`
     is d2t + arange, as SGLang computes it (vLLM keeps d2t: the same information). A key the
@@ -263,6 +267,8 @@ def load_like_engine(export_dir: str | os.PathLike) -> tuple[dict, dict[str, tor
     """
     export_dir = Path(export_dir)
     config = json.loads((export_dir / "config.json").read_text())
+    if engine is not None and "eaglepipe" not in config:
+        config = {**config, "eaglepipe": {"engine": engine}}
     engine, layer = export_engine(config), export_layer(config)
     shapes = engine_param_shapes(engine, config)
     shards: dict[str, dict] = {}
@@ -330,4 +336,5 @@ def load_exported_drafter(export) -> Eagle3Drafter:
     `export` is a live.ExportInfo or an export directory."""
     directory = getattr(export, "directory", export)
     require_intact(Path(directory) / "model.safetensors")
-    return drafter_from_engine_params(*load_like_engine(directory))
+    engine = getattr(export, "engine", None)
+    return drafter_from_engine_params(*load_like_engine(directory, engine))

@@ -466,6 +466,29 @@ def run_sglang(
     return runs, extra
 
 
+@contextmanager
+def plain_decoder(run: RunSpec, stops, new_tokens: int) -> Iterator:
+    """SGLang serving the target alone for the block: yields `decode(prompt ids) ->
+    PlainOutput` (greedy, one request at a time, with the top-two margins), the reference
+    `run_sglang` takes as `plain`, for prompts that depend on earlier plain answers (a
+    conversation's later turns)."""
+    host, timeout = run.server.host, run.extract.request_timeout_s
+    release_pipeline_server(run)
+    port = free_server_port(host)
+    with served(serve_command(run, host=host, port=port), run=run, name="target",
+                host=host, port=port) as url:  # fmt: skip
+
+        def decode(prompt: list[int]) -> PlainOutput:
+            started = time.perf_counter()
+            answer = generate_greedy(
+                url, prompt, new_tokens, timeout, speculative=False, stops=stops,
+                with_margins=True,
+            )  # fmt: skip
+            return PlainOutput(answer.output_ids, time.perf_counter() - started, answer.margins)
+
+        yield decode
+
+
 def _server_version(url: str) -> str | None:
     try:
         return http_get_json(f"{url}/server_info", 10.0).get("version")

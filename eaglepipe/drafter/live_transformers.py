@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import inspect
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -193,6 +195,32 @@ def speculative_decode(
     return produced[:new_tokens], rounds
 
 
+def harness_device() -> torch.device:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        # A decode step is too little work to share between CPU threads: on a busy 2-core
+        # machine two threads spinning on contended cores made this harness ~10x slower.
+        torch.set_num_threads(1)
+    return device
+
+
+@contextmanager
+def plain_decoder(run: RunSpec, stops, new_tokens: int) -> Iterator:
+    """The target decoding plainly (greedy, no drafter) in transformers, one prompt at a time:
+    yields `decode(prompt ids) -> PlainOutput`, the reference `run_transformers` takes as
+    `plain`, for prompts that depend on earlier plain answers (a conversation's later turns)."""
+    target = Target(
+        run.model.directory, list(run.aux_layer_ids), harness_device(), run.model.trust_remote_code
+    )
+
+    def decode(prompt: list[int]) -> PlainOutput:
+        started = time.perf_counter()
+        output = target.greedy(prompt, new_tokens, stops)
+        return PlainOutput(output, time.perf_counter() - started)
+
+    yield decode
+
+
 def run_transformers(
     run: RunSpec,
     export: ExportInfo,
@@ -212,11 +240,7 @@ def run_transformers(
         )
     new_tokens, k = run.evaluate.live_new_tokens, speculative.steps
     plain = dict(plain) if plain is not None else {}
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu":
-        # A decode step is too little work to share between CPU threads: on a busy 2-core
-        # machine two threads spinning on contended cores made this harness ~10x slower.
-        torch.set_num_threads(1)
+    device = harness_device()
     target = Target(run.model.directory, captured, device, run.model.trust_remote_code)
     drafter = load_exported_drafter(export)
     with torch.no_grad():

@@ -26,6 +26,9 @@ import numpy as np  # noqa: E402
 from ..core.atomic import atomic_write_bytes  # noqa: E402
 from ..core.errors import PipelineError, set_aside_repair  # noqa: E402
 from ..core.jsonio import read_json_object  # noqa: E402
+from ..prompt_bench.summary import ALL as BENCH_ALL  # noqa: E402
+from ..prompt_bench.summary import TABLE_COLUMNS as BENCH_TABLE_COLUMNS  # noqa: E402
+from ..prompt_bench.summary import table_rows as bench_table_rows  # noqa: E402
 
 LAYER_NAMES = ("aux_0", "aux_1", "aux_2", "final")
 # Up to this many shards get one bar each; more are drawn as points so the figure stays legible.
@@ -557,3 +560,56 @@ def acceptance_figure(
     ax.legend(frameon=False, fontsize=8, loc="upper right")
     fig.tight_layout()
     return save_figure(fig, out_png)
+
+
+# --- benchmarks ------------------------------------------------------------------------------
+
+
+def benchmark_figure(result: dict, out_png: str | os.PathLike) -> Path:
+    """A benchmark's bar chart (drafter/benchmarks/<name>.json): acceptance length per
+    category, per turn and over all turns, one bar per drafter and speculative setting."""
+    measured = result.get("results") or []
+    groups: list[tuple[str, str]] = []  # (label, how to find it)
+    if measured:
+        first = measured[0]
+        # The file's order of categories (the JSON's keys are written sorted).
+        order = result.get("categories") or list(first["by_category"])
+        groups += [(c, c) for c in order if c in first["by_category"]]
+        groups += [(f"turn {t}", f"turn:{t}") for t in first["by_turn"]]
+        groups.append((BENCH_ALL, BENCH_ALL))
+    fig, ax = plt.subplots(figsize=(max(7.0, 0.9 * len(groups) + 3), 4.4))
+    width = 0.8 / max(1, len(measured))
+    for i, m in enumerate(measured):
+        values = []
+        for _, where in groups:
+            if where == BENCH_ALL:
+                figures = m[BENCH_ALL]
+            elif where.startswith("turn:"):
+                figures = m["by_turn"].get(where.split(":", 1)[1])
+            else:
+                figures = m["by_category"].get(where)
+            length = (figures or {}).get("acceptance_length")
+            values.append(0.0 if length is None else float(length))
+        xs = [g + (i - (len(measured) - 1) / 2) * width for g in range(len(groups))]
+        ax.bar(xs, values, width, label=f"{m['drafter']} {m['setting']}")
+    if not measured:
+        ax.text(0.5, 0.5, "nothing measured", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xticks(range(len(groups)), [label for label, _ in groups], rotation=30, ha="right")
+    ax.set_ylabel("acceptance length (tokens per round)")
+    ax.axhline(1.0, color="0.6", lw=0.8)
+    ax.set_title(
+        f"{result['benchmark']}: live acceptance length per category ({result.get('harness')},"
+        f" {result.get('turns_asked', 0)} turns)"
+    )
+    if measured:
+        ax.legend(frameon=False, fontsize=8, loc="upper right")
+    fig.tight_layout()
+    return save_figure(fig, out_png)
+
+
+def benchmark_table(results: Iterable[str | os.PathLike], out_csv: str | os.PathLike) -> Path:
+    """One table of every benchmark (drafter/benchmarks/<name>.json): per drafter, setting and
+    group of turns, the acceptance length, tokens/s with and without the drafter, the lossless
+    check."""
+    rows = [row for path in results for row in bench_table_rows(read_json(path))]
+    return write_csv(rows, out_csv, BENCH_TABLE_COLUMNS)

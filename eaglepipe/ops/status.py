@@ -597,6 +597,7 @@ def print_status(
         text = "\n".join(lines) + "\n" + text
     text += "\n" + "\n".join(drafter_lines(workdir, names, found.validations))
     text += "".join("\n" + line for line in prepared_loss_lines(workdir))
+    text += "".join("\n" + line for line in benchmark_lines(run, workdir))
     extra = [note] if note else []
     if found.prepared:
         extra.append(
@@ -629,6 +630,20 @@ def prepared_loss_lines(workdir: Path) -> list[str]:
         f"{summary.get('assistant_tokens', 0):,} assistant tokens"
     )
     return [head, *(f"  {line}" for line in loss_lines(summary))]
+
+
+def benchmark_lines(run: RunSpec, workdir: Path) -> list[str]:
+    """Each configured benchmark's results table (drafter/benchmarks/<name>.json), or that it
+    has not run."""
+    from ..prompt_bench.measure import BENCHMARK_DIR, read_result
+    from ..prompt_bench.summary import status_lines
+
+    lines = []
+    for name in run.benchmarks.names:
+        path = BENCHMARK_DIR / f"{name}.json"
+        result = read_result(workdir / path)
+        lines += status_lines(result) if result else [f"benchmark {name}: not run ({path})"]
+    return lines
 
 
 def judge_staleness(run: RunSpec, names: list[str], workdir: Path):

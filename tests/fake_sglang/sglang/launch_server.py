@@ -55,6 +55,7 @@ def main():
 
     import torch
 
+    from eaglepipe.core.layers import default_aux_layer_ids
     from eaglepipe.drafter.export import engine_captured_layers, target_family
     from eaglepipe.drafter.live_run import ExportInfo
     from eaglepipe.drafter.live_transformers import (
@@ -68,9 +69,20 @@ def main():
     if drafting:
         assert args.speculative_eagle_topk == 1
         assert args.speculative_num_draft_tokens == args.speculative_num_steps + 1
-        export = ExportInfo.read(args.speculative_draft_model_path)
+        draft_dir = args.speculative_draft_model_path
+        with open(os.path.join(draft_dir, "config.json")) as f:
+            draft_config = json.load(f)
         with open(os.path.join(args.model_path, "config.json")) as f:
-            family = target_family(json.load(f))
+            target_config = json.load(f)
+        family = target_family(target_config)
+        if "eaglepipe" in draft_config:
+            export = ExportInfo.read(draft_dir)
+        else:  # another tool's draft directory, as SGLang reads it
+            eagle = draft_config.get("eagle_config") or {}
+            written = eagle.get("eagle_aux_hidden_state_layer_ids") or default_aux_layer_ids(
+                target_config["num_hidden_layers"]
+            )  # SGLang's default capture: the outputs of our default layers
+            export = ExportInfo(draft_dir, "sglang", written, draft_config)
         captured = engine_captured_layers("sglang", family, export.written_layer_ids)
     target = Target(args.model_path, captured, torch.device("cpu"))
     drafter = None
