@@ -18,7 +18,8 @@ from safetensors import safe_open
 
 from eaglepipe.core import atomic
 from eaglepipe.core.errors import PipelineError
-from eaglepipe.core.fingerprint import hash_file
+from eaglepipe.core.fingerprint import hash_bytes, hash_file
+from eaglepipe.core.manifest import read_manifest
 from eaglepipe.core.shard_job import ShardLock
 from eaglepipe.core.space import check_free_space
 from eaglepipe.extract.chunk_file import (
@@ -29,10 +30,10 @@ from eaglepipe.extract.chunk_file import (
     write_chunk,
 )
 from eaglepipe.extract.shard_files import (
+    HIDDEN_STATES_MANIFEST,
     append_journal,
     build_manifest,
     iter_rows,
-    read_manifest,
     verified_chunks,
     write_manifest,
 )
@@ -195,11 +196,12 @@ def test_manifest_roundtrip_and_iter_rows(tmp_path):
         timing={"requests_sent": 3},
     )
     path = write_manifest(tmp_path, manifest)
-    loaded = read_manifest(path)
+    loaded, digest = read_manifest(path, HIDDEN_STATES_MANIFEST)
     assert loaded == manifest
     assert loaded["num_rows"] == 3 and loaded["num_tokens"] == 12
     assert loaded["num_bytes"] == sum(r.bytes for r in records.values())
-    assert read_manifest(tmp_path) == manifest
+    assert read_manifest(tmp_path, HIDDEN_STATES_MANIFEST) == (manifest, digest)
+    assert digest == hash_bytes(path.read_bytes())
     got = list(iter_rows(tmp_path))
     assert [r for r, _ in got] == [0, 1, 5]
     assert torch.equal(got[2][1]["aux_hidden_states"], make_row(5, 4).aux_hidden_states)
@@ -207,13 +209,43 @@ def test_manifest_roundtrip_and_iter_rows(tmp_path):
 
 def test_read_manifest_errors_name_the_file(tmp_path):
     with pytest.raises(PipelineError, match="manifest.json does not exist"):
-        read_manifest(tmp_path / "manifest.json")
+        read_manifest(tmp_path / "manifest.json", HIDDEN_STATES_MANIFEST)
     (tmp_path / "manifest.json").write_text("{not json")
     with pytest.raises(PipelineError, match="manifest.json is not valid JSON"):
-        read_manifest(tmp_path / "manifest.json")
+        read_manifest(tmp_path / "manifest.json", HIDDEN_STATES_MANIFEST)
     (tmp_path / "manifest.json").write_text(json.dumps({"format_version": 1}))
     with pytest.raises(PipelineError, match="lacks key"):
-        read_manifest(tmp_path / "manifest.json")
+        read_manifest(tmp_path / "manifest.json", HIDDEN_STATES_MANIFEST)
+
+
+def test_one_manifest_reader_checks_each_stages_shape_and_the_shard(tmp_path):
+    """Hidden-state and regenerated shards are read by the same function, each in its shape."""
+    from eaglepipe.regenerate.store import REGENERATED_MANIFEST
+
+    path = tmp_path / "manifest.json"
+    keys = dict.fromkeys(HIDDEN_STATES_MANIFEST.keys, 0)
+    path.write_text(json.dumps({**keys, "format_version": 99, "chunks": []}))
+    with pytest.raises(PipelineError, match="has format_version 99, this eaglepipe reads"):
+        read_manifest(path, HIDDEN_STATES_MANIFEST)
+    version = HIDDEN_STATES_MANIFEST.format_version
+    path.write_text(json.dumps({**keys, "format_version": version, "chunks": [{"file": "c"}]}))
+    with pytest.raises(PipelineError, match=r"chunks\[0\] lacks key\(s\) bytes, xxh3_128"):
+        read_manifest(path, HIDDEN_STATES_MANIFEST)
+    path.write_text(json.dumps({**keys, "format_version": version, "chunks": {}}))
+    with pytest.raises(PipelineError, match="chunks must be a list"):
+        read_manifest(path, HIDDEN_STATES_MANIFEST)
+    path.write_text(json.dumps({**keys, "format_version": version, "chunks": [], "shard": "a"}))
+    with pytest.raises(PipelineError, match="describes shard 'a', not rows_0-8"):
+        read_manifest(tmp_path, HIDDEN_STATES_MANIFEST, shard="rows_0-8")
+    # The regenerated shape: its own keys and message, no format version or entry list.
+    with pytest.raises(PipelineError, match="regenerated shard manifest .* lacks key.*rows_file"):
+        read_manifest(path, REGENERATED_MANIFEST)
+    regenerated = dict.fromkeys(REGENERATED_MANIFEST.keys, 1)
+    path.write_text(json.dumps(regenerated))
+    assert read_manifest(path, REGENERATED_MANIFEST) == (regenerated, hash_bytes(path.read_bytes()))
+    path.unlink()
+    with pytest.raises(PipelineError, match="manifest.json does not exist: run snakemake"):
+        read_manifest(path, REGENERATED_MANIFEST)
 
 
 def test_second_writer_is_refused_naming_the_pid(tmp_path):

@@ -1,23 +1,20 @@
 """What the Snakefile runs around the rules: garbage-collector tuning for large DAGs, what the
 per-shard jobs declare up front (input functions' parameters, the temporary directory), the
 project's Python for rule commands, the run token, the warning about rerun triggers, the run's
-record and the disk-space plan at start, and stopping the server this run started (onsuccess /
+record and the disk plan at start, and stopping the server this run started (onsuccess /
 onerror)."""
 
 from __future__ import annotations
 
 import atexit
 import gc
-import json
 import os
 import sys
 import tempfile
 import uuid
 
 from .. import __version__
-from ..core.config import HIDDEN_STATES_DIR
 from ..core.run import RunSpec
-from ..plan.freshness import remaining_shards
 
 RUN_TOKEN_ENV = "EAGLEPIPE_RUN_TOKEN"
 
@@ -136,25 +133,18 @@ def record_run(run: RunSpec) -> None:
     write_run(run)
 
 
-def print_space_plan(run: RunSpec) -> None:
-    """At workflow start: will the shards still to extract fit on the output filesystem?"""
-    from ..core.config import PREPARED_SUMMARY
-    from ..core.space import space_summary
-    from ..extract.chunk_file import plan_bytes
+def state_disk_plan(run: RunSpec, *, refuse: bool) -> None:
+    """Once the tokenized table exists, the bytes the plan stores per stage against the free
+    space where each stage writes (`disk_plan`); with `refuse` (a run about to start its jobs),
+    a plan that cannot fit ends the run in one line naming the stage and the directory."""
+    from .disk_plan import planned_disk
 
-    if not PREPARED_SUMMARY.exists() or not run.model.exists:
+    plan = planned_disk(run)
+    if plan is None:
         return
-    remaining = set(remaining_shards(run))
-    if not remaining:
-        return
-    summary = json.loads(PREPARED_SUMMARY.read_text())
-    tokens = [s["tokens"] for s in summary.get("shards", []) if s["shard"] in remaining]
-    needed = plan_bytes(tokens, run.model.hidden_size)
-    print(
-        f"eaglepipe {__version__}: {len(remaining)} shard(s) to extract, {sum(tokens):,} tokens; "
-        + space_summary(needed, HIDDEN_STATES_DIR),
-        flush=True,
-    )
+    print(f"eaglepipe {__version__}: {plan.text()}", file=sys.stderr, flush=True)
+    if refuse:
+        plan.check(run)
 
 
 def stop_server_started_by_this_run() -> None:

@@ -595,7 +595,12 @@ def print_status(
             workdir / REGENERATED_DIR, names, stale=found.regenerated
         )
         text = "\n".join(lines) + "\n" + text
-    text += "\n" + "\n".join(drafter_lines(workdir, names, found.validations))
+    # A shard extracted again is validated again, as the workflow plans it.
+    stale_reports = {**dict.fromkeys(found.hidden_states, "its shard is extracted again")}
+    stale_reports.update(found.validations)
+    text += "\n" + "\n".join(
+        drafter_lines(workdir, names, stale_reports, found.single_job, engines=run.export.engines)
+    )
     extra = [note] if note else []
     if found.prepared:
         extra.append(
@@ -618,10 +623,11 @@ def print_status(
 def judge_staleness(run: RunSpec, names: list[str], workdir: Path):
     """(`Staleness` of the run in `workdir` for `run`'s config, a note when it cannot be judged:
     the model directory is gone, say; then nothing counts as stale)."""
+    from ..drafter.live import live_export_engine
     from ..plan.freshness import Staleness, staleness
 
     try:
         with contextlib.chdir(workdir):
-            return staleness(run, names), None
+            return staleness(run, names, live_export_engine=live_export_engine(run)), None
     except PipelineError as exc:
         return Staleness(), f"note: what is stale was not judged ({exc})"
