@@ -55,6 +55,9 @@ with one_line_errors():
     PREPARE_IS_FRESH = freshness.prepare_is_fresh(RUN)
     STALE_VALIDATIONS = freshness.stale_validations(RUN, SHARDS)
     INCOMPLETE_TARGETS = freshness.incomplete_targets(SHARDS, regenerate=REGENERATE)
+    # The bytes the plan stores per stage, once the tokenized table exists (the run's start
+    # refuses a plan that cannot fit, Snakefile onstart).
+    DISK_PLAN = hooks.state_disk_plan(workflow, RUN)
 # Output paths: the library's constants (eaglepipe/core/config.py, and the per-shard paths of
 # eaglepipe/plan), so a rule and the code reading its output never disagree. Only logs are
 # named in the rules themselves.

@@ -6,7 +6,9 @@ rule report_dataset:
         skipped=PREPARED_SKIPPED,
     output:
         report(
-            report_file("dataset.png"), caption="captions/dataset.rst", category="1. Dataset"
+            report_file("dataset.png"),
+            caption="captions/dataset.rst",
+            category="1. Dataset",
         ),
     log:
         "logs/report/dataset.log",

@@ -14,6 +14,7 @@ Sizes are the project's own estimates: a shard's chunks as its extraction job pl
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -23,14 +24,17 @@ import numpy as np
 
 from ..core.config import (
     DRAFTER_DIR,
+    DRAFTER_MODEL,
     HIDDEN_STATES_DIR,
     PREPARED_TABLE,
     REGENERATED_DIR,
 )
 from ..core.errors import PipelineError
+from ..core.jsonio import read_json_object
 from ..core.run import RunSpec
 from ..core.space import existing_ancestor, format_bytes, free_bytes
 from ..extract.chunk_file import estimated_chunk_bytes, expected_bytes, plan_chunks
+from ..plan.freshness import Staleness
 from ..plan.shard_plan import parse_shard_name
 
 HIDDEN_STATES, DUMP_ROOT, REGENERATED, DRAFTER = (
@@ -45,6 +49,7 @@ REGENERATED_COPIES = 2
 # Training keeps this many checkpoints and writes the next before removing the oldest
 # (drafter/train.py KEEP_CHECKPOINTS, plus the one being written).
 CHECKPOINTS_AT_PEAK = 3
+DRAFTER_SIZE_CACHE = Path(".eaglepipe/cache/drafter_size.json")
 # Bytes per trainable parameter: the model file (fp32), a checkpoint (fp32 weights and AdamW's
 # two moments), an export (bf16).
 MODEL_BYTES, CHECKPOINT_BYTES, EXPORT_BYTES = 4, 12, 2
@@ -129,19 +134,16 @@ class DiskPlan:
 
 
 def _remedy(run: RunSpec, stages: list[StageSpace]) -> str:
+    """What would make these stages fit, for the refusal's one line."""
     names = {s.stage for s in stages}
     ways = ["free space there"]
-    if HIDDEN_STATES in names:
-        ways.append(
-            f"store fewer aux layers (aux_layer_ids: {len(run.aux_layer_ids)} now) or fewer "
-            "rows (dataset.path)"
-        )
-        ways.append(f"put the run's directory (its {HIDDEN_STATES_DIR}/) on a larger disk")
+    if HIDDEN_STATES in names or DUMP_ROOT in names:
+        ways.append(f"capture fewer aux layers (aux_layer_ids: {len(run.aux_layer_ids)} now)")
     if DUMP_ROOT in names:
         ways.append("point server.dump_root at a larger file system")
-    if REGENERATED in names or DRAFTER in names:
-        ways.append("run in a directory on a larger disk")
-    return "or ".join([", ".join(ways[:-1]) + " ", ways[-1]]) if len(ways) > 1 else ways[0]
+    if names - {DUMP_ROOT}:
+        ways.append("run the workflow in a directory on a larger disk (--directory)")
+    return "to fit: " + "; ".join(ways[:-1]) + "; or " + ways[-1]
 
 
 def _dir_bytes(directory: Path) -> int:
@@ -185,15 +187,35 @@ def _hidden_state_bytes(
     return stored, longest
 
 
-def _drafter_parameters(run: RunSpec) -> int:
-    """Trainable parameters of the run's drafter, counted on the meta device (nothing allocated)."""
+def _drafter_parameters(run: RunSpec, workdir: Path) -> int:
+    """Trainable parameters of the run's drafter, counted on the meta device (nothing is
+    allocated) and cached by what shapes it: a dry run then imports no torch."""
+    from ..core.atomic import write_json_if_changed
+    from ..core.fingerprint import hash_json
+
+    key = hash_json(
+        {
+            "drafter": run.train.drafter.as_dict(),
+            "draft_vocab_size": run.train.draft_vocab_size,
+            "model": run.model.config_hash,
+        }
+    )
+    cache_path = workdir / DRAFTER_SIZE_CACHE
+    try:
+        cached = read_json_object(cache_path)
+    except PipelineError:
+        cached = {}
+    if cached.get("key") == key and isinstance(cached.get("parameters"), int):
+        return cached["parameters"]
     import torch
 
     from ..drafter.model import Eagle3Drafter, drafter_config
 
     with torch.device("meta"):
         model = Eagle3Drafter(drafter_config(run, run.train.draft_vocab_size))
-    return sum(t.numel() for t in model.trainable_state_dict().values())
+    parameters = sum(t.numel() for t in model.trainable_state_dict().values())
+    write_json_if_changed(cache_path, {"key": key, "parameters": parameters}, durable=False)
+    return parameters
 
 
 def disk_plan(
@@ -286,7 +308,7 @@ def _drafter_space(run: RunSpec, to_train: bool, workdir: Path) -> StageSpace:
     on_disk = _dir_bytes(directory)
     if not to_train:
         return StageSpace(DRAFTER, directory, on_disk, 0, free_bytes(directory), "trained")
-    parameters = _drafter_parameters(run)
+    parameters = _drafter_parameters(run, workdir)
     engines = len(run.export.engines)
     planned = parameters * (
         MODEL_BYTES + CHECKPOINTS_AT_PEAK * CHECKPOINT_BYTES + engines * EXPORT_BYTES
@@ -302,14 +324,19 @@ def _drafter_space(run: RunSpec, to_train: bool, workdir: Path) -> StageSpace:
     )
 
 
-def planned_disk(run: RunSpec, workdir: str | os.PathLike = ".") -> DiskPlan | None:
+def planned_disk(
+    run: RunSpec,
+    workdir: str | os.PathLike = ".",
+    *,
+    shard_names: list[str] | None = None,
+    found: Staleness | None = None,
+) -> DiskPlan | None:
     """The disk plan of the next run in `workdir`, judged as the workflow judges what it makes
-    again (`plan.freshness`); None until the tokenized table and the target exist."""
-    import contextlib
-
+    again (`plan.freshness.staleness`, or `found` when the caller has it); None until the
+    tokenized table and the target exist."""
     from ..drafter.live import live_export_engine
-    from ..plan.freshness import remaining_shards, staleness
-    from ..plan.provenance import shards
+    from ..plan.freshness import manifest_path, staleness
+    from ..plan.provenance import regenerated_manifest_path, shards
 
     workdir = Path(workdir)
     prepared = PreparedRows.read(workdir / PREPARED_TABLE)
@@ -318,23 +345,25 @@ def planned_disk(run: RunSpec, workdir: str | os.PathLike = ".") -> DiskPlan | N
     with contextlib.chdir(workdir):
         if not run.model.exists:
             return None
-        names = shards(run)
-        found = staleness(run, names, live_export_engine=live_export_engine(run))
-        missing = set(remaining_shards(run))
-        regenerate = set()
+        names = shard_names if shard_names is not None else shards(run)
+        if found is None:
+            found = staleness(run, names, live_export_engine=live_export_engine(run))
+        to_extract = {n for n in names if not Path(manifest_path(n)).exists()}
+        to_extract |= set(found.hidden_states)
+        to_regenerate = set()
         if run.dataset.regenerate.enabled:
-            from ..plan.provenance import regenerated_manifest_path
-
-            regenerate = set(found.regenerated) | {
+            to_regenerate = set(found.regenerated) | {
                 n for n in names if not Path(regenerated_manifest_path(n)).exists()
             }
-        trained = (workdir / DRAFTER_DIR / "model.safetensors").exists()
-        return disk_plan(
-            run,
-            names,
-            prepared,
-            to_extract=missing | set(found.hidden_states) | regenerate,
-            to_regenerate=regenerate,
-            drafter_to_train=not trained or "train" in found.single_job,
-            workdir=workdir,
-        )
+            # A shard regenerated again is extracted again: its rows are new.
+            to_extract |= to_regenerate
+        trained = DRAFTER_MODEL.exists() and "train" not in found.single_job
+    return disk_plan(
+        run,
+        names,
+        prepared,
+        to_extract=to_extract,
+        to_regenerate=to_regenerate,
+        drafter_to_train=not trained,
+        workdir=workdir,
+    )

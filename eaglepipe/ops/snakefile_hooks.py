@@ -133,17 +133,31 @@ def record_run(run: RunSpec) -> None:
     write_run(run)
 
 
-def state_disk_plan(run: RunSpec, *, refuse: bool) -> None:
-    """Once the tokenized table exists, the bytes the plan stores per stage against the free
-    space where each stage writes (`disk_plan`); with `refuse` (a run about to start its jobs),
-    a plan that cannot fit ends the run in one line naming the stage and the directory."""
+def state_disk_plan(snakemake_workflow, run: RunSpec):
+    """At parse time, once the tokenized table exists: the bytes the plan stores per stage
+    against the free space where each stage writes (`disk_plan`), on stderr, so `snakemake -n`
+    states them. Returns the plan (None before the table exists, and in a cluster job's own
+    Snakemake, which has its shard to make, not a plan)."""
+    from snakemake_interface_executor_plugins.settings import ExecMode
+
     from .disk_plan import planned_disk
 
+    if snakemake_workflow.exec_mode != ExecMode.DEFAULT:
+        return None
     plan = planned_disk(run)
+    if plan is not None:
+        print(f"eaglepipe {__version__}: {plan.text()}", file=sys.stderr, flush=True)
+    return plan
+
+
+def refuse_plan_that_cannot_fit(plan, run: RunSpec) -> None:
+    """At the start of a run that executes jobs (onstart), before any job: a plan whose stages
+    cannot fit where they write ends the run in one line naming the stage and the directory."""
+    from ..core.errors import one_line_errors
+
     if plan is None:
         return
-    print(f"eaglepipe {__version__}: {plan.text()}", file=sys.stderr, flush=True)
-    if refuse:
+    with one_line_errors():
         plan.check(run)
 
 

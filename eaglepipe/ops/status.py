@@ -32,7 +32,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import TextIO
 
-import numpy as np
 import psutil
 
 from ..core.config import HIDDEN_STATES_DIR, PREPARED_DIR, PREPARED_TABLE, REGENERATED_DIR
@@ -50,6 +49,7 @@ from ..extract.shard_files import (
     read_journal,
 )
 from ..plan.shard_plan import parse_shard_name
+from .disk_plan import PreparedRows, planned_disk
 from .drafter_status import drafter_lines
 
 # Throughput is measured over this trailing window, so an ETA reflects the current pace.
@@ -239,29 +239,6 @@ def unfinished_state(
     return (PARTIAL if kept_work else REMAINING), lock, None
 
 
-@dataclass
-class PreparedRows:
-    """`row_id` and `num_tokens` of the prepared table (sorted by row id), for planning."""
-
-    row_ids: np.ndarray
-    num_tokens: np.ndarray
-
-    @classmethod
-    def read(cls, prepared_table: str | os.PathLike) -> PreparedRows | None:
-        if not Path(prepared_table).exists():
-            return None
-        import pyarrow.parquet as pq
-
-        table = pq.read_table(prepared_table, columns=["row_id", "num_tokens"])
-        row_ids = table.column("row_id").to_numpy().astype("int64")
-        order = np.argsort(row_ids, kind="stable")
-        return cls(row_ids[order], table.column("num_tokens").to_numpy().astype("int64")[order])
-
-    def of_shard(self, shard: ShardStatus) -> tuple[np.ndarray, np.ndarray]:
-        lo, hi = np.searchsorted(self.row_ids, [shard.row_start, shard.row_end])
-        return self.row_ids[lo:hi], self.num_tokens[lo:hi]
-
-
 def fill_plan(
     shards: list[ShardStatus],
     prepared: PreparedRows,
@@ -276,7 +253,7 @@ def fill_plan(
     """
     planned_tokens = {}
     for shard in shards:
-        row_ids, num_tokens = prepared.of_shard(shard)
+        row_ids, num_tokens = prepared.of_rows(shard.row_start, shard.row_end)
         planned_tokens[shard.name] = int(num_tokens.sum())
         unfinished = shard.state in (RUNNING, PARTIAL, FAILED) and shard.chunks_done
         if unfinished and hidden_size and chunk_max_bytes:
@@ -602,6 +579,9 @@ def print_status(
         drafter_lines(workdir, names, stale_reports, found.single_job, engines=run.export.engines)
     )
     extra = [note] if note else []
+    plan = disk_plan_text(run, workdir, names, found)
+    if plan:
+        extra.append(plan)
     if found.prepared:
         extra.append(
             f"stale: {PREPARED_DIR}/ was made from other rows or settings than this config; "
@@ -618,6 +598,18 @@ def print_status(
         text += "\n" + "\n".join(extra)
     print(text, file=stream or sys.stdout, flush=True)
     return 1 if summary.failed or regeneration_failed else 0
+
+
+def disk_plan_text(run: RunSpec, workdir: Path, names: list[str], found) -> str | None:
+    """The bytes the rest of the plan stores per stage (`disk_plan`) while anything is still to
+    be written, or a note on why they are not known; None before the tokenized table exists."""
+    try:
+        plan = planned_disk(run, workdir, shard_names=names, found=found)
+    except PipelineError as exc:
+        return f"note: the disk plan was not judged ({exc})"
+    if plan is None or not any(stage.to_write for stage in plan.stages):
+        return None
+    return plan.text()
 
 
 def judge_staleness(run: RunSpec, names: list[str], workdir: Path):
