@@ -7,6 +7,7 @@ import ctypes
 import errno
 import itertools
 import json
+import os
 import shutil
 import sys
 from collections import namedtuple
@@ -130,6 +131,30 @@ def _write_shard(shard_dir, chunks, digest, tokens=3):
         append_journal(shard_dir, record, digest)
         records[index] = record
     return records
+
+
+def test_a_full_disk_while_journalling_a_chunk_names_the_journal(tmp_path):
+    """Both shard stores append their journal lines the same way (core/journal.py): a disk
+    that fills ends in one line naming the journal, and the torn line is dropped on resume."""
+    from conftest import small_filesystem
+
+    shard_dir = tmp_path / "shard"
+    with small_filesystem(shard_dir, 64 * 1024):
+        record = write_chunk(shard_dir, 0, [make_row(0, 3)], hidden_size=H)
+        append_journal(shard_dir, record, "digest")
+        filler = shard_dir / "filler"
+        fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+        try:
+            with pytest.raises(OSError):  # the file system is full
+                for _ in range(64):
+                    os.write(fd, b"\0" * 4096)
+        finally:
+            os.close(fd)
+        with pytest.raises(PipelineError, match="no space left .* while writing journal.jsonl"):
+            for _ in range(64):
+                append_journal(shard_dir, record, "digest", extra={"pad": "x" * 1000})
+        filler.unlink()
+        assert verified_chunks(shard_dir, [[0]], "digest").keys() == {0}
 
 
 def test_resume_keeps_verified_chunks_and_clears_the_rest(tmp_path):

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from ..core.atomic import atomic_write_bytes, atomic_write_json, fsync_dir
 from ..core.errors import PipelineError
 from ..core.fingerprint import hash_file
+from ..core.journal import append_journal_line, journal_line
 from ..core.jsonio import read_json_object
 from ..core.manifest import MANIFEST_NAME, ManifestShape, read_manifest
 from .chunk_file import CHUNK_PATTERN, FORMAT_VERSION, ChunkRecord, chunk_file_name, open_chunk
@@ -62,13 +63,7 @@ def append_journal(
     `extra` holds facts kept with the chunk (e.g. the engine that computed it).
     """
     entry = {**(extra or {}), **record.manifest_entry(), "plan_digest": digest}
-    line = json.dumps(entry, sort_keys=True) + "\n"
-    fd = os.open(Path(shard_dir) / JOURNAL_NAME, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    try:
-        os.write(fd, line.encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    append_journal_line(Path(shard_dir) / JOURNAL_NAME, entry)
 
 
 def read_journal(shard_dir: str | os.PathLike) -> dict[str, dict]:
@@ -127,11 +122,10 @@ def verified_chunks(
         unverified_chunk = path.match(CHUNK_PATTERN) and path.name not in keep
         if stray_tmp or unverified_chunk:
             path.unlink(missing_ok=True)
-    lines = "".join(
-        json.dumps({**journal[r.file], "plan_digest": digest}, sort_keys=True) + "\n"
-        for r in done.values()
+    lines = b"".join(
+        journal_line({**journal[r.file], "plan_digest": digest}) for r in done.values()
     )
-    atomic_write_bytes(shard_dir / JOURNAL_NAME, lines.encode())
+    atomic_write_bytes(shard_dir / JOURNAL_NAME, lines)
     return done
 
 

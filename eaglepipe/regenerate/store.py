@@ -28,8 +28,8 @@ from pathlib import Path
 from ..core.atomic import atomic_write_bytes, atomic_write_json
 from ..core.errors import PipelineError
 from ..core.fingerprint import hash_bytes, hash_file
+from ..core.journal import append_journal_line, journal_line
 from ..core.manifest import MANIFEST_NAME, ManifestShape, read_manifest
-from ..core.space import disk_full_error, is_disk_full
 
 FORMAT_VERSION = 1
 ROWS_NAME = "rows.jsonl"
@@ -51,21 +51,7 @@ def row_line(record: dict) -> bytes:
 
 def append_row(shard_dir: str | os.PathLike, key: str, record: dict) -> None:
     """Journal a finished row; durable before the call returns."""
-    line = json.dumps({"key": key, "row": record}, sort_keys=True, ensure_ascii=False) + "\n"
-    path = Path(shard_dir) / JOURNAL_NAME
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        try:
-            data = line.encode()
-            while data:  # a short write leaves a torn line, which the next run drops
-                data = data[os.write(fd, data) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError as exc:
-        if is_disk_full(exc):
-            raise disk_full_error(path) from None
-        raise
+    append_journal_line(Path(shard_dir) / JOURNAL_NAME, {"key": key, "row": record})
 
 
 def journalled_rows(shard_dir: str | os.PathLike, key: str, row_ids: Iterable[int]) -> dict:
@@ -87,11 +73,8 @@ def journalled_rows(shard_dir: str | os.PathLike, key: str, row_ids: Iterable[in
             continue  # a line torn by a kill mid-append
         if entry.get("key") == key and row_id in wanted:
             kept[row_id] = record
-    lines = "".join(
-        json.dumps({"key": key, "row": kept[r]}, sort_keys=True, ensure_ascii=False) + "\n"
-        for r in sorted(kept)
-    )
-    atomic_write_bytes(shard_dir / JOURNAL_NAME, lines.encode())
+    lines = b"".join(journal_line({"key": key, "row": kept[r]}) for r in sorted(kept))
+    atomic_write_bytes(shard_dir / JOURNAL_NAME, lines)
     return kept
 
 
