@@ -95,6 +95,25 @@ def test_the_plan_states_each_stages_bytes_from_the_table(prepared):
     assert f"free on {workdir}" in text
 
 
+def test_with_regeneration_the_shards_to_regenerate_are_planned(prepared):
+    workdir, config = prepared
+    config = copy.deepcopy(config)
+    config["dataset"]["regenerate"]["enabled"] = True
+    plan = planned_disk(resolve(config), workdir)
+    assert [s.stage for s in plan.stages] == [
+        "hidden_states",
+        "dump_root",
+        "regenerated",
+        "drafter",
+    ]
+    regenerated = stage(plan, "regenerated")
+    # None is regenerated yet: each shard at twice its share of the source file's bytes.
+    per_row = (workdir / "conversations.jsonl").stat().st_size / 40 * 2
+    assert regenerated.to_write == sum(int(per_row * n) for n in (16, 16, 8))
+    assert regenerated.directory == workdir / "regenerated"
+    assert "3 of 3 shards to regenerate" in plan.text()
+
+
 def test_the_drafters_size_is_counted_from_its_real_parameters(prepared):
     from eaglepipe.drafter.model import Eagle3Drafter, drafter_config
 
