@@ -217,9 +217,9 @@ def single_job_stages(run: RunSpec, live_export_engine: str | None) -> list[Sing
     ]
 
 
-def _mtime(path: Path) -> float | None:
+def _mtime(path: str | Path) -> float | None:
     try:
-        return path.stat().st_mtime
+        return os.stat(path).st_mtime
     except FileNotFoundError:
         return None
 
@@ -246,14 +246,12 @@ def single_job_staleness(
     from ..core.config import PREPARED_TABLE
 
     settings = stage_settings(run)
-    # What each earlier stage's outputs are, by stage: None while it runs again (its outputs
-    # will be new), else the newest mtime of those of its outputs the later stage reads.
+    # Each earlier stage either runs again (why) or has outputs of a newest mtime.
     runs_again: dict[str, str] = {}
     newest: dict[str, float] = {}
     if found.prepared or not PREPARED_TABLE.exists():
         runs_again["prepare"] = "prepare runs again"
-    reports = [Path(validation_report_path(shard)) for shard in shard_names]
-    report_mtimes = [_mtime(path) for path in reports]
+    report_mtimes = [_mtime(validation_report_path(shard)) for shard in shard_names]
     redone = set(found.validations) | set(found.hidden_states)
     if redone or None in report_mtimes:
         runs_again["validate"] = "shards are validated again"
