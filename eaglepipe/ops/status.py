@@ -573,7 +573,7 @@ def print_status(
         )
         text = "\n".join(lines) + "\n" + text
     # A shard extracted again is validated again, as the workflow plans it.
-    stale_reports = {**dict.fromkeys(found.hidden_states, "its shard is extracted again")}
+    stale_reports = dict.fromkeys(found.hidden_states, "its shard is extracted again")
     stale_reports.update(found.validations)
     text += "\n" + "\n".join(
         drafter_lines(workdir, names, stale_reports, found.single_job, engines=run.export.engines)
