@@ -16,6 +16,8 @@ A shard is
 - remaining: nothing of it exists yet.
 
 Shard directories the plan does not contain (an earlier `rows_per_shard`) are listed apart.
+The stages after extraction follow (`drafter_status.py`), then, while anything is still to be
+written, the disk the rest of the plan needs (`disk_plan.py`).
 """
 
 from __future__ import annotations
