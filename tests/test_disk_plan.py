@@ -212,3 +212,11 @@ def test_the_workflow_refuses_a_plan_that_cannot_fit_before_any_job(prepared, tm
     # Refused before any job: no job's log, no run record.
     assert not (run_dir / "logs").exists()
     assert not (run_dir / ".eaglepipe" / "run.json").exists()
+
+    # A target of its own needs less than the whole plan: warned, and it runs.
+    with small_filesystem(dump_root, size):
+        dump_root.chmod(0o700)
+        result = run_snakemake(run_dir, "--cores", "1", "drafter/vocab.safetensors")
+    assert "eaglepipe: warning: the plan cannot fit: dump_root (" in result.stderr
+    assert "(running only the targets asked for)" in result.stderr
+    assert (run_dir / "drafter" / "vocab.safetensors").exists()

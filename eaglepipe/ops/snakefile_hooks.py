@@ -150,12 +150,28 @@ def state_disk_plan(snakemake_workflow, run: RunSpec):
     return plan
 
 
-def refuse_plan_that_cannot_fit(plan, run: RunSpec) -> None:
+def refuse_plan_that_cannot_fit(plan, run: RunSpec, snakemake_workflow) -> None:
     """At the start of a run that executes jobs (onstart), before any job: a plan whose stages
-    cannot fit where they write ends the run in one line naming the stage and the directory."""
-    from ..core.errors import one_line_errors
+    cannot fit where they write ends the run in one line naming the stage and the directory.
+    A run of targets of its own (one shard, say) needs less than the whole plan: it is warned,
+    not stopped (each shard job still checks its own room)."""
+    from ..core.errors import PipelineError, one_line_errors
 
     if plan is None:
+        return
+    settings = getattr(snakemake_workflow, "dag_settings", None)
+    targets = set(getattr(settings, "targets", ()) or ()) | set(
+        getattr(settings, "target_jobs", ()) or ()
+    )
+    if targets - {"all"}:
+        try:
+            plan.check(run)
+        except PipelineError as exc:
+            print(
+                f"eaglepipe: warning: {exc} (running only the targets asked for)",
+                file=sys.stderr,
+                flush=True,
+            )
         return
     with one_line_errors():
         plan.check(run)
