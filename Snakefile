@@ -26,10 +26,11 @@ include: "rules/benchmark.smk"
 
 
 onstart:
+    # Before any job: a plan that cannot fit on the disk (stated at parse time) is refused.
+    hooks.refuse_plan_that_cannot_fit(DISK_PLAN, RUN, workflow)
     # Only a run that executes jobs records its config (a dry run never rewrites it).
     hooks.record_run(RUN)
     hooks.warn_about_rerun_triggers(workflow)
-    hooks.print_space_plan(RUN)
 
 
 onsuccess:

@@ -415,16 +415,17 @@ def verify_and_delete(shard_dir: Path, manifest: dict) -> dict:
     size, re-hashed against the manifest, none unlisted), then the shard deleted: a benchmark
     that writes more than the storage holds keeps only the shards in progress. Returns what was
     checked; raises on a failed check (the shard is kept for a look)."""
+    from eaglepipe.core.manifest import read_manifest
+    from eaglepipe.extract.shard_files import HIDDEN_STATES_MANIFEST
     from eaglepipe.validate.integrity import (
         check_chunk_checksum,
         check_chunk_file,
         check_no_stray_chunks,
-        read_manifest,
     )
 
     started = time.perf_counter()
     shard = manifest["shard"]
-    listed = read_manifest(shard_dir, shard)
+    listed, _ = read_manifest(shard_dir, HIDDEN_STATES_MANIFEST, shard=shard)
     for entry in listed["chunks"]:
         check_chunk_file(shard_dir, shard, entry)
         check_chunk_checksum(shard_dir, shard, entry)

@@ -310,18 +310,19 @@ def verify_shards(shard_dirs: list[Path], row_tokens: dict[int, int]) -> dict:
     """The validation stage's integrity checks of every shard (each listed chunk there with its
     size, re-hashed against the manifest, no unlisted chunk), and the rows they hold against
     the prepared table's: the result is whole and right when `ok`."""
+    from eaglepipe.core.manifest import read_manifest
+    from eaglepipe.extract.shard_files import HIDDEN_STATES_MANIFEST
     from eaglepipe.validate.integrity import (
         check_chunk_checksum,
         check_chunk_file,
         check_no_stray_chunks,
-        read_manifest,
     )
 
     errors, rows, tokens, chunk_bytes, all_bytes = [], {}, 0, 0, 0
     for shard_dir in shard_dirs:
         shard = Path(shard_dir).name
         try:
-            manifest = read_manifest(Path(shard_dir), shard)
+            manifest, _ = read_manifest(Path(shard_dir), HIDDEN_STATES_MANIFEST, shard=shard)
             for entry in manifest["chunks"]:
                 check_chunk_file(Path(shard_dir), shard, entry)
                 check_chunk_checksum(Path(shard_dir), shard, entry)

@@ -4,9 +4,9 @@ rule benchmark:
     input:
         unpack(benchmark_inputs),
     output:
-        json="drafter/benchmarks/{benchmark}.json",
+        json=benchmark_file("{benchmark}", "json"),
         plot=report(
-            "drafter/benchmarks/{benchmark}.png",
+            benchmark_file("{benchmark}", "png"),
             caption="captions/benchmark.rst",
             category="5. Benchmarks",
         ),

@@ -15,7 +15,7 @@ from eaglepipe.drafter.variants import check_draft_layer, check_export_support
 from eaglepipe.data.tokenizer import check_chat_template_files
 from eaglepipe.core.errors import one_line_errors
 import eaglepipe.prompt_bench.checks as benchmark_checks
-from eaglepipe.prompt_bench.measure import benchmark_export_engine
+from eaglepipe.prompt_bench.measure import BENCHMARK_DIR, benchmark_export_engine
 from snakemake.utils import validate
 
 hooks.tune_gc_for_dag()
@@ -62,16 +62,42 @@ with one_line_errors():
     BENCHMARKS = RUN.benchmarks.names
     benchmark_checks.check_benchmarks(RUN)
     benchmark_checks.write_benchmark_stamps(RUN)
+    # The bytes the plan stores per stage, once the tokenized table exists (the run's start
+    # refuses a plan that cannot fit, Snakefile onstart).
+    DISK_PLAN = hooks.state_disk_plan(workflow, RUN)
+# Output paths: the library's constants (eaglepipe/core/config.py, and the per-shard paths of
+# eaglepipe/plan), so a rule and the code reading its output never disagree. Only logs are
+# named in the rules themselves.
+SHARD_WILDCARDS = "rows_{start}-{end}"
+TOY_MODEL_CONFIG = str(config_paths.TOY_MODEL_CONFIG)
+PREPARED_TABLE = str(config_paths.PREPARED_TABLE)
+PREPARED_SUMMARY = str(config_paths.PREPARED_SUMMARY)
+PREPARED_SKIPPED = str(config_paths.PREPARED_SKIPPED)
+REGENERATED_MANIFEST = provenance.regenerated_manifest_path(SHARD_WILDCARDS)
+REGENERATION_SUMMARY = str(config_paths.REGENERATION_SUMMARY)
+SHARD_MANIFEST = freshness.manifest_path(SHARD_WILDCARDS)
+VALIDATION_REPORT = freshness.validation_report_path(SHARD_WILDCARDS)
+DRAFT_VOCAB = str(config_paths.DRAFT_VOCAB)
+DRAFTER_MODEL = str(config_paths.DRAFTER_MODEL)
+TRAIN_LOG = str(config_paths.TRAIN_LOG)
+TRAIN_CHECKPOINTS = str(config_paths.TRAIN_CHECKPOINTS)
+EVAL_REPORT = str(config_paths.EVAL_REPORT)
+EVAL_PLOT = str(config_paths.EVAL_PLOT)
+LIVE_REPORT = str(config_paths.LIVE_REPORT)
+EXPORT_FILE = f"{config_paths.EXPORT_DIR}/{{engine}}/{{name}}"
+REPORT_DIR = str(config_paths.REPORT_DIR)
+
+
+def report_file(name):
+    return f"{REPORT_DIR}/{name}"
+
+
 # What extraction reads of prepare's outputs, and whether they exist at parse time.
-PREPARED_INPUTS = {
-    "table": "prepared/tokenized.parquet",
-    "summary": "prepared/summary.json",
-}
+PREPARED_INPUTS = {"table": PREPARED_TABLE, "summary": PREPARED_SUMMARY}
 PREPARED_PRESENT = all(os.path.exists(path) for path in PREPARED_INPUTS.values())
 RUN_TOKEN = hooks.run_token()
 PER_SHARD_RESOURCES = hooks.per_shard_job_resources(workflow)
 RESOLVED = str(RESOLVED_CONFIG)
-REGENERATION_SUMMARY = str(config_paths.REGENERATION_SUMMARY)
 ENV = "../envs/pipeline.yaml"
 TOY_STAMP = str(provenance.TOY_STAMP)
 DATASET = RUN.dataset.path
@@ -151,7 +177,7 @@ def validate_inputs(wildcards):
         # A report to (re)write gets the plain table input: when prepare reruns, Snakemake
         # never looks at the jobs behind it that only ancient() inputs link, not even for a
         # missing output, so without this edge the report would silently not be written.
-        inputs["table"] = "prepared/tokenized.parquet"
+        inputs["table"] = PREPARED_TABLE
     return inputs
 
 
@@ -183,7 +209,7 @@ def regenerated_manifests():
 
 
 def prepared_table(wildcards=None):
-    return when_stale("prepared/tokenized.parquet", PREPARE_IS_FRESH)
+    return when_stale(PREPARED_TABLE, PREPARE_IS_FRESH)
 
 
 def all_manifests(wildcards=None):
@@ -191,14 +217,12 @@ def all_manifests(wildcards=None):
 
 
 def all_validations(wildcards=None):
-    return [f"validated/{shard}.json" for shard in SHARDS]
+    return [freshness.validation_report_path(shard) for shard in SHARDS]
 
 
 def export_targets(wildcards=None):
     return expand(
-        "drafter/export/{engine}/{name}",
-        engine=RUN.export.engines,
-        name=["config.json", "model.safetensors"],
+        EXPORT_FILE, engine=RUN.export.engines, name=config_paths.EXPORT_FILES
     )
 
 
@@ -207,11 +231,13 @@ def live_acceptance_inputs(wildcards):
     evaluate.live_prompts is 0 (the stage then only records the skip)."""
     inputs = {
         "table": prepared_table(),
-        "offline": "drafter/eval.json",
+        "offline": EVAL_REPORT,
         "settings": stage_stamp("live_acceptance"),
     }
     if LIVE_EXPORT_ENGINE:
-        inputs["export"] = f"drafter/export/{LIVE_EXPORT_ENGINE}/model.safetensors"
+        inputs["export"] = EXPORT_FILE.format(
+            engine=LIVE_EXPORT_ENGINE, name="model.safetensors"
+        )
     return inputs
 
 
@@ -230,7 +256,7 @@ def benchmark_inputs(wildcards):
     files (content decides: their checksums are in the stamp)."""
     name = wildcards.benchmark
     inputs = {
-        "export": f"drafter/export/{benchmark_engine()}/model.safetensors",
+        "export": f"{config_paths.EXPORT_DIR}/{benchmark_engine()}/model.safetensors",
         "settings": str(benchmark_checks.stamp_path(name)),
     }
     for drafter, path in RUN.benchmarks.drafters:
@@ -239,9 +265,13 @@ def benchmark_inputs(wildcards):
     # live acceptance and the benchmark before this one (order only: ancient).
     earlier = BENCHMARKS[: BENCHMARKS.index(name)]
     inputs["after"] = ancient(
-        f"drafter/benchmarks/{earlier[-1]}.json" if earlier else "drafter/live.json"
+        benchmark_file(earlier[-1], "json") if earlier else LIVE_REPORT
     )
     return inputs
+
+
+def benchmark_file(name, suffix):
+    return f"{BENCHMARK_DIR}/{name}.{suffix}"
 
 
 def benchmark_export_dir(wildcards, input):
@@ -249,26 +279,29 @@ def benchmark_export_dir(wildcards, input):
 
 
 def benchmark_results(wildcards=None):
-    return [f"drafter/benchmarks/{name}.json" for name in BENCHMARKS]
+    return [benchmark_file(name, "json") for name in BENCHMARKS]
 
 
 def benchmark_targets():
     if not BENCHMARKS:
         return []
-    plots = [f"drafter/benchmarks/{name}.png" for name in BENCHMARKS]
-    return [*benchmark_results(), *plots, "report/benchmarks.csv"]
+    plots = [benchmark_file(name, "png") for name in BENCHMARKS]
+    return [*benchmark_results(), *plots, report_file("benchmarks.csv")]
 
 
 def report_figures(wildcards=None):
     return [
-        "report/dataset.png",
-        "report/extraction.png",
-        "report/extraction.csv",
-        "report/validation.png",
-        "report/validation.csv",
-        "report/training.png",
-        "report/acceptance.png",
-        "report/acceptance.csv",
+        report_file(name)
+        for name in (
+            "dataset.png",
+            "extraction.png",
+            "extraction.csv",
+            "validation.png",
+            "validation.csv",
+            "training.png",
+            "acceptance.png",
+            "acceptance.csv",
+        )
     ]
 
 
@@ -280,15 +313,15 @@ def final_targets():
     return [
         MODEL_CONFIG,
         *([REGENERATION_SUMMARY] if REGENERATE else []),
-        "prepared/tokenized.parquet",
-        "prepared/summary.json",
-        "prepared/skipped.json",
-        "drafter/vocab.safetensors",
-        "drafter/model.safetensors",
-        "drafter/train_log.jsonl",
-        "drafter/eval.json",
-        "drafter/eval.png",
-        "drafter/live.json",
+        PREPARED_TABLE,
+        PREPARED_SUMMARY,
+        PREPARED_SKIPPED,
+        DRAFT_VOCAB,
+        DRAFTER_MODEL,
+        TRAIN_LOG,
+        EVAL_REPORT,
+        EVAL_PLOT,
+        LIVE_REPORT,
         *export_targets(),
         *report_figures(),
         *benchmark_targets(),

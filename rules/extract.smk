@@ -3,7 +3,7 @@ rule extract:
     input:
         unpack(extract_inputs),
     output:
-        "hidden_states/rows_{start}-{end}/manifest.json",
+        SHARD_MANIFEST,
     log:
         "logs/extract/rows_{start}-{end}.log",
     benchmark:

@@ -4,7 +4,7 @@ rule build_toy_target:
         stamp=TOY_STAMP,
         corpus=ancient(DATASET),
     output:
-        "models/toy-target/config.json",
+        TOY_MODEL_CONFIG,
     log:
         "logs/build_toy_target.log",
     conda:
@@ -24,9 +24,9 @@ rule prepare:
     input:
         unpack(prepare_inputs),
     output:
-        table="prepared/tokenized.parquet",
-        summary="prepared/summary.json",
-        skipped="prepared/skipped.json",
+        table=PREPARED_TABLE,
+        summary=PREPARED_SUMMARY,
+        skipped=PREPARED_SKIPPED,
     log:
         "logs/prepare.log",
     conda:

@@ -4,7 +4,7 @@ rule regenerate:
     input:
         unpack(regenerate_inputs),
     output:
-        "regenerated/rows_{start}-{end}/manifest.json",
+        REGENERATED_MANIFEST,
     log:
         "logs/regenerate/rows_{start}-{end}.log",
     benchmark:

@@ -1,12 +1,14 @@
 # Figures and tables for `snakemake --report report.html`; captions in rules/captions/.
 rule report_dataset:
     input:
-        table="prepared/tokenized.parquet",
-        summary="prepared/summary.json",
-        skipped="prepared/skipped.json",
+        table=PREPARED_TABLE,
+        summary=PREPARED_SUMMARY,
+        skipped=PREPARED_SKIPPED,
     output:
         report(
-            "report/dataset.png", caption="captions/dataset.rst", category="1. Dataset"
+            report_file("dataset.png"),
+            caption="captions/dataset.rst",
+            category="1. Dataset",
         ),
     log:
         "logs/report/dataset.log",
@@ -24,12 +26,12 @@ rule report_extraction:
         all_manifests,
     output:
         png=report(
-            "report/extraction.png",
+            report_file("extraction.png"),
             caption="captions/extraction.rst",
             category="2. Extraction",
         ),
         csv=report(
-            "report/extraction.csv",
+            report_file("extraction.csv"),
             caption="captions/extraction.rst",
             category="2. Extraction",
         ),
@@ -50,12 +52,12 @@ rule report_validation:
         all_validations,
     output:
         png=report(
-            "report/validation.png",
+            report_file("validation.png"),
             caption="captions/validation.rst",
             category="3. Validation",
         ),
         csv=report(
-            "report/validation.csv",
+            report_file("validation.csv"),
             caption="captions/validation.rst",
             category="3. Validation",
         ),
@@ -73,10 +75,10 @@ rule report_validation:
 
 rule report_training:
     input:
-        "drafter/train_log.jsonl",
+        TRAIN_LOG,
     output:
         report(
-            "report/training.png",
+            report_file("training.png"),
             caption="captions/training.rst",
             category="4. Drafter",
         ),
@@ -92,16 +94,16 @@ rule report_training:
 
 rule report_acceptance:
     input:
-        eval="drafter/eval.json",
-        live="drafter/live.json",
+        eval=EVAL_REPORT,
+        live=LIVE_REPORT,
     output:
         png=report(
-            "report/acceptance.png",
+            report_file("acceptance.png"),
             caption="captions/acceptance.rst",
             category="4. Drafter",
         ),
         csv=report(
-            "report/acceptance.csv",
+            report_file("acceptance.csv"),
             caption="captions/acceptance.rst",
             category="4. Drafter",
         ),
@@ -122,7 +124,7 @@ rule report_benchmarks:
         benchmark_results,
     output:
         report(
-            "report/benchmarks.csv",
+            report_file("benchmarks.csv"),
             caption="captions/benchmark.rst",
             category="5. Benchmarks",
         ),

@@ -4,7 +4,7 @@ rule vocab:
         table=prepared_table,
         settings=stage_stamp("vocab"),
     output:
-        "drafter/vocab.safetensors",
+        DRAFT_VOCAB,
     log:
         "logs/vocab.log",
     conda:
@@ -20,15 +20,15 @@ rule vocab:
 rule train:
     """EAGLE-3 drafter; gated on every shard's validation report."""
     input:
-        vocab="drafter/vocab.safetensors",
+        vocab=DRAFT_VOCAB,
         table=prepared_table,
         # Each validation's input is its shard's manifest (a re-extracted shard is revalidated,
         # which reruns training), so the 5,000 manifests the script reads are not listed again.
         validated=all_validations,
         settings=stage_stamp("train"),
     output:
-        model="drafter/model.safetensors",
-        log="drafter/train_log.jsonl",
+        model=DRAFTER_MODEL,
+        log=TRAIN_LOG,
     log:
         "logs/train.log",
     benchmark:
@@ -39,7 +39,7 @@ rule train:
     params:
         script=script("train.py"),
         config=RESOLVED,
-        checkpoints="drafter/checkpoints",
+        checkpoints=TRAIN_CHECKPOINTS,
     shell:
         "python -u {params.script:q} --config {params.config} --vocab {input.vocab}"
         " --table {input.table} --out {output.model} --log {output.log}"
@@ -50,13 +50,13 @@ rule evaluate:
     """Per-position accuracy and simulated acceptance length on held-out rows."""
     input:
         # The held-out shards it reads are validated before training: upstream of the model.
-        model="drafter/model.safetensors",
-        vocab="drafter/vocab.safetensors",
+        model=DRAFTER_MODEL,
+        vocab=DRAFT_VOCAB,
         table=prepared_table,
         settings=stage_stamp("evaluate"),
     output:
-        json="drafter/eval.json",
-        plot="drafter/eval.png",
+        json=EVAL_REPORT,
+        plot=EVAL_PLOT,
     log:
         "logs/evaluate.log",
     conda:
@@ -72,8 +72,8 @@ rule evaluate:
 rule export:
     """Drafter checkpoints that SGLang and vLLM load as an EAGLE-3 draft model."""
     input:
-        model="drafter/model.safetensors",
-        vocab="drafter/vocab.safetensors",
+        model=DRAFTER_MODEL,
+        vocab=DRAFT_VOCAB,
         settings=stage_stamp("export"),
     output:
         export_targets(),
@@ -96,7 +96,7 @@ rule live_acceptance:
     input:
         unpack(live_acceptance_inputs),
     output:
-        "drafter/live.json",
+        LIVE_REPORT,
     log:
         "logs/live_acceptance.log",
     conda:

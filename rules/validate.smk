@@ -5,7 +5,7 @@ rule validate:
         # a manifest does, and re-preparing must not revalidate terabytes (eaglepipe/plan/provenance.py).
         unpack(validate_inputs),
     output:
-        "validated/rows_{start}-{end}.json",
+        VALIDATION_REPORT,
     log:
         "logs/validate/rows_{start}-{end}.log",
     benchmark:

@@ -23,10 +23,11 @@ from conftest import free_port, shard_lock_held_elsewhere, small_filesystem
 
 from eaglepipe.core.config_files import load_config
 from eaglepipe.core.errors import PipelineError
+from eaglepipe.core.manifest import read_manifest
 from eaglepipe.core.run import resolve
 from eaglepipe.extract.chunk_file import open_chunk
 from eaglepipe.extract.shard import extract_shard
-from eaglepipe.extract.shard_files import iter_rows, read_manifest
+from eaglepipe.extract.shard_files import HIDDEN_STATES_MANIFEST, iter_rows
 from eaglepipe.server.dump_writer import DumpWriter
 from eaglepipe.server.handoff import mark_dump_failed
 from eaglepipe.server.lifecycle import server_status, stop_server
@@ -232,7 +233,7 @@ def test_a_job_moves_hidden_states_without_importing_torch(main_run):
     entered_s, asked_s, leased_s, first_request_s = map(float, steps.split(","))
     assert 0 < entered_s <= asked_s <= leased_s <= first_request_s
     assert lease_via in ("started", "answered-note", "server_info")
-    fresh = read_manifest(out / SHARD / "manifest.json")
+    fresh = read_manifest(out / SHARD / "manifest.json", HIDDEN_STATES_MANIFEST)[0]
     assert [c["row_ids"] for c in fresh["chunks"]] == [c["row_ids"] for c in reference["chunks"]]
     assert fresh["provenance"] == reference["provenance"]
 
@@ -241,7 +242,7 @@ def test_every_row_equals_a_direct_forward(main_run, tiny_llama_dir):
     workdir, manifest, lines = main_run
     shard_dir = workdir / "hidden_states" / SHARD
     prepared = {r["row_id"]: r for r in prepared_rows()}
-    assert manifest == read_manifest(shard_dir / "manifest.json")
+    assert manifest == read_manifest(shard_dir / "manifest.json", HIDDEN_STATES_MANIFEST)[0]
     assert manifest["num_rows"] == len(prepared) and len(manifest["chunks"]) > 3
     assert [r for c in manifest["chunks"] for r in c["row_ids"]] == sorted(prepared)
     assert manifest["hidden_size"] == 32 and manifest["aux_layer_ids"] == AUX_IDS

@@ -140,6 +140,62 @@ def test_a_settings_change_reruns_exactly_its_stage_and_what_follows(
         assert rule not in jobs, (key, rule, jobs)
 
 
+# What `eaglepipe status` calls stale, by the workflow's rule that remakes it.
+STATUS_STAGES = {
+    "vocab": "vocab",
+    "training": "train",
+    "evaluation": "evaluate",
+    "export": "export",
+    "live": "live_acceptance",
+}
+
+
+def planned_by_status(text: str) -> dict[str, int]:
+    """Jobs per rule that `eaglepipe status` says the next run makes, in `dry_run_jobs` form."""
+    planned: dict[str, int] = {}
+    for line in text.splitlines():
+        label, _, rest = line.partition(": ")
+        if label == "shards":  # "4 planned, 1 done, 3 stale, ...": all but the done ones
+            counts = dict(reversed(part.split()) for part in rest.split(", "))
+            planned["extract"] = int(counts["planned"]) - int(counts["done"])
+        elif label == "validated":
+            counts = dict(reversed(part.split()) for part in rest.split(", "))
+            planned["validate"] = int(counts.get("stale", 0)) + int(counts["remaining"])
+        elif label in STATUS_STAGES and rest.startswith("stale ("):
+            planned[STATUS_STAGES[label]] = 1
+        elif line.startswith("stale: prepared/"):
+            planned["prepare"] = 1
+    return {rule: count for rule, count in planned.items() if count}
+
+
+# One key of each stage's settings: what a dry run makes again is what status calls stale.
+SETTINGS_OF_EACH_STAGE = [
+    ("dataset.max_length", 384),
+    ("shards.chunk_max_bytes", 1 << 19),
+    ("extract.retries", 5),
+    ("validate.seed", 7),
+    ("train.lr", 0.002),
+    ("evaluate.max_rows", 3),
+    ("export.engines", ["sglang"]),
+]
+
+
+@pytest.mark.parametrize(("key", "value"), SETTINGS_OF_EACH_STAGE)
+def test_status_and_a_dry_run_agree_on_what_a_settings_change_makes_again(run, key, value):
+    section, name = key.split(".")
+    edit_config(run, lambda config: config[section].__setitem__(name, value))
+    # Before the dry run (which rewrites the stamps) and after it: the same judgement.
+    before = eaglepipe(run, "status")
+    jobs = dry_run_jobs(run)
+    after = eaglepipe(run, "status")
+    planned = {rule: n for rule, n in jobs.items() if not rule.startswith("report_")}
+    planned.pop("all", None)
+    assert planned_by_status(before.stdout) == planned, (key, before.stdout, jobs)
+    assert planned_by_status(after.stdout) == planned, (key, after.stdout, jobs)
+    if key == "extract.retries":
+        assert planned == {}  # no provenance holds it: nothing is made again
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
 def test_verify_sets_damaged_data_aside_and_snakemake_repairs_it(run, damage):
     chunk = shard_file(run, "rows_20-30", "chunk-00000.safetensors")

@@ -7,6 +7,7 @@ import ctypes
 import errno
 import itertools
 import json
+import os
 import shutil
 import sys
 from collections import namedtuple
@@ -18,7 +19,8 @@ from safetensors import safe_open
 
 from eaglepipe.core import atomic
 from eaglepipe.core.errors import PipelineError
-from eaglepipe.core.fingerprint import hash_file
+from eaglepipe.core.fingerprint import hash_bytes, hash_file
+from eaglepipe.core.manifest import read_manifest
 from eaglepipe.core.shard_job import ShardLock
 from eaglepipe.core.space import check_free_space
 from eaglepipe.extract.chunk_file import (
@@ -29,10 +31,10 @@ from eaglepipe.extract.chunk_file import (
     write_chunk,
 )
 from eaglepipe.extract.shard_files import (
+    HIDDEN_STATES_MANIFEST,
     append_journal,
     build_manifest,
     iter_rows,
-    read_manifest,
     verified_chunks,
     write_manifest,
 )
@@ -131,6 +133,30 @@ def _write_shard(shard_dir, chunks, digest, tokens=3):
     return records
 
 
+def test_a_full_disk_while_journalling_a_chunk_names_the_journal(tmp_path):
+    """Both shard stores append their journal lines the same way (core/journal.py): a disk
+    that fills ends in one line naming the journal, and the torn line is dropped on resume."""
+    from conftest import small_filesystem
+
+    shard_dir = tmp_path / "shard"
+    with small_filesystem(shard_dir, 64 * 1024):
+        record = write_chunk(shard_dir, 0, [make_row(0, 3)], hidden_size=H)
+        append_journal(shard_dir, record, "digest")
+        filler = shard_dir / "filler"
+        fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+        try:
+            with pytest.raises(OSError):  # the file system is full
+                for _ in range(64):
+                    os.write(fd, b"\0" * 4096)
+        finally:
+            os.close(fd)
+        with pytest.raises(PipelineError, match="no space left .* while writing journal.jsonl"):
+            for _ in range(64):
+                append_journal(shard_dir, record, "digest", extra={"pad": "x" * 1000})
+        filler.unlink()
+        assert verified_chunks(shard_dir, [[0]], "digest").keys() == {0}
+
+
 def test_resume_keeps_verified_chunks_and_clears_the_rest(tmp_path):
     chunks = [[0, 1], [2, 3], [4, 5], [6]]
     digest = plan_digest(chunks, {"model": "a"})
@@ -195,11 +221,12 @@ def test_manifest_roundtrip_and_iter_rows(tmp_path):
         timing={"requests_sent": 3},
     )
     path = write_manifest(tmp_path, manifest)
-    loaded = read_manifest(path)
+    loaded, digest = read_manifest(path, HIDDEN_STATES_MANIFEST)
     assert loaded == manifest
     assert loaded["num_rows"] == 3 and loaded["num_tokens"] == 12
     assert loaded["num_bytes"] == sum(r.bytes for r in records.values())
-    assert read_manifest(tmp_path) == manifest
+    assert read_manifest(tmp_path, HIDDEN_STATES_MANIFEST) == (manifest, digest)
+    assert digest == hash_bytes(path.read_bytes())
     got = list(iter_rows(tmp_path))
     assert [r for r, _ in got] == [0, 1, 5]
     assert torch.equal(got[2][1]["aux_hidden_states"], make_row(5, 4).aux_hidden_states)
@@ -207,13 +234,43 @@ def test_manifest_roundtrip_and_iter_rows(tmp_path):
 
 def test_read_manifest_errors_name_the_file(tmp_path):
     with pytest.raises(PipelineError, match="manifest.json does not exist"):
-        read_manifest(tmp_path / "manifest.json")
+        read_manifest(tmp_path / "manifest.json", HIDDEN_STATES_MANIFEST)
     (tmp_path / "manifest.json").write_text("{not json")
     with pytest.raises(PipelineError, match="manifest.json is not valid JSON"):
-        read_manifest(tmp_path / "manifest.json")
+        read_manifest(tmp_path / "manifest.json", HIDDEN_STATES_MANIFEST)
     (tmp_path / "manifest.json").write_text(json.dumps({"format_version": 1}))
     with pytest.raises(PipelineError, match="lacks key"):
-        read_manifest(tmp_path / "manifest.json")
+        read_manifest(tmp_path / "manifest.json", HIDDEN_STATES_MANIFEST)
+
+
+def test_one_manifest_reader_checks_each_stages_shape_and_the_shard(tmp_path):
+    """Hidden-state and regenerated shards are read by the same function, each in its shape."""
+    from eaglepipe.regenerate.store import REGENERATED_MANIFEST
+
+    path = tmp_path / "manifest.json"
+    keys = dict.fromkeys(HIDDEN_STATES_MANIFEST.keys, 0)
+    path.write_text(json.dumps({**keys, "format_version": 99, "chunks": []}))
+    with pytest.raises(PipelineError, match="has format_version 99, this eaglepipe reads"):
+        read_manifest(path, HIDDEN_STATES_MANIFEST)
+    version = HIDDEN_STATES_MANIFEST.format_version
+    path.write_text(json.dumps({**keys, "format_version": version, "chunks": [{"file": "c"}]}))
+    with pytest.raises(PipelineError, match=r"chunks\[0\] lacks key\(s\) bytes, xxh3_128"):
+        read_manifest(path, HIDDEN_STATES_MANIFEST)
+    path.write_text(json.dumps({**keys, "format_version": version, "chunks": {}}))
+    with pytest.raises(PipelineError, match="chunks must be a list"):
+        read_manifest(path, HIDDEN_STATES_MANIFEST)
+    path.write_text(json.dumps({**keys, "format_version": version, "chunks": [], "shard": "a"}))
+    with pytest.raises(PipelineError, match="describes shard 'a', not rows_0-8"):
+        read_manifest(tmp_path, HIDDEN_STATES_MANIFEST, shard="rows_0-8")
+    # The regenerated shape: its own keys and message, no format version or entry list.
+    with pytest.raises(PipelineError, match="regenerated shard manifest .* lacks key.*rows_file"):
+        read_manifest(path, REGENERATED_MANIFEST)
+    regenerated = dict.fromkeys(REGENERATED_MANIFEST.keys, 1)
+    path.write_text(json.dumps(regenerated))
+    assert read_manifest(path, REGENERATED_MANIFEST) == (regenerated, hash_bytes(path.read_bytes()))
+    path.unlink()
+    with pytest.raises(PipelineError, match="manifest.json does not exist: run snakemake"):
+        read_manifest(path, REGENERATED_MANIFEST)
 
 
 def test_second_writer_is_refused_naming_the_pid(tmp_path):

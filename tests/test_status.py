@@ -541,37 +541,47 @@ def test_finished_stages_show_their_figures_and_a_damaged_file_is_named(tmp_path
         "skipped": None,
     }
     (drafter / "live.json").write_text(json.dumps(live))
+    (drafter / "vocab.safetensors").write_bytes(b"")
+    for name in ("config.json", "model.safetensors"):
+        (drafter / "export" / "sglang").mkdir(parents=True, exist_ok=True)
+        (drafter / "export" / "sglang" / name).write_text("{}")
     names = ["rows_0-8", "rows_8-16", "rows_16-20"]
-    assert drafter_lines(tmp_path, names, {"rows_8-16": "other settings"}) == [
+    engines = ["sglang", "vllm"]
+    assert drafter_lines(tmp_path, names, {"rows_8-16": "other settings"}, engines=engines) == [
         "validated: 3 planned, 1 done, 1 stale, 1 remaining",
+        "vocab: done (drafter/vocab.safetensors)",
         "training: done, 240 steps, final loss 9.4762 (drafter/model.safetensors)",
         "evaluation: acceptance length 2.16 offline (decode order, 30 held-out rows, 7351 "
         "positions; drafter/eval.json)",
+        "export: sglang done (drafter/export), vllm not made yet",
         "live: acceptance length 1.96 on 32 prompts, sglang export through transformers "
         "(offline on the same turns 1.97)",
     ]
 
-    # A new drafter trains (Snakemake deleted the model): the reports are the earlier drafter's.
-    model_bytes = model.read_bytes()
-    model.unlink()
-    lines = drafter_lines(tmp_path, names, {})
-    assert lines[2].endswith(
-        "drafter/eval.json) (an earlier drafter's: the next run makes it again)"
+    # The stages the workflow makes again (plan.freshness.single_job_staleness) say so first.
+    stale = {"train": "its settings changed", "evaluate": "train runs again"}
+    lines = drafter_lines(tmp_path, names, {}, stale, engines=engines)
+    assert lines[2] == (
+        "training: stale (its settings changed): the next run makes it again; on disk: done, "
+        "240 steps, final loss 9.4762 (drafter/model.safetensors)"
     )
-    assert lines[3].endswith("(an earlier drafter's: the next run makes it again)")
-    model.write_bytes(model_bytes)
-    os.utime(model, (1e9, 1e9))  # older than the reports again
+    assert lines[3].startswith(
+        "evaluation: stale (train runs again): the next run makes it again; on disk: "
+        "acceptance length 2.16"
+    )
+    assert lines[1] == "vocab: done (drafter/vocab.safetensors)"
 
     (drafter / "live.json").write_text(json.dumps({"skipped": "evaluate.live_prompts is 0"}))
     (drafter / "eval.json").write_text('{"acceptance_length": 2.1')
     model.write_bytes(model.read_bytes()[:20])
     os.utime(model, (1e9, 1e9))
     lines = drafter_lines(tmp_path, names, {})
-    assert lines[1].startswith("training: drafter/model.safetensors is unreadable (")
-    assert lines[1].endswith("); `eaglepipe verify` checks it")
-    assert lines[2].startswith("evaluation: drafter/eval.json is unreadable (Expecting")
-    assert lines[2].endswith("rerun: snakemake --cores N drafter/eval.json")
-    assert lines[3] == "live: skipped (evaluate.live_prompts is 0)"
+    assert lines[2].startswith("training: drafter/model.safetensors is unreadable (")
+    assert lines[2].endswith("); `eaglepipe verify` checks it")
+    assert lines[3].startswith("evaluation: drafter/eval.json is unreadable (Expecting")
+    assert lines[3].endswith("rerun: snakemake --cores N drafter/eval.json")
+    assert lines[4] == "export: none (export.engines is empty)"
+    assert lines[5] == "live: skipped (evaluate.live_prompts is 0)"
 
 
 def test_print_status_goes_on_to_the_drafter_stages(tmp_path):

@@ -32,6 +32,7 @@ WORKFLOW_CONFIG = Path("config.yaml")
 
 # Where each stage writes, relative to the working directory of the run.
 TOY_MODEL_DIR = Path("models/toy-target")
+TOY_MODEL_CONFIG = TOY_MODEL_DIR / "config.json"
 PREPARED_DIR = Path("prepared")
 PREPARED_TABLE = PREPARED_DIR / "tokenized.parquet"
 PREPARED_SUMMARY = PREPARED_DIR / "summary.json"
@@ -41,6 +42,17 @@ REGENERATED_DIR = Path("regenerated")
 REGENERATION_SUMMARY = REGENERATED_DIR / "summary.json"
 VALIDATED_DIR = Path("validated")
 DRAFTER_DIR = Path("drafter")
+DRAFT_VOCAB = DRAFTER_DIR / "vocab.safetensors"
+DRAFTER_MODEL = DRAFTER_DIR / "model.safetensors"
+TRAIN_LOG = DRAFTER_DIR / "train_log.jsonl"
+TRAIN_CHECKPOINTS = DRAFTER_DIR / "checkpoints"
+EVAL_REPORT = DRAFTER_DIR / "eval.json"
+EVAL_PLOT = DRAFTER_DIR / "eval.png"
+LIVE_REPORT = DRAFTER_DIR / "live.json"
+# One directory per engine (`export.engines`), each holding EXPORT_FILES.
+EXPORT_DIR = DRAFTER_DIR / "export"
+EXPORT_FILES = ("config.json", "model.safetensors")
+REPORT_DIR = Path("report")
 LOG_DIR = Path("logs")
 STATE_DIR = Path(".eaglepipe")
 

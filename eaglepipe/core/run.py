@@ -16,8 +16,9 @@ What is derived here, and only here:
   at workflow start: the embedded toy target is built during the run, after the parse;
 - the aux layer ids, in the convention of `layers.py`;
 - the handoff directory root.
-Identity and provenance keys built from the description live in `identity.py` (what a server
-computes, when chunks are reused) and `workflow.py` (what makes a stage stale).
+Identity and provenance keys built from the description live in the server's `identity.py`
+(what a server computes, when chunks are reused) and in `plan/provenance.py` with
+`plan/freshness.py` (what makes a stage stale).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Disk space: free bytes on the filesystem that will hold a path, a clear refusal before a write
-that cannot fit, and human-readable sizes."""
+that cannot fit, and human-readable sizes (a whole run's plan: `ops/disk_plan.py`)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ def format_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def _existing_ancestor(path: Path) -> Path:
-    path = path.absolute()
+def existing_ancestor(path: str | os.PathLike) -> Path:
+    """`path`, or its nearest ancestor that exists (where a directory not yet made would be)."""
+    path = Path(path).absolute()
     while not path.exists():
         path = path.parent
     return path
@@ -28,7 +29,7 @@ def _existing_ancestor(path: Path) -> Path:
 
 def free_bytes(directory: str | os.PathLike) -> int:
     """Free bytes on the filesystem that holds `directory` (or would hold it once created)."""
-    return shutil.disk_usage(_existing_ancestor(Path(directory))).free
+    return shutil.disk_usage(existing_ancestor(Path(directory))).free
 
 
 def check_free_space(needed_bytes: int, directory: str | os.PathLike, what: str) -> None:
@@ -37,19 +38,9 @@ def check_free_space(needed_bytes: int, directory: str | os.PathLike, what: str)
     if needed_bytes > free:
         raise PipelineError(
             f"{what} needs {format_bytes(needed_bytes)} but only {format_bytes(free)} is free "
-            f"on the filesystem of {_existing_ancestor(Path(directory))}: free space or point "
+            f"on the filesystem of {existing_ancestor(Path(directory))}: free space or point "
             "the output elsewhere"
         )
-
-
-def space_summary(needed_bytes: int, directory: str | os.PathLike) -> str:
-    """One line for the workflow start: what the remaining plan needs against what is free."""
-    free = free_bytes(directory)
-    verdict = "fits" if needed_bytes <= free else "DOES NOT FIT"
-    return (
-        f"remaining extraction needs {format_bytes(needed_bytes)}; "
-        f"{format_bytes(free)} free on {_existing_ancestor(Path(directory))}: {verdict}"
-    )
 
 
 def is_disk_full(exc: BaseException) -> bool:

@@ -23,8 +23,9 @@ from pathlib import Path
 
 from ..core.errors import PipelineError
 from ..core.fingerprint import hash_file
+from ..core.manifest import read_manifest
 from ..core.space import format_bytes
-from ..extract.shard_files import read_manifest
+from ..extract.shard_files import HIDDEN_STATES_MANIFEST
 
 INTACT, MISSING, WRONG_SIZE, WRONG_CHECKSUM, UNREADABLE = range(5)
 PROGRESS_EVERY_S = 30.0
@@ -50,7 +51,7 @@ def list_chunks(
     chunks: list[Chunk] = []
     facts: dict | None = None
     for manifest_path in manifest_paths:
-        manifest = read_manifest(manifest_path)
+        manifest, _ = read_manifest(manifest_path, HIDDEN_STATES_MANIFEST)
         these = {"hidden_size": manifest["hidden_size"], "aux_layer_ids": manifest["aux_layer_ids"]}
         if facts is None:
             facts = these

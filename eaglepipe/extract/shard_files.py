@@ -1,6 +1,7 @@
 """A shard's files besides its chunks: the journal (one line per finished chunk, the basis of
 intra-shard resume), the manifest (written last and atomically: the shard is done only when it
-exists), setting a damaged shard aside, and reading a finished shard row by row."""
+exists; read by `core.manifest.read_manifest` in the shape `HIDDEN_STATES_MANIFEST`), setting a
+damaged shard aside, and reading a finished shard row by row."""
 
 from __future__ import annotations
 
@@ -13,32 +14,40 @@ from typing import TYPE_CHECKING
 
 from ..core.atomic import atomic_write_bytes, atomic_write_json, fsync_dir
 from ..core.errors import PipelineError
-from ..core.fingerprint import hash_bytes, hash_file
-from ..core.jsonio import read_json_object, read_json_object_bytes
+from ..core.fingerprint import hash_file
+from ..core.journal import append_journal_line, journal_line
+from ..core.jsonio import read_json_object
+from ..core.manifest import MANIFEST_NAME, ManifestShape, read_manifest
 from .chunk_file import CHUNK_PATTERN, FORMAT_VERSION, ChunkRecord, chunk_file_name, open_chunk
 
 if TYPE_CHECKING:
     import torch
 
-MANIFEST_NAME = "manifest.json"
 # A damaged shard's manifest, set aside by `invalidate_shard` (the shard is extracted again).
 INVALID_MANIFEST_NAME = "manifest.invalid.json"
 JOURNAL_NAME = "journal.jsonl"
-_MANIFEST_KEYS = (
-    "format_version",
-    "shard",
-    "row_start",
-    "row_end",
-    "hidden_size",
-    "num_aux_layers",
-    "aux_layer_ids",
-    "dtype",
-    "num_rows",
-    "num_tokens",
-    "num_bytes",
-    "chunks",
-    "provenance",
-    "timing",
+HIDDEN_STATES_MANIFEST = ManifestShape(
+    what="shard manifest",
+    keys=(
+        "format_version",
+        "shard",
+        "row_start",
+        "row_end",
+        "hidden_size",
+        "num_aux_layers",
+        "aux_layer_ids",
+        "dtype",
+        "num_rows",
+        "num_tokens",
+        "num_bytes",
+        "chunks",
+        "provenance",
+        "timing",
+    ),
+    missing="does not exist: the shard has not finished extraction",
+    format_version=FORMAT_VERSION,
+    entries="chunks",
+    entry_keys=("file", "bytes", "xxh3_128", "row_ids", "num_tokens"),
 )
 
 
@@ -54,13 +63,7 @@ def append_journal(
     `extra` holds facts kept with the chunk (e.g. the engine that computed it).
     """
     entry = {**(extra or {}), **record.manifest_entry(), "plan_digest": digest}
-    line = json.dumps(entry, sort_keys=True) + "\n"
-    fd = os.open(Path(shard_dir) / JOURNAL_NAME, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    try:
-        os.write(fd, line.encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    append_journal_line(Path(shard_dir) / JOURNAL_NAME, entry)
 
 
 def read_journal(shard_dir: str | os.PathLike) -> dict[str, dict]:
@@ -119,11 +122,10 @@ def verified_chunks(
         unverified_chunk = path.match(CHUNK_PATTERN) and path.name not in keep
         if stray_tmp or unverified_chunk:
             path.unlink(missing_ok=True)
-    lines = "".join(
-        json.dumps({**journal[r.file], "plan_digest": digest}, sort_keys=True) + "\n"
-        for r in done.values()
+    lines = b"".join(
+        journal_line({**journal[r.file], "plan_digest": digest}) for r in done.values()
     )
-    atomic_write_bytes(shard_dir / JOURNAL_NAME, lines.encode())
+    atomic_write_bytes(shard_dir / JOURNAL_NAME, lines)
     return done
 
 
@@ -210,41 +212,10 @@ def invalidate_shard(shard_dir: str | os.PathLike, reason: str) -> Path:
     return record
 
 
-def read_manifest(path: str | os.PathLike) -> dict:
-    """Load a shard manifest (the file, or its shard directory), checking its shape."""
-    return read_manifest_and_hash(path)[0]
-
-
-def read_manifest_and_hash(path: str | os.PathLike) -> tuple[dict, str]:
-    """`read_manifest` and the xxh3-128 of the very bytes it parsed (a report that records the
-    hash then describes exactly the manifest it checked, even if the file is replaced)."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / MANIFEST_NAME
-    manifest, raw = read_json_object_bytes(
-        path, missing="does not exist: the shard has not finished extraction"
-    )
-    missing = [k for k in _MANIFEST_KEYS if k not in manifest]
-    if missing:
-        raise PipelineError(f"{path} lacks key(s) {', '.join(missing)}")
-    if manifest["format_version"] != FORMAT_VERSION:
-        raise PipelineError(
-            f"{path} has format_version {manifest['format_version']}, "
-            f"this eaglepipe reads {FORMAT_VERSION}"
-        )
-    for i, chunk in enumerate(manifest["chunks"]):
-        absent = [
-            k for k in ("file", "bytes", "xxh3_128", "row_ids", "num_tokens") if k not in chunk
-        ]
-        if absent:
-            raise PipelineError(f"{path}: chunks[{i}] lacks key(s) {', '.join(absent)}")
-    return manifest, hash_bytes(raw)
-
-
 def iter_rows(shard_dir: str | os.PathLike) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
     """(row_id, tensors) for every row of a finished shard, in row-id order."""
     shard_dir = Path(shard_dir)
-    manifest = read_manifest(shard_dir / MANIFEST_NAME)
+    manifest, _ = read_manifest(shard_dir, HIDDEN_STATES_MANIFEST)
     for chunk in manifest["chunks"]:
         with open_chunk(shard_dir / chunk["file"]) as reader:
             for i, row_id in enumerate(reader.row_ids):

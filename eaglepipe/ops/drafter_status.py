@@ -2,9 +2,10 @@
 training (its step, loss and ETA while it runs), the offline evaluation and the live acceptance.
 
 Each line is read from the files its stage leaves; nothing is computed again and no file is
-written. Whether a changed setting redoes one of these stages is `snakemake -n`'s to say: the
-lines say what is on disk. A file that cannot be read is named in its line, not raised, so one
-damaged file never hides the rest of the status.
+written. Whether the next run makes a stage again is the workflow's own judgement
+(`plan.freshness.single_job_staleness`, what `snakemake -n` plans): a stale stage's line says
+so and why, then what is on disk. A file that cannot be read is named in its line, not raised,
+so one damaged file never hides the rest of the status.
 """
 
 from __future__ import annotations
@@ -14,16 +15,25 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from ..core.config import DRAFTER_DIR, VALIDATED_DIR
+from ..core.config import (
+    DRAFT_VOCAB,
+    DRAFTER_MODEL,
+    EVAL_REPORT,
+    EXPORT_DIR,
+    EXPORT_FILES,
+    LIVE_REPORT,
+    TRAIN_CHECKPOINTS,
+    TRAIN_LOG,
+    VALIDATED_DIR,
+)
 from ..core.progress import human_duration
 from ..core.sealed import read_metadata
 
-MODEL = DRAFTER_DIR / "model.safetensors"
-TRAIN_LOG = DRAFTER_DIR / "train_log.jsonl"
+MODEL = DRAFTER_MODEL
 # The copy a resumed training keeps beside its checkpoints (drafter/train.py, HISTORY_NAME).
-TRAIN_HISTORY = DRAFTER_DIR / "checkpoints" / "train_log.jsonl"
-EVAL = DRAFTER_DIR / "eval.json"
-LIVE = DRAFTER_DIR / "live.json"
+TRAIN_HISTORY = TRAIN_CHECKPOINTS / "train_log.jsonl"
+EVAL = EVAL_REPORT
+LIVE = LIVE_REPORT
 # The ETA uses the pace of the last this many steps.
 RECENT_STEPS = 20
 
@@ -89,10 +99,32 @@ def training_line(workdir: Path, *, now: float | None = None) -> str:
     return line + " (no drafter yet)"
 
 
+def vocab_line(workdir: Path) -> str:
+    if (workdir / DRAFT_VOCAB).exists():
+        return f"vocab: done ({DRAFT_VOCAB})"
+    return "vocab: not built yet"
+
+
+def export_line(workdir: Path, engines: Iterable[str]) -> str:
+    engines = list(engines)
+    made = [
+        engine
+        for engine in engines
+        if all((workdir / EXPORT_DIR / engine / name).exists() for name in EXPORT_FILES)
+    ]
+    if not engines:
+        return "export: none (export.engines is empty)"
+    if not made:
+        return "export: not made yet"
+    missing = [engine for engine in engines if engine not in made]
+    return f"export: {', '.join(made)} done ({EXPORT_DIR})" + (
+        f", {', '.join(missing)} not made yet" if missing else ""
+    )
+
+
 def _report_line(workdir: Path, relative: Path, stage: str, describe) -> str | None:
     """`stage: <describe(record)>` for a JSON report, None when it is not there yet, and a line
-    naming it and the rerun when it cannot be read. A report older than the drafter, or left
-    while a new one trains, is an earlier drafter's and says so."""
+    naming it and the rerun when it cannot be read."""
     path = workdir / relative
     if not path.exists():
         return None
@@ -100,10 +132,7 @@ def _report_line(workdir: Path, relative: Path, stage: str, describe) -> str | N
         data = json.loads(path.read_text())
         if not isinstance(data, dict):
             raise ValueError("it holds no JSON object")
-        model = workdir / MODEL
-        earlier = not model.exists() or path.stat().st_mtime < model.stat().st_mtime
-        note = " (an earlier drafter's: the next run makes it again)" if earlier else ""
-        return f"{stage}: {describe(data)}{note}"
+        return f"{stage}: {describe(data)}"
     except (KeyError, TypeError, ValueError) as exc:  # JSONDecodeError is a ValueError
         why = f"no {exc}" if isinstance(exc, KeyError) else str(exc)
         return f"{stage}: {relative} is unreadable ({why}); rerun: snakemake --cores N {relative}"
@@ -129,14 +158,34 @@ def _live(result: dict) -> str:
     return line
 
 
+def _stale(line: str, why: str) -> str:
+    """A stage's line when the next run makes it again: that first, then what is on disk."""
+    label, _, on_disk = line.partition(": ")
+    return f"{label}: stale ({why}): the next run makes it again; on disk: {on_disk}"
+
+
 def drafter_lines(
-    workdir: Path, shard_names: list[str], stale_validations: Iterable[str], *, now=None
+    workdir: Path,
+    shard_names: list[str],
+    stale_validations: Iterable[str],
+    stale_stages: dict[str, str] | None = None,
+    *,
+    engines: Iterable[str] = (),
+    now=None,
 ) -> list[str]:
-    """The status lines of the stages after extraction, in pipeline order."""
+    """The status lines of the stages after extraction, in pipeline order; `stale_stages` is
+    `{stage: why}` of the single-job stages the next run makes again."""
+    stale_stages = stale_stages or {}
     lines = [
-        validation_line(workdir, shard_names, stale_validations),
-        training_line(workdir, now=now),
-        _report_line(workdir, EVAL, "evaluation", _evaluation),
-        _report_line(workdir, LIVE, "live", _live),
+        ("validate", validation_line(workdir, shard_names, stale_validations)),
+        ("vocab", vocab_line(workdir)),
+        ("train", training_line(workdir, now=now)),
+        ("evaluate", _report_line(workdir, EVAL, "evaluation", _evaluation)),
+        ("export", export_line(workdir, engines)),
+        ("live_acceptance", _report_line(workdir, LIVE, "live", _live)),
     ]
-    return [line for line in lines if line is not None]
+    return [
+        _stale(line, stale_stages[stage]) if stage in stale_stages else line
+        for stage, line in lines
+        if line is not None
+    ]

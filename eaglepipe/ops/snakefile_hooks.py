@@ -1,23 +1,20 @@
 """What the Snakefile runs around the rules: garbage-collector tuning for large DAGs, what the
 per-shard jobs declare up front (input functions' parameters, the temporary directory), the
 project's Python for rule commands, the run token, the warning about rerun triggers, the run's
-record and the disk-space plan at start, and stopping the server this run started (onsuccess /
+record and the disk plan at start, and stopping the server this run started (onsuccess /
 onerror)."""
 
 from __future__ import annotations
 
 import atexit
 import gc
-import json
 import os
 import sys
 import tempfile
 import uuid
 
 from .. import __version__
-from ..core.config import HIDDEN_STATES_DIR
 from ..core.run import RunSpec
-from ..plan.freshness import remaining_shards
 
 RUN_TOKEN_ENV = "EAGLEPIPE_RUN_TOKEN"
 
@@ -136,25 +133,48 @@ def record_run(run: RunSpec) -> None:
     write_run(run)
 
 
-def print_space_plan(run: RunSpec) -> None:
-    """At workflow start: will the shards still to extract fit on the output filesystem?"""
-    from ..core.config import PREPARED_SUMMARY
-    from ..core.space import space_summary
-    from ..extract.chunk_file import plan_bytes
+def state_disk_plan(snakemake_workflow, run: RunSpec):
+    """At parse time, once the tokenized table exists: the bytes the plan stores per stage
+    against the free space where each stage writes (`disk_plan`), on stderr, so `snakemake -n`
+    states them. Returns the plan (None before the table exists, and in a cluster job's own
+    Snakemake, which has its shard to make, not a plan)."""
+    from snakemake_interface_executor_plugins.settings import ExecMode
 
-    if not PREPARED_SUMMARY.exists() or not run.model.exists:
+    from .disk_plan import planned_disk
+
+    if snakemake_workflow.exec_mode != ExecMode.DEFAULT:
+        return None
+    plan = planned_disk(run)
+    if plan is not None:
+        print(f"eaglepipe {__version__}: {plan.text()}", file=sys.stderr, flush=True)
+    return plan
+
+
+def refuse_plan_that_cannot_fit(plan, run: RunSpec, snakemake_workflow) -> None:
+    """At the start of a run that executes jobs (onstart), before any job: a plan whose stages
+    cannot fit where they write ends the run in one line naming the stage and the directory.
+    A run of targets of its own (one shard, say) needs less than the whole plan: it is warned,
+    not stopped (each shard job still checks its own room)."""
+    from ..core.errors import PipelineError, one_line_errors
+
+    if plan is None:
         return
-    remaining = set(remaining_shards(run))
-    if not remaining:
-        return
-    summary = json.loads(PREPARED_SUMMARY.read_text())
-    tokens = [s["tokens"] for s in summary.get("shards", []) if s["shard"] in remaining]
-    needed = plan_bytes(tokens, run.model.hidden_size)
-    print(
-        f"eaglepipe {__version__}: {len(remaining)} shard(s) to extract, {sum(tokens):,} tokens; "
-        + space_summary(needed, HIDDEN_STATES_DIR),
-        flush=True,
+    settings = getattr(snakemake_workflow, "dag_settings", None)
+    targets = set(getattr(settings, "targets", ()) or ()) | set(
+        getattr(settings, "target_jobs", ()) or ()
     )
+    if targets - {"all"}:
+        try:
+            plan.check(run)
+        except PipelineError as exc:
+            print(
+                f"eaglepipe: warning: {exc} (running only the targets asked for)",
+                file=sys.stderr,
+                flush=True,
+            )
+        return
+    with one_line_errors():
+        plan.check(run)
 
 
 def stop_server_started_by_this_run() -> None:

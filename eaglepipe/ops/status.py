@@ -16,6 +16,8 @@ A shard is
 - remaining: nothing of it exists yet.
 
 Shard directories the plan does not contain (an earlier `rows_per_shard`) are listed apart.
+The stages after extraction follow (`drafter_status.py`), then, while anything is still to be
+written, the disk the rest of the plan needs (`disk_plan.py`).
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import TextIO
 
-import numpy as np
 import psutil
 
 from ..core.config import HIDDEN_STATES_DIR, PREPARED_DIR, PREPARED_TABLE, REGENERATED_DIR
@@ -50,6 +51,7 @@ from ..extract.shard_files import (
     read_journal,
 )
 from ..plan.shard_plan import parse_shard_name
+from .disk_plan import PreparedRows, planned_disk
 from .drafter_status import drafter_lines
 
 # Throughput is measured over this trailing window, so an ETA reflects the current pace.
@@ -239,29 +241,6 @@ def unfinished_state(
     return (PARTIAL if kept_work else REMAINING), lock, None
 
 
-@dataclass
-class PreparedRows:
-    """`row_id` and `num_tokens` of the prepared table (sorted by row id), for planning."""
-
-    row_ids: np.ndarray
-    num_tokens: np.ndarray
-
-    @classmethod
-    def read(cls, prepared_table: str | os.PathLike) -> PreparedRows | None:
-        if not Path(prepared_table).exists():
-            return None
-        import pyarrow.parquet as pq
-
-        table = pq.read_table(prepared_table, columns=["row_id", "num_tokens"])
-        row_ids = table.column("row_id").to_numpy().astype("int64")
-        order = np.argsort(row_ids, kind="stable")
-        return cls(row_ids[order], table.column("num_tokens").to_numpy().astype("int64")[order])
-
-    def of_shard(self, shard: ShardStatus) -> tuple[np.ndarray, np.ndarray]:
-        lo, hi = np.searchsorted(self.row_ids, [shard.row_start, shard.row_end])
-        return self.row_ids[lo:hi], self.num_tokens[lo:hi]
-
-
 def fill_plan(
     shards: list[ShardStatus],
     prepared: PreparedRows,
@@ -276,7 +255,7 @@ def fill_plan(
     """
     planned_tokens = {}
     for shard in shards:
-        row_ids, num_tokens = prepared.of_shard(shard)
+        row_ids, num_tokens = prepared.of_rows(shard.row_start, shard.row_end)
         planned_tokens[shard.name] = int(num_tokens.sum())
         unfinished = shard.state in (RUNNING, PARTIAL, FAILED) and shard.chunks_done
         if unfinished and hidden_size and chunk_max_bytes:
@@ -595,10 +574,18 @@ def print_status(
             workdir / REGENERATED_DIR, names, stale=found.regenerated
         )
         text = "\n".join(lines) + "\n" + text
-    text += "\n" + "\n".join(drafter_lines(workdir, names, found.validations))
+    # A shard extracted again is validated again, as the workflow plans it.
+    stale_reports = dict.fromkeys(found.hidden_states, "its shard is extracted again")
+    stale_reports.update(found.validations)
+    text += "\n" + "\n".join(
+        drafter_lines(workdir, names, stale_reports, found.single_job, engines=run.export.engines)
+    )
     text += "".join("\n" + line for line in prepared_loss_lines(workdir))
     text += "".join("\n" + line for line in benchmark_lines(run, workdir))
     extra = [note] if note else []
+    plan = disk_plan_text(run, workdir, names, found)
+    if plan:
+        extra.append(plan)
     if found.prepared:
         extra.append(
             f"stale: {PREPARED_DIR}/ was made from other rows or settings than this config; "
@@ -646,13 +633,26 @@ def benchmark_lines(run: RunSpec, workdir: Path) -> list[str]:
     return lines
 
 
+def disk_plan_text(run: RunSpec, workdir: Path, names: list[str], found) -> str | None:
+    """The bytes the rest of the plan stores per stage (`disk_plan`) while anything is still to
+    be written, or a note on why they are not known; None before the tokenized table exists."""
+    try:
+        plan = planned_disk(run, workdir, shard_names=names, found=found)
+    except PipelineError as exc:
+        return f"note: the disk plan was not judged ({exc})"
+    if plan is None or not any(stage.to_write for stage in plan.stages):
+        return None
+    return plan.text()
+
+
 def judge_staleness(run: RunSpec, names: list[str], workdir: Path):
     """(`Staleness` of the run in `workdir` for `run`'s config, a note when it cannot be judged:
     the model directory is gone, say; then nothing counts as stale)."""
+    from ..drafter.live import live_export_engine
     from ..plan.freshness import Staleness, staleness
 
     try:
         with contextlib.chdir(workdir):
-            return staleness(run, names), None
+            return staleness(run, names, live_export_engine=live_export_engine(run)), None
     except PipelineError as exc:
         return Staleness(), f"note: what is stale was not judged ({exc})"

@@ -24,6 +24,8 @@ from .provenance import (
     regenerated_manifest_path,
     regeneration_enabled,
     shards,
+    stage_settings,
+    stage_stamp,
     validation_settings,
 )
 
@@ -161,20 +163,131 @@ def stale_validations(run: RunSpec, shard_names: list[str]) -> dict[str, str]:
 class Staleness:
     """Which existing outputs the workflow would make again for a config, and why: the same
     decisions as the parse (`regeneration_freshness`, `prepare_is_fresh`, `shard_freshness`,
-    stale validation reports), taken without writing a stamp (`eaglepipe status`, `verify`).
-    Missing outputs are not listed: they are simply not done."""
+    stale validation reports, the single-job stages' settings stamps), taken without writing a
+    stamp (`eaglepipe status`, `verify`). Missing outputs are not listed: they are simply not
+    done. `any` covers the data stages (what `eaglepipe verify` reports)."""
 
     regenerated: list[str] = field(default_factory=list)
     prepared: bool = False
     hidden_states: list[str] = field(default_factory=list)
     validations: dict[str, str] = field(default_factory=dict)
+    # {stage: why} of the single-job stages (vocab, train, evaluate, export, live_acceptance).
+    single_job: dict[str, str] = field(default_factory=dict)
 
     @property
     def any(self) -> bool:
         return bool(self.regenerated or self.prepared or self.hidden_states or self.validations)
 
 
-def staleness(run: RunSpec, shard_names: list[str]) -> Staleness:
+@dataclass(frozen=True)
+class SingleJobStage:
+    """A single-job stage as rules/train.smk wires it: its outputs, and the stages whose outputs
+    are its plain inputs (mtime-checked). The prepared table is a plain input only while prepare
+    is stale (`prepared_table`: ancient() otherwise), so "prepare" counts only then."""
+
+    name: str
+    outputs: tuple[Path, ...]
+    after: tuple[str, ...]
+
+
+def single_job_stages(run: RunSpec, live_export_engine: str | None) -> list[SingleJobStage]:
+    """The single-job stages in workflow order (`live_export_engine`: the export the live check
+    reads, None when it is skipped: then no export is its input)."""
+    from ..core import config as paths
+
+    exports = tuple(
+        paths.EXPORT_DIR / engine / name
+        for engine in run.export.engines
+        for name in paths.EXPORT_FILES
+    )
+    return [
+        SingleJobStage("vocab", (paths.DRAFT_VOCAB,), ("prepare",)),
+        SingleJobStage(
+            "train", (paths.DRAFTER_MODEL, paths.TRAIN_LOG), ("prepare", "vocab", "validate")
+        ),
+        SingleJobStage(
+            "evaluate", (paths.EVAL_REPORT, paths.EVAL_PLOT), ("prepare", "vocab", "train")
+        ),
+        SingleJobStage("export", exports, ("vocab", "train")),
+        SingleJobStage(
+            "live_acceptance",
+            (paths.LIVE_REPORT,),
+            ("prepare", "evaluate", *(("export",) if live_export_engine else ())),
+        ),
+    ]
+
+
+def _mtime(path: str | Path) -> float | None:
+    try:
+        return os.stat(path).st_mtime
+    except FileNotFoundError:
+        return None
+
+
+def _stamp_settings(stage: str) -> dict | None:
+    try:
+        return json.loads(stage_stamp(stage).read_text()).get("settings")
+    except (FileNotFoundError, ValueError, AttributeError):
+        return None
+
+
+def single_job_staleness(
+    run: RunSpec,
+    found: Staleness,
+    shard_names: list[str],
+    *,
+    live_export_engine: str | None,
+) -> dict[str, str]:
+    """`{stage: why}` for each single-job stage whose outputs all exist but which the workflow
+    runs again, judged as Snakemake judges it under the wiring of rules/train.smk with the
+    mtime trigger: its settings stamp would be rewritten (`write_stamps`: other settings) or is
+    newer than its oldest output, an earlier stage it reads runs again (stale or missing), or a
+    plain input is newer than its oldest output. Nothing is written."""
+    from ..core.config import PREPARED_TABLE
+
+    settings = stage_settings(run)
+    # Each earlier stage either runs again (why) or has outputs of a newest mtime.
+    runs_again: dict[str, str] = {}
+    newest: dict[str, float] = {}
+    if found.prepared or not PREPARED_TABLE.exists():
+        runs_again["prepare"] = "prepare runs again"
+    report_mtimes = [_mtime(validation_report_path(shard)) for shard in shard_names]
+    redone = set(found.validations) | set(found.hidden_states)
+    if redone or None in report_mtimes:
+        runs_again["validate"] = "shards are validated again"
+    else:
+        newest["validate"] = max(report_mtimes, default=0.0)
+    stale: dict[str, str] = {}
+    for stage in single_job_stages(run, live_export_engine):
+        mtimes = [_mtime(path) for path in stage.outputs]
+        if None in mtimes:
+            runs_again[stage.name] = f"{stage.name} runs again"
+            continue
+        oldest = min(mtimes, default=0.0)
+        why = None
+        stamp_mtime = _mtime(stage_stamp(stage.name))
+        if _stamp_settings(stage.name) != settings[stage.name]:
+            why = "its settings changed"
+        elif stamp_mtime is not None and stamp_mtime > oldest:
+            why = f"its settings stamp {stage_stamp(stage.name)} is newer than its outputs"
+        for earlier in stage.after:
+            if why is not None:
+                break
+            if earlier in runs_again:
+                why = runs_again[earlier]
+            elif newest.get(earlier, 0.0) > oldest:
+                why = f"the outputs of {earlier} are newer"
+        if why is None:
+            newest[stage.name] = max(mtimes, default=0.0)
+        else:
+            stale[stage.name] = why
+            runs_again[stage.name] = f"{stage.name} runs again"
+    return stale
+
+
+def staleness(
+    run: RunSpec, shard_names: list[str], *, live_export_engine: str | None = None
+) -> Staleness:
     """`Staleness` of the run in the working directory, for `run`'s config."""
     from ..core.config import PREPARED_SUMMARY
 
@@ -199,14 +312,17 @@ def staleness(run: RunSpec, shard_names: list[str]) -> Staleness:
         for shard, (why, _) in stale.items()
         if why != "its manifest is missing"  # the shard is not done: no stale report
     }
+    found.single_job = single_job_staleness(
+        run, found, shard_names, live_export_engine=live_export_engine
+    )
     return found
 
 
 def incomplete_targets(shard_names: list[str], *, regenerate: bool = False) -> list[str]:
     """Missing per-shard files whose consumers exist, as extra targets of `all`."""
-    from ..core.config import DRAFTER_DIR, PREPARED_SUMMARY
+    from ..core.config import DRAFTER_MODEL, PREPARED_SUMMARY
 
-    trained = (DRAFTER_DIR / "model.safetensors").exists()
+    trained = DRAFTER_MODEL.exists()
     targets = []
     if regenerate and PREPARED_SUMMARY.exists():
         # prepare read every regenerated shard: one deleted since is made again (its journalled

@@ -12,7 +12,7 @@
   "output_tokens"}`, or `{"row_id", "bad": {"reason", "detail"}}` for a row that could not be
   regenerated (kept under `dataset.bad_rows: skip`).
 - `manifest.json`: written last, atomically: the shard is done only when it exists. It holds
-  the rows file's size and xxh3-128, counts, provenance and timing.
+  the rows file's size and xxh3-128, counts, provenance and timing (`REGENERATED_MANIFEST`).
 - `writer.lock`, `failed.json`: as in a hidden-state shard (`shard_store`);
   `manifest.invalid.json`: a manifest `eaglepipe verify` set aside (its rows file was damaged
   and the journal could not restore it), removed when the shard is regenerated.
@@ -28,14 +28,18 @@ from pathlib import Path
 from ..core.atomic import atomic_write_bytes, atomic_write_json
 from ..core.errors import PipelineError
 from ..core.fingerprint import hash_bytes, hash_file
-from ..core.jsonio import read_json_object
-from ..core.space import disk_full_error, is_disk_full
+from ..core.journal import append_journal_line, journal_line
+from ..core.manifest import MANIFEST_NAME, ManifestShape, read_manifest
 
 FORMAT_VERSION = 1
 ROWS_NAME = "rows.jsonl"
 JOURNAL_NAME = "journal.jsonl"
-MANIFEST_NAME = "manifest.json"
 INVALID_MANIFEST_NAME = "manifest.invalid.json"
+REGENERATED_MANIFEST = ManifestShape(
+    what="regenerated shard manifest",
+    keys=("shard", "row_start", "row_end", "rows_file", "bytes", "xxh3_128", "provenance"),
+    missing="does not exist: run snakemake",
+)
 
 
 def row_line(record: dict) -> bytes:
@@ -47,21 +51,7 @@ def row_line(record: dict) -> bytes:
 
 def append_row(shard_dir: str | os.PathLike, key: str, record: dict) -> None:
     """Journal a finished row; durable before the call returns."""
-    line = json.dumps({"key": key, "row": record}, sort_keys=True, ensure_ascii=False) + "\n"
-    path = Path(shard_dir) / JOURNAL_NAME
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        try:
-            data = line.encode()
-            while data:  # a short write leaves a torn line, which the next run drops
-                data = data[os.write(fd, data) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError as exc:
-        if is_disk_full(exc):
-            raise disk_full_error(path) from None
-        raise
+    append_journal_line(Path(shard_dir) / JOURNAL_NAME, {"key": key, "row": record})
 
 
 def journalled_rows(shard_dir: str | os.PathLike, key: str, row_ids: Iterable[int]) -> dict:
@@ -83,11 +73,8 @@ def journalled_rows(shard_dir: str | os.PathLike, key: str, row_ids: Iterable[in
             continue  # a line torn by a kill mid-append
         if entry.get("key") == key and row_id in wanted:
             kept[row_id] = record
-    lines = "".join(
-        json.dumps({"key": key, "row": kept[r]}, sort_keys=True, ensure_ascii=False) + "\n"
-        for r in sorted(kept)
-    )
-    atomic_write_bytes(shard_dir / JOURNAL_NAME, lines.encode())
+    lines = b"".join(journal_line({"key": key, "row": kept[r]}) for r in sorted(kept))
+    atomic_write_bytes(shard_dir / JOURNAL_NAME, lines)
     return kept
 
 
@@ -104,21 +91,13 @@ def write_manifest(shard_dir: str | os.PathLike, manifest: dict) -> Path:
     return path
 
 
-def read_manifest(path: str | os.PathLike) -> dict:
-    manifest = read_json_object(
-        path, what="regenerated shard manifest", missing="does not exist: run snakemake"
-    )
-    for key in ("shard", "row_start", "row_end", "rows_file", "bytes", "xxh3_128", "provenance"):
-        if key not in manifest:
-            raise PipelineError(f"regenerated shard manifest {path} has no {key!r}")
-    return manifest
-
-
 def rows_problem(manifest_path: str | os.PathLike, manifest: dict | None = None) -> str | None:
     """Why a finished shard's rows file does not match its manifest (missing, another size or
     checksum), or None when it does."""
     manifest_path = Path(manifest_path)
-    manifest = manifest if manifest is not None else read_manifest(manifest_path)
+    manifest = (
+        manifest if manifest is not None else read_manifest(manifest_path, REGENERATED_MANIFEST)[0]
+    )
     rows_path = manifest_path.parent / manifest["rows_file"]
     try:
         size = rows_path.stat().st_size
@@ -139,7 +118,7 @@ def restore_rows_from_journal(manifest_path: str | os.PathLike) -> bool:
     exactly the bytes its manifest lists (the journal holds every finished row of the run that
     wrote the manifest). Returns whether it did; nothing is written otherwise."""
     manifest_path = Path(manifest_path)
-    manifest = read_manifest(manifest_path)
+    manifest = read_manifest(manifest_path, REGENERATED_MANIFEST)[0]
     rows: dict[int, dict] = {}
     try:
         text = (manifest_path.parent / JOURNAL_NAME).read_text()
@@ -166,7 +145,10 @@ def set_aside_manifest(manifest_path: str | os.PathLike, reason: str) -> Path:
     is not done, and the next run regenerates it, keeping its journalled rows."""
     manifest_path = Path(manifest_path)
     record = manifest_path.parent / INVALID_MANIFEST_NAME
-    atomic_write_json(record, {"reason": reason, "manifest": read_manifest(manifest_path)})
+    atomic_write_json(
+        record,
+        {"reason": reason, "manifest": read_manifest(manifest_path, REGENERATED_MANIFEST)[0]},
+    )
     manifest_path.unlink()
     return record
 
@@ -185,7 +167,7 @@ def iter_regenerated_rows(manifest_path: str | os.PathLike) -> Iterator[dict]:
     """The row records of a finished regenerated shard, checked against its manifest: the rows
     file's size and checksum, and one record per source row of the range, in order."""
     manifest_path = Path(manifest_path)
-    manifest = read_manifest(manifest_path)
+    manifest = read_manifest(manifest_path, REGENERATED_MANIFEST)[0]
     rows_path = manifest_path.parent / manifest["rows_file"]
     check_rows(manifest_path, manifest)
     expected = manifest["row_start"]

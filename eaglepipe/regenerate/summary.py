@@ -16,8 +16,9 @@ from pathlib import Path
 from ..core.atomic import atomic_write_json
 from ..core.config import REGENERATION_SUMMARY
 from ..core.errors import PipelineError
+from ..core.manifest import read_manifest
 from ..core.run import RunSpec
-from .store import check_rows, read_manifest
+from .store import REGENERATED_MANIFEST, check_rows
 
 # What the summary copies from each shard's manifest, and sums over the shards.
 COUNTED = ("num_rows", "bad_rows", "output_tokens", "length_limited_replies")
@@ -46,7 +47,7 @@ def summarize_regeneration(run: RunSpec) -> dict:
     that is missing, stale or damaged ends it in one error naming the shard's files."""
     per_shard = {}
     for shard, path in fresh_regenerated_manifests(run):
-        manifest = read_manifest(path)
+        manifest, _ = read_manifest(path, REGENERATED_MANIFEST)
         check_rows(path, manifest)
         per_shard[shard] = {
             **{key: int(manifest.get(key, 0)) for key in COUNTED},

@@ -15,17 +15,14 @@ from tqdm import tqdm
 from ..core import config as cfg
 from ..core.atomic import atomic_write_json
 from ..core.errors import PipelineError
+from ..core.manifest import read_manifest
 from ..core.run import RunSpec
+from ..extract.shard_files import HIDDEN_STATES_MANIFEST
 from ..plan.provenance import require_planned, validation_settings
 from ..plan.shard_plan import parse_shard_name
-from .checks import CHECKS
+from .checks import CHECKS, ValidationFailure
 from .coverage import check_chunk_tokens, check_coverage_rows, load_prepared_rows
-from .integrity import (
-    check_chunk_checksum,
-    check_chunk_file,
-    check_no_stray_chunks,
-    read_manifest_and_hash,
-)
+from .integrity import check_chunk_checksum, check_chunk_file, check_no_stray_chunks
 from .provenance import check_provenance, expected_provenance
 from .schema import check_chunk_schema, check_manifest_schema, open_chunk
 from .spot_check import check_spot
@@ -71,10 +68,10 @@ def validate_shard(
     # The report records the hash of the very bytes checked: no window in which the manifest
     # could be replaced between hashing and reading.
     try:
-        manifest, manifest_hash = read_manifest_and_hash(shard_dir, shard)
-    except PipelineError:
+        manifest, manifest_hash = read_manifest(shard_dir, HIDDEN_STATES_MANIFEST, shard=shard)
+    except PipelineError as exc:
         require_planned(run, shard)  # a name outside the plan is said so, not "no manifest"
-        raise
+        raise ValidationFailure(shard, "schema", str(exc)) from None
     checks: dict[str, dict] = {}
     checks["provenance"] = check_provenance(
         shard, manifest, expected_provenance(run, paths.prepared_summary)

@@ -1,33 +1,13 @@
-"""integrity: the manifest read (and hashed from the very bytes read), every listed chunk present
-with its size and checksum, no unlisted chunk in the shard directory."""
+"""integrity: every chunk the manifest lists present with its size and checksum, no unlisted
+chunk in the shard directory (the manifest itself is read by `core.manifest.read_manifest`; one
+that cannot be read fails `schema`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from ..core.errors import PipelineError
 from ..core.fingerprint import hash_file
-from ..extract.shard_files import MANIFEST_NAME
-from ..extract.shard_files import read_manifest_and_hash as read_shard_manifest
 from .checks import CHUNK_GLOB, ValidationFailure
-
-
-def read_manifest(shard_dir: Path, shard: str) -> dict:
-    """The shard's manifest (shape checked by the shard store); a bad one fails `schema`."""
-    return read_manifest_and_hash(shard_dir, shard)[0]
-
-
-def read_manifest_and_hash(shard_dir: Path, shard: str) -> tuple[dict, str]:
-    """`read_manifest` and the hash of the bytes it parsed."""
-    try:
-        manifest, digest = read_shard_manifest(shard_dir / MANIFEST_NAME)
-    except PipelineError as exc:
-        raise ValidationFailure(shard, "schema", str(exc)) from None
-    if manifest["shard"] != shard:
-        raise ValidationFailure(
-            shard, "schema", f"{shard_dir}/manifest.json describes shard {manifest['shard']!r}"
-        )
-    return manifest, digest
 
 
 def _row_span(entry: dict) -> str:

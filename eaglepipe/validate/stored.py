@@ -27,15 +27,24 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..core.config import DRAFTER_DIR, PREPARED_DIR, PREPARED_SUMMARY
+from ..core.config import (
+    DRAFT_VOCAB,
+    DRAFTER_MODEL,
+    EVAL_REPORT,
+    EXPORT_DIR,
+    LIVE_REPORT,
+    PREPARED_DIR,
+    PREPARED_SUMMARY,
+)
 from ..core.errors import PipelineError
+from ..core.manifest import read_manifest
 from ..core.run import RunSpec
 from ..core.sealed import config_seal_problem, is_sealed, seal_problem
 from ..plan.provenance import regenerated_manifest_path
 from ..prepare.table import SUMMARY_FILES_KEY, listed_file_problem
 from ..regenerate.store import (
+    REGENERATED_MANIFEST,
     ROWS_NAME,
-    read_manifest,
     restore_rows_from_journal,
     rows_problem,
     set_aside_manifest,
@@ -56,7 +65,7 @@ REBUILDS = {
 }
 
 # The drafter's reports, by the stage that writes each.
-REPORT_FILES = (("evaluate", DRAFTER_DIR / "eval.json"), ("live", DRAFTER_DIR / "live.json"))
+REPORT_FILES = (("evaluate", EVAL_REPORT), ("live", LIVE_REPORT))
 
 
 @dataclass
@@ -107,7 +116,9 @@ def check_regenerated(shard_names: list[str]) -> StoredReport:
         if not manifest_path.exists():
             continue  # not done: the workflow's business, not damage
         try:
-            problem = rows_problem(manifest_path, read_manifest(manifest_path))
+            problem = rows_problem(
+                manifest_path, read_manifest(manifest_path, REGENERATED_MANIFEST)[0]
+            )
         except (PipelineError, OSError) as exc:  # an unreadable or incomplete manifest
             problem = f"{manifest_path} cannot be read ({exc})"
             report.damaged.append(
@@ -155,13 +166,9 @@ def check_prepared() -> StoredReport:
 
 def drafter_files(run: RunSpec) -> list[tuple[str, Path]]:
     """(stage, path) of every sealed drafter file the run's plan makes."""
-    files = [
-        ("vocab", DRAFTER_DIR / "vocab.safetensors"),
-        ("train", DRAFTER_DIR / "model.safetensors"),
-    ]
+    files = [("vocab", DRAFT_VOCAB), ("train", DRAFTER_MODEL)]
     files += [
-        ("export", DRAFTER_DIR / "export" / engine / "model.safetensors")
-        for engine in run.export.engines
+        ("export", EXPORT_DIR / engine / "model.safetensors") for engine in run.export.engines
     ]
     return files
 

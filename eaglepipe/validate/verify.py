@@ -13,14 +13,14 @@ from tqdm import tqdm
 
 from ..core import config as cfg
 from ..core.errors import PipelineError
-from ..extract.shard_files import MANIFEST_NAME, invalidate_shard
+from ..core.manifest import read_manifest
+from ..extract.shard_files import HIDDEN_STATES_MANIFEST, MANIFEST_NAME, invalidate_shard
 from ..plan.shard_plan import parse_shard_name
 from .checks import ValidationFailure
 from .integrity import (
     check_chunk_checksum,
     check_chunk_file,
     check_no_stray_chunks,
-    read_manifest,
 )
 from .schema import check_chunk_schema, check_manifest_schema, open_chunk
 
@@ -88,7 +88,10 @@ def verify_shards(
             shards.append((shard_dir, None))
             continue
         try:
-            manifest = read_manifest(shard_dir, shard_dir.name)
+            try:
+                manifest, _ = read_manifest(shard_dir, HIDDEN_STATES_MANIFEST, shard=shard_dir.name)
+            except PipelineError as exc:
+                raise ValidationFailure(shard_dir.name, "schema", str(exc)) from None
             check_manifest_schema(shard_dir.name, manifest)
         except ValidationFailure as exc:
             report.damaged[shard_dir.name] = [str(exc)]
