@@ -158,6 +158,6 @@ def print_space_plan(run: RunSpec) -> None:
 
 
 def stop_server_started_by_this_run() -> None:
-    from ..server.lifecycle import stop_if_started_by
+    from ..server.lifecycle.shared_server import stop_if_started_by
 
     stop_if_started_by(run_token())

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..core.errors import PipelineError
-from .handoff import AUX_KEY, FINAL_KEY, dump_path, mark_dump_failed, temp_dump_path
+from ...core.errors import PipelineError
+from .dumps import AUX_KEY, FINAL_KEY, dump_path, mark_dump_failed, temp_dump_path
 from .request_ids import is_pipeline_rid
 
 DEFAULT_MAX_PINNED_BYTES = 2 << 30

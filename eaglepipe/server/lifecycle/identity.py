@@ -19,7 +19,7 @@ the one the shard provenance uses too.
 
 from __future__ import annotations
 
-from ..core.run import RunSpec
+from ...core.run import RunSpec
 
 # What an SGLang server is started for (`server_purpose`).
 CAPTURE = "capture"
@@ -39,7 +39,7 @@ def engine_identity(run: RunSpec) -> dict:
     """Engine, version, device kind, dtype and layout, as the server on this node resolves them."""
     server = run.server
     if server.engine == "sglang":
-        from .sglang import installed_sglang_version
+        from ..sglang.recipe import installed_sglang_version
 
         return {
             "engine": "sglang",
@@ -49,7 +49,7 @@ def engine_identity(run: RunSpec) -> dict:
             "dtype": server.dtype,
             "tp_size": server.sglang.tp_size,
         }
-    from .reference_settings import (
+    from ..reference.settings import (
         engine_version,
         resolve_device_type,
         resolve_dtype_name,
