@@ -19,12 +19,15 @@ live.json's acceptance length is that ratio pooled over the prompts, the definit
 transformers harness and the offline decode-order walk use. Every flag and field is checked
 against the SGLang sources by tests/test_live_sglang_contract.py.
 
-These servers are the project's usual kind of process: started under the supervisor in their
-own process group with unbuffered logs under logs/live_acceptance/, after a port check naming
-any holder, awaited on /health with a deadline (log tail on failure), kept alive by a lease (a
-killed job leaves a server that stops itself after `server.idle_timeout_s`), and stopped as a
-whole group. They take `server.sglang` (tp_size, mem_fraction_static, extra_args) and
-`server.dtype` like the hidden-state server, but never load the project's dump hook.
+These servers are the project's usual kind of process, started, awaited and stopped by the
+same code as the hidden-state server (`server/lifecycle/process_group.py`): under the
+supervisor in their own process group with unbuffered logs under logs/live_acceptance/, after
+a port check naming any holder, awaited on /health with a deadline (log tail on failure), kept
+alive by a lease (a killed job leaves a server that stops itself after
+`server.idle_timeout_s`), and stopped as a whole group. Their command comes from the one
+builder of SGLang commands (`server/sglang/recipe.server_argv`): `server.sglang` (tp_size,
+mem_fraction_static, extra_args) and `server.dtype` as for the hidden-state server, but never
+the project's dump hook.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
   its version, device kind, dtype and batch layout (resolved, not `auto`).
 - `server_identity`: everything that decides what a running hidden-state server computes and
   where it listens. Its hash is the server's fingerprint: a job whose identity differs from the
-  running server's never uses that server (`server.lifecycle`). With SGLang a server is started
+  running server's never uses that server (`shared_server.py`). With SGLang a server is started
   for a purpose: `capture` (extraction, validation: the hook, the capture and the flags it
   needs) or `generation` (regeneration: no capture, so SGLang's radix cache, chunked prefill and
   CUDA graphs stay on); the reference server does both, so it has no purpose in its identity.
