@@ -40,10 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import random_llama  # noqa: E402
 
 from eaglepipe.core.layers import default_aux_layer_ids  # noqa: E402
-from eaglepipe.server.capture import HiddenStateCapture  # noqa: E402
-from eaglepipe.server.dump_writer import DumpWriter  # noqa: E402
-from eaglepipe.server.handoff import dump_path, prepare_dump_dir, read_dump
-from eaglepipe.server.request_ids import make_rid
+from eaglepipe.server.handoff.dump_writer import DumpWriter  # noqa: E402
+from eaglepipe.server.handoff.dumps import dump_path, prepare_dump_dir, read_dump
+from eaglepipe.server.handoff.request_ids import make_rid
+from eaglepipe.server.reference.capture import HiddenStateCapture  # noqa: E402
 
 MODES = ("forward", "capture", "capture+async_dump", "capture+sync_dump")
 NONCE = "b0b0b0b0b0b0"

@@ -335,7 +335,7 @@ def run_server(
     from eaglepipe.core.run import resolve
     from eaglepipe.extract.shard import extract_shard
     from eaglepipe.plan.provenance import shards
-    from eaglepipe.server.lifecycle import start_server, stop_server
+    from eaglepipe.server.lifecycle.shared_server import start_server, stop_server
 
     config = json.loads(json.dumps(config))
     config["server"].update(attention=attention, port=free_port())

@@ -3,7 +3,7 @@
 the storage's raw write rate, with 1..N workers (issue 28, item 4).
 
 Synthetic dumps (the server's exact dump format, written with
-eaglepipe.server.dump_writer.DumpWriter) are placed in a handoff directory on /dev/shm; the
+eaglepipe.server.handoff.dump_writer.DumpWriter) are placed in a handoff directory on /dev/shm; the
 timed part is what an extraction job does per row, with the job's own code and without torch:
 read the dump (`read_dump_raw`, mapped), check it against the request, delete it, and write the
 rows as planned chunks (streamed xxh3-128, fsync, rename, journal line). Each worker is its own
@@ -94,8 +94,8 @@ def make_dumps(handoff: Path, rows: int, tokens: int, hidden: int) -> None:
     """`rows` dumps of the server's format; the values are one random block, reused."""
     import torch
 
-    from eaglepipe.server.dump_writer import DumpWriter
-    from eaglepipe.server.request_ids import make_rid
+    from eaglepipe.server.handoff.dump_writer import DumpWriter
+    from eaglepipe.server.handoff.request_ids import make_rid
 
     generator = torch.Generator().manual_seed(0)
     aux = torch.randn(tokens, 3 * hidden, generator=generator).to(torch.bfloat16)
@@ -121,8 +121,8 @@ def ingest(
     from eaglepipe.extract.chunk_file import RowTensors, plan_chunks, plan_digest, write_chunk
     from eaglepipe.extract.client import ClientSettings, RowRequest, check_dump
     from eaglepipe.extract.shard_files import append_journal
-    from eaglepipe.server.handoff import dump_path, read_dump_raw
-    from eaglepipe.server.request_ids import make_rid
+    from eaglepipe.server.handoff.dumps import dump_path, read_dump_raw
+    from eaglepipe.server.handoff.request_ids import make_rid
 
     settings = ClientSettings(PREFIX, 1, 1 << 40, 0, 60.0, hidden)
     ids = np.arange(tokens, dtype=np.int32)
@@ -159,7 +159,7 @@ def worker_main(spec: dict) -> int:
     import eaglepipe.extract.chunk_file  # noqa: F401
     import eaglepipe.extract.client  # noqa: F401
     import eaglepipe.extract.shard_files  # noqa: F401
-    import eaglepipe.server.handoff  # noqa: F401
+    import eaglepipe.server.handoff.dumps  # noqa: F401
     from eaglepipe.core.atomic import WRITEBACK_STEP
 
     print("ready", flush=True)

@@ -16,7 +16,7 @@ every running job is starting or finishing at once (BENCHMARKS.md, "job turnover
   `first_request_s` where it records one;
 - read: a shard's rows from a prepared table of `--rows` rows (its own parquet row group,
   `eaglepipe.extract.shard.load_shard_rows`) against the whole table read and then sliced;
-- lease: the server lease a job takes before its first request (`eaglepipe.server.leases.Lease`)
+- lease: the server lease a job takes before its first request (`eaglepipe.server.lifecycle.leases.Lease`)
   idle and beside `--writers` threads writing `--writer-gb` GB each into the same filesystem as
   shard jobs write their chunks (bench_ingest's raw writes), against the same file fsynced.
 
@@ -59,7 +59,7 @@ from common import (  # noqa: E402
 from eaglepipe.core.atomic import atomic_write_json  # noqa: E402
 from eaglepipe.extract.shard import load_shard_rows  # noqa: E402
 from eaglepipe.prepare.table import load_prepared, rows_in_range  # noqa: E402
-from eaglepipe.server.leases import Lease, ServerPaths  # noqa: E402
+from eaglepipe.server.lifecycle.leases import Lease, ServerPaths  # noqa: E402
 
 PARTS = ("imports", "jobs", "read", "lease")
 GOAL_S = 1.0
@@ -298,7 +298,7 @@ def measure_jobs(args, work: Path, model_dir: Path) -> dict:
     from eaglepipe.core.config import write_resolved
     from eaglepipe.core.run import resolve
     from eaglepipe.plan.provenance import shards as planned_shards
-    from eaglepipe.server.lifecycle import start_server, stop_server
+    from eaglepipe.server.lifecycle.shared_server import start_server, stop_server
 
     run_dir = work / "run"
     run_dir.mkdir()

@@ -440,8 +440,8 @@ def bare_command(
     With `capture`, only without the hook: SGLang computes the aux hidden states and nothing
     takes them (what the capture alone costs a prefill)."""
     from eaglepipe.core.run import resolve
-    from eaglepipe.server.sglang import launch_command
-    from eaglepipe.server.sglang_plugin import CAPTURE_ENV
+    from eaglepipe.server.sglang.plugin import CAPTURE_ENV
+    from eaglepipe.server.sglang.recipe import launch_command
 
     argv, env = launch_command(
         resolve(config), host=config["server"]["host"], port=config["server"]["port"],
@@ -671,7 +671,7 @@ def variant_name(storage: str, inflight: int, gb: str, writeback_mb: int, args) 
 def run_pipeline(run_dir: Path, config: dict, rows, warmup, args, deadline) -> dict:
     from eaglepipe.core.run import resolve
     from eaglepipe.plan.provenance import shards
-    from eaglepipe.server.lifecycle import start_server, stop_server
+    from eaglepipe.server.lifecycle.shared_server import start_server, stop_server
 
     result: dict = {"variants": {}}
     tokens = sum(len(r) for r in rows)
@@ -1056,7 +1056,7 @@ def main(argv=None) -> int:
         dataset = write_prepared(run_dir, rows, rows_per_shard=rows_per_shard)
         config = pipeline_config(run_dir, model_dir, dataset, rows_per_shard, args)
         if args.dry_run:
-            from eaglepipe.server.sglang import launch_command
+            from eaglepipe.server.sglang.recipe import launch_command
 
             results["bare"] = {"argv": bare_command(config, args.sglang_version)[0],
                                "env": bare_command(config, args.sglang_version)[1]}  # fmt: skip

@@ -62,7 +62,7 @@ def load_hook(dump_dir: Path, aux_ids: list[int], prefix: str):
     sys.modules["sglang.srt.runtime_context"] = runtime_context
     import eaglepipe_hook
 
-    from eaglepipe.server.sglang import hook_spec
+    from eaglepipe.server.sglang.recipe import hook_spec
 
     spec = hook_spec(
         dump_dir=dump_dir, request_prefix=prefix, aux_layer_ids=aux_ids, instance_id="bench"

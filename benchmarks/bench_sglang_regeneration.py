@@ -82,7 +82,7 @@ from common import (  # noqa: E402
     write_results,
 )
 
-from eaglepipe.server import sglang as recipe  # noqa: E402
+from eaglepipe.server.sglang import recipe  # noqa: E402
 
 # Chat markers: word tokens, so the template renders to exactly 3 tokens around the content.
 USER_MARK, END_MARK, ASSISTANT_MARK = "t100", "t101", "t102"
@@ -322,8 +322,8 @@ def run_pipeline(
 ) -> dict:
     from eaglepipe.core.run import resolve
     from eaglepipe.plan.provenance import shards
-    from eaglepipe.server.identity import GENERATION
-    from eaglepipe.server.lifecycle import start_server, stop_server
+    from eaglepipe.server.lifecycle.identity import GENERATION
+    from eaglepipe.server.lifecycle.shared_server import start_server, stop_server
 
     result: dict = {}
     with working_directory(run_dir):

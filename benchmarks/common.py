@@ -295,7 +295,7 @@ def write_prepared(
 
 def free_port() -> int:
     """A free local port that SGLang accepts too (its gRPC port, +10000, must exist)."""
-    from eaglepipe.server.sglang import free_server_port
+    from eaglepipe.server.sglang.recipe import free_server_port
 
     return free_server_port("127.0.0.1")
 
@@ -519,7 +519,7 @@ def planned_sglang_commands(config: dict, sglang_version: str) -> dict:
     """The launcher's SGLang commands for a validated config, without starting anything: the
     capture server's (extraction) and the generation server's (regeneration, live)."""
     from eaglepipe.core.run import resolve
-    from eaglepipe.server.sglang import launch_command
+    from eaglepipe.server.sglang.recipe import launch_command
 
     common = dict(
         host="127.0.0.1", port=config["server"]["port"],

@@ -3,7 +3,7 @@
 
 For each model: build a small random checkpoint, compute transformers references of the same
 weights (fp32 and bf16, every hidden state), start SGLang through the project's own launcher
-(`eaglepipe.server.lifecycle.start_server`, engine sglang: the recipe under test), send the rows
+(`eaglepipe.server.lifecycle.shared_server.start_server`, engine sglang: the recipe under test), send the rows
 through the project's ExtractionClient one at a time and then all in flight at once (SGLang
 packs them into shared prefill batches; the server log says how many), and compare each layer:
 
@@ -464,7 +464,7 @@ def post_generate(url: str, ids: list[int], rid: str, max_new_tokens: int) -> di
 def extract(handle, rows: list[list[int]], hidden: int, inflight: int, prefix: str) -> dict:
     """The rows through the project's ExtractionClient: row id -> (aux, final) clones."""
     from eaglepipe.extract.client import ClientSettings, ExtractionClient, RowRequest
-    from eaglepipe.server.watch import liveness_check
+    from eaglepipe.server.lifecycle.watch import liveness_check
 
     settings = ClientSettings(
         request_prefix=prefix,
@@ -492,8 +492,8 @@ def extract(handle, rows: list[list[int]], hidden: int, inflight: int, prefix: s
 def check_other_requests(handle, rows: list[list[int]], prefix: str, decode: bool) -> dict:
     """Requests that must leave no dump, and (`decode`) a prefixed one that decodes: one dump,
     of its prompt."""
-    from eaglepipe.server.handoff import read_dump
-    from eaglepipe.server.request_ids import make_rid
+    from eaglepipe.server.handoff.dumps import read_dump
+    from eaglepipe.server.handoff.request_ids import make_rid
 
     dump_dir = Path(handle.dump_dir)
     ids = rows[2]
@@ -537,7 +537,7 @@ def log_lines(text: str, needles: tuple[str, ...], limit: int = 12) -> list[str]
 
 def serve_and_compare(name, model_dir, rows, refs, info, work, args, started) -> dict:
     """Start SGLang through the lifecycle, extract single and packed, compare; stop it."""
-    from eaglepipe.server.lifecycle import start_server, stop_server
+    from eaglepipe.server.lifecycle.shared_server import start_server, stop_server
 
     result: dict = {}
     left = args.deadline_s - (time.monotonic() - started)
@@ -642,7 +642,7 @@ def shm_or(work: Path) -> str:
 def dry_run(name, model_dir, rows, refs, info, work, args) -> dict:
     """The launch command for --sglang-version, and the comparison on transformers' bf16
     states standing in for dumps (must pass) and on a copy shifted by one layer (must fail)."""
-    from eaglepipe.server.sglang import launch_command
+    from eaglepipe.server.sglang.recipe import launch_command
 
     extra = list(SGLANG_EXTRA_ARGS) + (["--mm-attention-backend", "sdpa"] if name == "kimi" else [])
     config = server_config(model_dir, work / "dumps", extra, 300)

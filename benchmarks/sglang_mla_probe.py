@@ -114,7 +114,7 @@ def first_error(log_dir: Path) -> tuple[str, list[str]] | None:
 
 def prefill(url: str, dump_dir: Path, rid: str, input_ids: list[int]) -> bool:
     """One extraction-style request; True when its dump appeared."""
-    from eaglepipe.server.handoff import DumpNotWritten, dump_path, wait_for_dump
+    from eaglepipe.server.handoff.dumps import DumpNotWritten, dump_path, wait_for_dump
 
     post(url, {"input_ids": input_ids, "rid": rid, "sampling_params": {"max_new_tokens": 0}})
     try:
@@ -127,7 +127,7 @@ def prefill(url: str, dump_dir: Path, rid: str, input_ids: list[int]) -> bool:
 
 def serve_once(run_dir: Path, config: dict, purpose: str, args) -> dict:
     from eaglepipe.core.run import resolve
-    from eaglepipe.server.lifecycle import start_server, stop_server
+    from eaglepipe.server.lifecycle.shared_server import start_server, stop_server
 
     result: dict = {"purpose": purpose}
     prompt = [5 + (i * 7) % 400 for i in range(args.prompt_tokens)]

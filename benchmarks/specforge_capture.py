@@ -40,7 +40,7 @@ def main() -> None:
     name = register_template(args.template_json)
     print(f"[specforge_capture] chat template {name!r} registered", file=sys.stderr, flush=True)
     if os.environ.get("EAGLEPIPE_SGLANG_SLIM_FLASHINFER") == "1":
-        from eaglepipe.server.sglang_plugin import use_precompiled_kernels
+        from eaglepipe.server.sglang.plugin import use_precompiled_kernels
 
         use_precompiled_kernels()
     script = str(Path(args.script).resolve())

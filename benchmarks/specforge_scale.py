@@ -352,7 +352,7 @@ def step_pipeline(ctx: Context, step: Step) -> dict:
     from eaglepipe.core.config import write_resolved
     from eaglepipe.core.run import resolve
     from eaglepipe.plan.provenance import shards
-    from eaglepipe.server.lifecycle import start_server, stop_server
+    from eaglepipe.server.lifecycle.shared_server import start_server, stop_server
 
     paths, args = ctx.paths, ctx.args
     shutil.rmtree(paths.hidden_states, ignore_errors=True)
@@ -423,7 +423,7 @@ def pipeline_dry_run(ctx: Context, step: Step) -> dict:
     from eaglepipe.core.config import write_resolved
     from eaglepipe.core.run import resolve
     from eaglepipe.plan.provenance import shards
-    from eaglepipe.server.sglang import launch_command, supported_range
+    from eaglepipe.server.sglang.recipe import launch_command, supported_range
 
     paths, args = ctx.paths, ctx.args
     s = shape()

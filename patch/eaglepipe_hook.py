@@ -1,8 +1,8 @@
 """SGLang forward hook that dumps each prefixed request's aux and final hidden states.
 
 Loaded by SGLang's `--forward-hooks` as `eaglepipe_hook:make_dump_hook` (the launcher in
-eaglepipe/server/sglang.py puts this directory on PYTHONPATH). SGLang calls the factory once per
-TP rank with the spec's `config` and registers the returned callable with
+eaglepipe/server/sglang/recipe.py puts this directory on PYTHONPATH). SGLang calls the factory
+once per TP rank with the spec's `config` and registers the returned callable with
 `module.register_forward_hook` on the logits processor, so the hook sees LogitsProcessor.forward's
 positional inputs: (input_ids, hidden_states, lm_head, forward_batch, aux_hidden_states).
 `hidden_states` there is post-final-norm; `aux_hidden_states` is the residual stream entering the
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from eaglepipe.server.dump_writer import DumpWriter
-from eaglepipe.server.handoff import concat_aux, prepare_dump_dir
+from eaglepipe.server.handoff.dump_writer import DumpWriter
+from eaglepipe.server.handoff.dumps import concat_aux, prepare_dump_dir
 
 logger = logging.getLogger("eaglepipe_hook")
 

@@ -9,8 +9,8 @@ import eaglepipe.core.config as config_paths
 from eaglepipe.core.config import RESOLVED_CONFIG
 from eaglepipe.core.run import resolve_at_workflow_start
 from eaglepipe.drafter.live import live_export_engine
-from eaglepipe.server.sglang import check_sglang_settings
-from eaglepipe.server.handoff import check_dump_root
+from eaglepipe.server.sglang.recipe import check_sglang_settings
+from eaglepipe.server.handoff.dumps import check_dump_root
 from eaglepipe.drafter.variants import check_draft_layer, check_export_support
 from eaglepipe.data.tokenizer import check_chat_template_files
 from eaglepipe.core.errors import one_line_errors

@@ -70,9 +70,9 @@ def pytest_runtest_setup(item):
 
 # Ports for the tests' servers and stand-ins: each xdist worker takes them from a block of its
 # own, below the kernel's ephemeral range (32768 on, where `bind(("", 0))` and every outgoing
-# connection take theirs) and below the pipeline's drawn ports (eaglepipe.server.ports, from
-# 20000). With ports from `bind(0)` two workers' servers once drew the same port: the second
-# job found it held by the other worker's server.
+# connection take theirs) and below the pipeline's drawn ports
+# (eaglepipe.server.lifecycle.ports, from 20000). With ports from `bind(0)` two workers'
+# servers once drew the same port: the second job found it held by the other worker's server.
 TEST_PORTS_LOW = 10000
 TEST_PORTS_PER_WORKER = 500
 _port_cursor: list[int] = []

@@ -29,10 +29,10 @@ from eaglepipe.extract.client import (
     RowRequest,
     extract_rows,
 )
-from eaglepipe.server.leases import ServerPaths
-from eaglepipe.server.lifecycle import server_lease, stop_server
-from eaglepipe.server.request_ids import parse_rid
-from eaglepipe.server.watch import liveness_check
+from eaglepipe.server.handoff.request_ids import parse_rid
+from eaglepipe.server.lifecycle.leases import ServerPaths
+from eaglepipe.server.lifecycle.shared_server import server_lease, stop_server
+from eaglepipe.server.lifecycle.watch import liveness_check
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 H = 32

@@ -1,4 +1,4 @@
-"""The decode batch's growing key/value cache (eaglepipe/server/decode_cache.py).
+"""The decode batch's growing key/value cache (eaglepipe/server/reference/decode_cache.py).
 
 Its keys and values equal DynamicCache's concatenations through appends, crops, reorders, row
 selection, merging and trimming, and a model decoding through it produces the same logits."""
@@ -10,8 +10,8 @@ import inspect
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from eaglepipe.server import decode_cache
-from eaglepipe.server.decode_cache import GrowingLayer
+from eaglepipe.server.reference import decode_cache
+from eaglepipe.server.reference.decode_cache import GrowingLayer
 
 
 def kv(batch: int, length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

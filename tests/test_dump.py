@@ -17,10 +17,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import eaglepipe.server.dump_writer as dump_module
+import eaglepipe.server.handoff.dump_writer as dump_module
 from eaglepipe.core.errors import PipelineError
-from eaglepipe.server.dump_writer import DumpWriter, _HostBufferPool
-from eaglepipe.server.handoff import (
+from eaglepipe.server.handoff.dump_writer import DumpWriter, _HostBufferPool
+from eaglepipe.server.handoff.dumps import (
     AUX_KEY,
     FINAL_KEY,
     DumpNotWritten,
@@ -34,7 +34,7 @@ from eaglepipe.server.handoff import (
     temp_dump_path,
     wait_for_dump,
 )
-from eaglepipe.server.request_ids import is_pipeline_rid, make_rid, parse_rid
+from eaglepipe.server.handoff.request_ids import is_pipeline_rid, make_rid, parse_rid
 
 PYTHON = sys.executable
 NONCE = "0123456789ab"
@@ -352,8 +352,8 @@ def test_a_dump_that_never_lands_names_the_request(tmp_path):
 READER_SCRIPT = """
 import json, sys
 from pathlib import Path
-from eaglepipe.server.request_ids import parse_rid
-from eaglepipe.server.handoff import read_dump
+from eaglepipe.server.handoff.request_ids import parse_rid
+from eaglepipe.server.handoff.dumps import read_dump
 from eaglepipe.core.errors import PipelineError
 dump_dir, stop_file, tokens = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
 seen, errors, passes = set(), [], 0

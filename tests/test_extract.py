@@ -28,10 +28,10 @@ from eaglepipe.core.run import resolve
 from eaglepipe.extract.chunk_file import open_chunk
 from eaglepipe.extract.shard import extract_shard
 from eaglepipe.extract.shard_files import HIDDEN_STATES_MANIFEST, iter_rows
-from eaglepipe.server.dump_writer import DumpWriter
-from eaglepipe.server.handoff import mark_dump_failed
-from eaglepipe.server.lifecycle import server_status, stop_server
-from eaglepipe.server.request_ids import make_rid
+from eaglepipe.server.handoff.dump_writer import DumpWriter
+from eaglepipe.server.handoff.dumps import mark_dump_failed
+from eaglepipe.server.handoff.request_ids import make_rid
+from eaglepipe.server.lifecycle.shared_server import server_status, stop_server
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHARD = "rows_0-24"

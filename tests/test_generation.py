@@ -25,8 +25,8 @@ from eaglepipe.regenerate.client import (
     RowRefused,
     parse_reply,
 )
-from eaglepipe.server.faults import parse_faults
-from eaglepipe.server.request_ids import make_generation_rid, parse_generation_rid
+from eaglepipe.server.handoff.request_ids import make_generation_rid, parse_generation_rid
+from eaglepipe.server.reference.faults import parse_faults
 
 NONCE = "0123456789ab"
 # Prompt lengths of one concurrent wave: padding, and requests finishing at different steps.
@@ -188,7 +188,7 @@ def test_near_ties_are_decided_by_an_unbatched_forward(tiny_llama_dir):
     request's unbatched forward (and the replies stay the greedy decode); with none, none does."""
     from transformers import AutoModelForCausalLM
 
-    from eaglepipe.server.generate import BatchGenerator, SamplingParams
+    from eaglepipe.server.reference.generate import BatchGenerator, SamplingParams
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     prompts = [token_ids(n, seed=n) for n in (4, 19, 33)]
@@ -209,7 +209,7 @@ def test_requests_join_a_running_decode_and_leave_it_when_they_end(tiny_llama_di
     leaves the batch at the step it ends, and the padding only ended requests needed goes."""
     from transformers import AutoModelForCausalLM
 
-    from eaglepipe.server.generate import BatchGenerator, DecodeSession, SamplingParams
+    from eaglepipe.server.reference.generate import BatchGenerator, DecodeSession, SamplingParams
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     generator = BatchGenerator(model, torch.device("cpu"), torch.float32)

@@ -232,7 +232,7 @@ def test_the_project_wheel_builds_with_a_fresh_machines_python(tmp_path):
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
         entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
-        assert "eaglepipe = eaglepipe.server.sglang_plugin:register" in (
+        assert "eaglepipe = eaglepipe.server.sglang.plugin:register" in (
             archive.read(entry_points).decode()
         )
     modules = {p.relative_to(REPO_ROOT).as_posix() for p in (REPO_ROOT / "eaglepipe").rglob("*.py")}

@@ -17,14 +17,14 @@ from eaglepipe.core.config import validate_config
 from eaglepipe.core.run import resolve
 from eaglepipe.data.dataset import read_conversations
 from eaglepipe.data.tokenizer import load_target_tokenizer, tokenizer_loader
-from eaglepipe.server import reference_settings
-from eaglepipe.server.identity import engine_identity
+from eaglepipe.server.lifecycle.identity import engine_identity
+from eaglepipe.server.reference import settings as reference_settings
 
 JOB_START = """
 import json, sys
 from eaglepipe.core.run import load_run
 from eaglepipe.data.tokenizer import load_target_tokenizer
-from eaglepipe.server.identity import engine_identity
+from eaglepipe.server.lifecycle.identity import engine_identity
 run = load_run(sys.argv[1])
 identity = engine_identity(run)
 tokenizer = load_target_tokenizer(run)
@@ -65,7 +65,7 @@ def test_a_job_on_a_cpu_machine_knows_its_server_and_tokenizer_without_importing
     assert job["torch"] is False
     assert job["identity"]["device"] == "cpu" and job["identity"]["dtype"] == "float32"
     # the same identity the server computes with torch at hand
-    from eaglepipe.server.reference_engine import resolve_device
+    from eaglepipe.server.reference.settings import resolve_device
 
     assert job["identity"] == engine_identity(
         resolve(validate_config(json.loads(config.read_text())))
@@ -89,7 +89,7 @@ def test_with_a_gpu_driver_present_auto_asks_torch(monkeypatch, tmp_path):
 
 ASK_AUTO = """
 import json, sys
-from eaglepipe.server import reference_settings
+from eaglepipe.server.reference import settings as reference_settings
 reference_settings.ACCELERATOR_NODES = (sys.argv[1],)
 answer = reference_settings.resolve_device_type("auto")
 print(json.dumps({"answer": answer, "torch": "torch" in sys.modules}))

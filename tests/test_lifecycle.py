@@ -30,8 +30,8 @@ from eaglepipe.core.errors import PipelineError
 from eaglepipe.core.run import resolve
 from eaglepipe.ops.cli import EXIT_NOT_RUNNING
 from eaglepipe.ops.cli import main as cli_main
-from eaglepipe.server import lifecycle, ports
-from eaglepipe.server.leases import (
+from eaglepipe.server.lifecycle import ports, shared_server
+from eaglepipe.server.lifecycle.leases import (
     Lease,
     ServerPaths,
     hostname,
@@ -39,8 +39,8 @@ from eaglepipe.server.leases import (
     read_history,
     read_json,
 )
-from eaglepipe.server.lifecycle import server_lease, stop_if_started_by
-from eaglepipe.server.ports import port_is_free
+from eaglepipe.server.lifecycle.ports import port_is_free
+from eaglepipe.server.lifecycle.shared_server import server_lease, stop_if_started_by
 
 PYTHON = sys.executable
 WAIT_S = 90  # generous bound on waiting for a condition; never an assertion on duration
@@ -51,13 +51,13 @@ JOB = textwrap.dedent(
     import json, sys, time, urllib.request, uuid
     from pathlib import Path
     from eaglepipe.core.run import load_run
-    from eaglepipe.server.lifecycle import server_lease
+    from eaglepipe.server.lifecycle.shared_server import server_lease
 
     run, mode, out = load_run(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
     if len(sys.argv) > 4:  # the light stand-in engine, for tests of the lifecycle mechanics
-        from eaglepipe.server import lifecycle
+        from eaglepipe.server.lifecycle import shared_server
         fake = sys.argv[4]
-        lifecycle.engine_command = lambda run, *, host, port, dump_dir, instance_id, purpose: (
+        shared_server.engine_command = lambda run, *, host, port, dump_dir, instance_id, purpose: (
             [sys.executable, "-u", fake, host, str(port), instance_id], {})
     with server_lease(run) as handle:
         payload = {"input_ids": [5, 6, 7], "rid": f"eaglepipe-{uuid.uuid4().hex[:12]}-0-0",
@@ -122,14 +122,14 @@ def starts(paths: ServerPaths) -> list[dict]:
 
 
 def group_alive(pgid: int) -> bool:
-    return bool(lifecycle.group_members(pgid, 0))
+    return bool(shared_server.group_members(pgid, 0))
 
 
 @pytest.fixture
 def run(tmp_path, monkeypatch, tiny_llama_dir):
     """A working directory, a config for it, and teardown that leaves no process behind."""
     monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv(lifecycle.RUN_TOKEN_ENV, raising=False)
+    monkeypatch.delenv(shared_server.RUN_TOKEN_ENV, raising=False)
     monkeypatch.delenv("EAGLEPIPE_FAULT", raising=False)
     raw = yaml.safe_load((REPO_ROOT / "config.yaml").read_text())
     raw["model"]["path"] = str(tiny_llama_dir)
@@ -148,7 +148,7 @@ def run(tmp_path, monkeypatch, tiny_llama_dir):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     for event in starts(ctx.paths):
-        for member in lifecycle.group_members(event["pid"], event["create_time"]):
+        for member in shared_server.group_members(event["pid"], event["create_time"]):
             member.kill()
 
 
@@ -170,7 +170,7 @@ class Run:
         self.fake_engine.write_text(FAKE_ENGINE)
         argv = [PYTHON, "-u", str(self.fake_engine)]
         monkeypatch.setattr(
-            lifecycle,
+            shared_server,
             "engine_command",
             lambda config, *, host, port, dump_dir, instance_id, purpose: (
                 [*argv, host, str(port), instance_id],
@@ -217,7 +217,7 @@ class Run:
         argv = [PYTHON, "-u", str(script), str(self.write_config(config)), mode, str(out)]
         if self.fake_engine is not None:
             argv.append(str(self.fake_engine))
-        proc = self.spawn(argv, env={lifecycle.RUN_TOKEN_ENV: token, **(env or {})})
+        proc = self.spawn(argv, env={shared_server.RUN_TOKEN_ENV: token, **(env or {})})
         return proc, out
 
 
@@ -294,13 +294,13 @@ def test_two_concurrent_jobs_share_one_server(run):
 def count_server_info_calls(monkeypatch) -> list[str]:
     """The /server_info requests this process's leases make from here on (still made)."""
     calls: list[str] = []
-    real = lifecycle.http_get_json
+    real = shared_server.http_get_json
 
     def counting(url, timeout_s):
         calls.append(url)
         return real(url, timeout_s)
 
-    monkeypatch.setattr(lifecycle, "http_get_json", counting)
+    monkeypatch.setattr(shared_server, "http_get_json", counting)
     return calls
 
 
@@ -434,11 +434,11 @@ def test_two_working_directories_on_one_node_draw_ports_of_their_own(run, monkey
             with server_lease(config, run_token="run-there", paths=other) as there:
                 assert here.state["port"] != there.state["port"]
                 for handle in (here, there):
-                    assert lifecycle.probe_health(handle.url) is None  # healthy
+                    assert shared_server.probe_health(handle.url) is None  # healthy
                     assert handle.state["port"] in ports.DRAWN_PORTS
                 assert read_json(other.state)["port"] == there.state["port"]
         finally:
-            lifecycle.stop_server(paths=other)
+            shared_server.stop_server(paths=other)
     assert stop_if_started_by("run-here") is True
     assert "not a loopback address" not in capsys.readouterr().err
 
@@ -532,7 +532,7 @@ def test_dead_or_silent_server_fails_its_client_within_seconds(run, monkeypatch)
         message = str(excinfo.value)
         assert f"PID {handle.pid}" in message and str(handle.log_path) in message
         with pytest.raises(PipelineError, match="exited while in use"):
-            lifecycle.server_alive(handle)
+            shared_server.server_alive(handle)
         with pytest.raises(PipelineError, match=str(handle.log_path)):
             handle.raise_if_dead()
     # The next lease finds the dead server's state and starts afresh.
@@ -554,7 +554,7 @@ def test_failed_start_reports_the_log_tail_and_leaves_nothing(
     run, monkeypatch, engine_code, expected
 ):
     monkeypatch.setattr(
-        lifecycle, "engine_command", lambda *a, **k: ([PYTHON, "-u", "-c", engine_code], {})
+        shared_server, "engine_command", lambda *a, **k: ([PYTHON, "-u", "-c", engine_code], {})
     )
     config = run.with_server(health_timeout_s=3)
     with pytest.raises(PipelineError) as excinfo:
@@ -614,8 +614,8 @@ def test_server_started_in_a_slurm_job_stops_once_that_job_ended_and_nobody_uses
     run, monkeypatch
 ):
     """Without cgroups SLURM loses the server when the job that started it exits (see
-    eaglepipe/server/slurm_job.py); the supervisor stops it then, not after the idle timeout,
-    but never under a job that still holds a lease."""
+    eaglepipe/server/lifecycle/slurm_job.py); the supervisor stops it then, not after the idle
+    timeout, but never under a job that still holds a lease."""
     run.use_fake_engine(monkeypatch)
     assert run.config["server"]["idle_timeout_s"] > 2 * WAIT_S
     starter, starter_out = run.job("starter", env={"SLURM_JOB_ID": "4242"})
@@ -735,10 +735,10 @@ def test_server_command_line_start_status_stop(run, monkeypatch, capsys):
 def test_group_members_recognises_only_the_servers_own_processes():
     # pgid reuse guard: a group whose leader predates the recorded start is never ours.
     me = psutil.Process()
-    assert lifecycle.group_members(os.getpgid(0), me.create_time() + 3600) == []
+    assert shared_server.group_members(os.getpgid(0), me.create_time() + 3600) == []
     # Nor are processes that lack the server instance's marker in their environment.
-    assert me.pid in [p.pid for p in lifecycle.group_members(os.getpgid(0), 0)]
-    assert lifecycle.group_members(os.getpgid(0), 0, "some-other-instance") == []
+    assert me.pid in [p.pid for p in shared_server.group_members(os.getpgid(0), 0)]
+    assert shared_server.group_members(os.getpgid(0), 0, "some-other-instance") == []
 
 
 class CountingServer:
@@ -746,7 +746,7 @@ class CountingServer:
     counting the /health requests it gets."""
 
     def __init__(self, instance_id: str):
-        from eaglepipe.server.sglang import hook_spec
+        from eaglepipe.server.sglang.recipe import hook_spec
 
         self.health_hits = 0
         hook = hook_spec(
@@ -793,7 +793,7 @@ def test_a_lease_on_a_running_sglang_asks_its_server_info_not_its_slow_health(en
     contract test reads it); its /server_info asks the scheduler, which proves it answers."""
     with CountingServer("inst-1") as server:
         state = {"url": server.url, "engine": engine, "instance_id": "inst-1"}
-        info = lifecycle._server_info_when_answering(state, patience_s=5)
+        info = shared_server._server_info_when_answering(state, patience_s=5)
         assert info is not None and info["instance_id"] == "inst-1"
         assert server.health_hits == health_hits
 
@@ -830,7 +830,7 @@ def serve_with_fake_sglang(run, monkeypatch) -> None:
     fake = run.workdir / "fake_sglang.py"
     fake.write_text(FAKE_SGLANG)
     monkeypatch.setattr(
-        lifecycle,
+        shared_server,
         "engine_command",
         lambda config, *, host, port, dump_dir, instance_id, purpose: (
             [PYTHON, "-u", str(fake), host, str(port), instance_id, purpose],
@@ -842,7 +842,7 @@ def serve_with_fake_sglang(run, monkeypatch) -> None:
 def test_regeneration_and_extraction_servers_replace_each_other_with_sglang(run, monkeypatch):
     """With SGLang, a generation lease starts a server without the capture; the first capture
     lease after it replaces it (naming why), and further leases of a purpose reuse its server."""
-    from eaglepipe.server.identity import CAPTURE, GENERATION
+    from eaglepipe.server.lifecycle.identity import CAPTURE, GENERATION
 
     serve_with_fake_sglang(run, monkeypatch)
     config = run.with_server(engine="sglang")
@@ -856,7 +856,7 @@ def test_regeneration_and_extraction_servers_replace_each_other_with_sglang(run,
     assert [e["event"] for e in history].count("start") == 2
     stops = [e["reason"] for e in history if e["event"] == "stop"]
     assert stops == ["a capture server replaces this generation server"]
-    lifecycle.stop_server()
+    shared_server.stop_server()
 
 
 def test_extraction_jobs_starting_together_replace_the_generation_server(run, monkeypatch):
@@ -864,8 +864,8 @@ def test_extraction_jobs_starting_together_replace_the_generation_server(run, mo
     each one's lease was taken for a user of the generation server, and both failed. A job
     waiting for another server is not a user of the running one; a job that wants the running
     server (or a lease that does not say what it wants) still is, and is named."""
-    from eaglepipe.server.identity import CAPTURE, GENERATION
-    from eaglepipe.server.leases import Lease
+    from eaglepipe.server.lifecycle.identity import CAPTURE, GENERATION
+    from eaglepipe.server.lifecycle.leases import Lease
 
     serve_with_fake_sglang(run, monkeypatch)
     spec = resolve(run.with_server(engine="sglang"))
@@ -878,8 +878,8 @@ def test_extraction_jobs_starting_together_replace_the_generation_server(run, mo
 
     with server_lease(spec, run_token="run-a", purpose=GENERATION):
         pass  # the generation server stays up, idle
-    capture = lifecycle.wanted_fingerprint(spec, CAPTURE)
-    generation = lifecycle.wanted_fingerprint(spec, GENERATION)
+    capture = shared_server.wanted_fingerprint(spec, CAPTURE)
+    generation = shared_server.wanted_fingerprint(spec, GENERATION)
     assert capture != generation
     # Another extraction job, waiting for the lock, wants the capture server too.
     waiting = other_job(capture)
@@ -901,7 +901,7 @@ def test_extraction_jobs_starting_together_replace_the_generation_server(run, mo
         message = str(caught.value)
         assert "is a capture server, this job needs a generation one" in message
         assert f"in use by PID {os.getpid()}" in message
-    lifecycle.stop_server()
+    shared_server.stop_server()
 
 
 def test_server_stop_outside_a_run_leaves_the_directory_untouched(tmp_path):
@@ -933,8 +933,8 @@ def test_a_port_that_answers_its_own_request_is_not_healthy_yet():
         thread.start()
         try:
             url = f"http://127.0.0.1:{echo.server_address[1]}"
-            assert lifecycle.probe_health(url) == "BadStatusLine: GET /health HTTP/1.1\r\n"
+            assert shared_server.probe_health(url) == "BadStatusLine: GET /health HTTP/1.1\r\n"
             state = {"url": url, "instance_id": "x", "engine": "reference"}
-            assert lifecycle._server_info_if_healthy(state, health_probe=False) is None
+            assert shared_server._server_info_if_healthy(state, health_probe=False) is None
         finally:
             echo.shutdown()

@@ -40,8 +40,8 @@ from eaglepipe.drafter.live_transformers import load_exported_drafter
 from eaglepipe.drafter.target_head import load_target_head
 from eaglepipe.drafter.train import build_drafter, save_drafter
 from eaglepipe.drafter.vocab import build_draft_vocab, save_vocab
-from eaglepipe.server.ports import port_is_free
-from eaglepipe.server.sglang import MAX_SERVER_PORT, check_port, free_server_port
+from eaglepipe.server.lifecycle.ports import port_is_free
+from eaglepipe.server.sglang.recipe import MAX_SERVER_PORT, check_port, free_server_port
 
 FAKE_SGLANG = REPO_ROOT / "tests" / "fake_sglang"
 EXTRA_ARGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch"]

@@ -28,7 +28,7 @@ from eaglepipe.core.config_files import load_config
 from eaglepipe.core.run import resolve
 from eaglepipe.drafter.live_run import SpeculativeSetting
 from eaglepipe.drafter.live_sglang import serve_command
-from eaglepipe.server.sglang import check_extra_args
+from eaglepipe.server.sglang.recipe import check_extra_args
 
 pytestmark = pytest.mark.network
 

@@ -25,10 +25,10 @@ import torch
 from conftest import free_port
 
 from eaglepipe.core.errors import PipelineError
-from eaglepipe.server.faults import DIE_EXIT_CODE, ENV_VAR, parse_faults
-from eaglepipe.server.handoff import prepare_dump_dir, read_dump
-from eaglepipe.server.reference_engine import ReferenceEngine
-from eaglepipe.server.request_ids import make_rid
+from eaglepipe.server.handoff.dumps import prepare_dump_dir, read_dump
+from eaglepipe.server.handoff.request_ids import make_rid
+from eaglepipe.server.reference.engine import ReferenceEngine
+from eaglepipe.server.reference.faults import DIE_EXIT_CODE, ENV_VAR, parse_faults
 
 PYTHON = sys.executable
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -109,7 +109,7 @@ def launch(
     if fault:
         env[ENV_VAR] = fault
     cmd = [
-        PYTHON, "-u", "-m", "eaglepipe.server.reference",
+        PYTHON, "-u", "-m", "eaglepipe.server.reference.server",
         "--model", str(model_dir),
         "--aux-layer-ids", ",".join(map(str, aux_ids)),
         "--host", "127.0.0.1", "--port", str(port),
@@ -533,7 +533,7 @@ def test_sigterm_stops_cleanly(fleet):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_cuda_asked_of_a_machine_without_it_names_the_config_key():
-    from eaglepipe.server.reference_engine import resolve_device
+    from eaglepipe.server.reference.settings import resolve_device
 
     with pytest.raises(PipelineError) as raised:
         resolve_device("cuda")

@@ -1,5 +1,5 @@
-"""Contract test: every SGLang assumption of patch/, eaglepipe/server/sglang.py and
-eaglepipe/server/sglang_plugin.py, checked against the source of both ends of the supported
+"""Contract test: every SGLang assumption of patch/, eaglepipe/server/sglang/recipe.py and
+eaglepipe/server/sglang/plugin.py, checked against the source of both ends of the supported
 range (patch/sglang.toml: oldest and newest; parsed with ast, never imported). Every test that
 reads a wheel runs once per end, with the launch command that release gets (capture-only flags,
 or the project's plugin where the release has no such flags).
@@ -33,7 +33,7 @@ from torch import nn
 
 from eaglepipe.core.errors import PipelineError
 from eaglepipe.core.run import resolve
-from eaglepipe.server import sglang as recipe
+from eaglepipe.server.sglang import recipe
 
 pytestmark = pytest.mark.network
 
@@ -352,7 +352,7 @@ def test_launch_argv_parses_to_the_intended_values(cli_flags, launch, mechanism)
     assert ns.tp_size == 8 and ns.port == 31555 and ns.host == "127.0.0.1"
     assert ns.mem_fraction_static == 0.85 and ns.trust_remote_code and ns.dtype == "bfloat16"
     # Ours are [1, 29, 57] for 61 layers; DeepSeek takes layer-input ids when the first is not 1.
-    from eaglepipe.server.sglang_plugin import CAPTURE_ENV, capture_layer_ids
+    from eaglepipe.server.sglang.plugin import CAPTURE_ENV, capture_layer_ids
 
     if mechanism == recipe.CAPTURE_BY_FLAGS:
         assert ns.speculative_algorithm == "EAGLE3" and ns.enable_return_aux_hidden_states
@@ -380,7 +380,7 @@ def test_a_generation_server_runs_sglangs_defaults_without_the_capture(
     """Regeneration's server (server_lease(purpose="generation")): the same command without the
     capture and the four flags only the capture needs; the hook stays, inert, its config saying
     so (an extraction request there would be refused by the hook for want of aux states)."""
-    from eaglepipe.server.sglang_plugin import CAPTURE_ENV, capture_layer_ids
+    from eaglepipe.server.sglang.plugin import CAPTURE_ENV, capture_layer_ids
 
     model = tmp_path / "dsv3"
     model.mkdir()
@@ -1182,7 +1182,7 @@ def test_sglang_loads_general_plugins_from_our_entry_point_group(src):
 
 
 def test_the_model_runner_attributes_the_plugin_reads(src):
-    from eaglepipe.server.sglang_plugin import LOAD_MODEL
+    from eaglepipe.server.sglang.plugin import LOAD_MODEL
 
     module_path, cls_name, method = LOAD_MODEL.rsplit(".", 2)
     rel = module_path.removeprefix("sglang.").replace(".", "/") + ".py"
@@ -1260,7 +1260,7 @@ def test_the_plugin_switches_the_capture_on_for_the_target_only(src, monkeypatch
     """The wheel's own plugin hook registry applies the plugin's hook to a model-runner
     stand-in at the plugin's target path: the target's model captures the launcher's ids, a
     draft runner and a target serving a real EAGLE-3 draft are left alone."""
-    from eaglepipe.server import sglang_plugin
+    from eaglepipe.server.sglang import plugin as sglang_plugin
 
     path = src / "srt/plugins/hook_registry.py"
     tree = ast.parse(path.read_text())

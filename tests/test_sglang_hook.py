@@ -16,9 +16,9 @@ import pytest
 import torch
 from torch import nn
 
-from eaglepipe.server import sglang as recipe
-from eaglepipe.server.handoff import read_dump
-from eaglepipe.server.request_ids import make_rid
+from eaglepipe.server.handoff.dumps import read_dump
+from eaglepipe.server.handoff.request_ids import make_rid
+from eaglepipe.server.sglang import recipe
 
 PATCH_DIR = Path(__file__).resolve().parent.parent / "patch"
 HIDDEN = 16
@@ -373,11 +373,11 @@ def test_the_hook_logs_what_it_costs_the_forward_thread(hook_module, tmp_path, m
 
 
 def test_generation_requests_beside_extraction_requests_are_never_dumped(hook_module, tmp_path):
-    """Regeneration's requests (`eaglepipe.server.request_ids` generation ids) share prefill
+    """Regeneration's requests (`eaglepipe.server.handoff.request_ids` generation ids) share prefill
     batches with extraction
     requests on one server: only the extraction requests are dumped, each its own slice, and
     the generation requests' decode steps pass through."""
-    from eaglepipe.server.request_ids import make_generation_rid
+    from eaglepipe.server.handoff.request_ids import make_generation_rid
 
     hook = make_hook(hook_module, tmp_path)
     processor = attach(hook)

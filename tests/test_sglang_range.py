@@ -15,8 +15,8 @@ import pytest
 
 from eaglepipe.core.errors import PipelineError
 from eaglepipe.core.run import resolve
-from eaglepipe.server import sglang as recipe
-from eaglepipe.server import sglang_plugin
+from eaglepipe.server.sglang import plugin as sglang_plugin
+from eaglepipe.server.sglang import recipe
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -184,8 +184,8 @@ def test_regeneration_gets_a_server_of_its_own_without_the_capture(server_site, 
     """With SGLang, a generation lease is another server (its own fingerprint) started without
     the capture and the flags it needs; the reference server does both, one fingerprint. A
     capture server's identity has no purpose key: running servers keep their fingerprint."""
-    from eaglepipe.server.identity import CAPTURE, GENERATION, server_identity
-    from eaglepipe.server.lifecycle import engine_command, server_fingerprint
+    from eaglepipe.server.lifecycle.identity import CAPTURE, GENERATION, server_identity
+    from eaglepipe.server.lifecycle.shared_server import engine_command, server_fingerprint
 
     write_dist(server_site, "sglang", version)
     write_dist(server_site, "eaglepipe", "0.1.0", PLUGIN_POINTS)

@@ -57,8 +57,8 @@ from slurm_cluster import (
 from test_workflow_faults import assert_same_chunks, server_group, tail, wait_for
 
 from eaglepipe.plan.shard_plan import plan_shards
-from eaglepipe.server.leases import ServerPaths, hostname, read_history
-from eaglepipe.server.ports import port_is_free
+from eaglepipe.server.lifecycle.leases import ServerPaths, hostname, read_history
+from eaglepipe.server.lifecycle.ports import port_is_free
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 

@@ -32,7 +32,7 @@ from eaglepipe.core.run import resolve
 from eaglepipe.extract.chunk_file import RowTensors, write_chunk
 from eaglepipe.extract.shard import extract_shard
 from eaglepipe.extract.shard_files import build_manifest, write_manifest
-from eaglepipe.server.lifecycle import stop_server
+from eaglepipe.server.lifecycle.shared_server import stop_server
 from eaglepipe.validate import (
     ShardPaths,
     StoredRow,
@@ -701,8 +701,8 @@ class SGLangLikeServer:
 
     def __init__(self, dump_dir: Path, values: dict, *, delay_s: float, batched_with=0,
                  batched_times=0):  # fmt: skip
-        from eaglepipe.server.dump_writer import DumpWriter
-        from eaglepipe.server.handoff import prepare_dump_dir
+        from eaglepipe.server.handoff.dump_writer import DumpWriter
+        from eaglepipe.server.handoff.dumps import prepare_dump_dir
 
         self.dump_dir = prepare_dump_dir(dump_dir)
         self.values = values  # tuple(input_ids) -> (aux bf16 [T, 3H], final bf16 [T, H])
@@ -793,7 +793,7 @@ def sglang_like(workspace, monkeypatch):
                 assert exclusive, "the spot check must hold the server exclusively"
                 yield server
 
-            monkeypatch.setattr("eaglepipe.server.lifecycle.server_lease", lease)
+            monkeypatch.setattr("eaglepipe.server.lifecycle.shared_server.server_lease", lease)
             yield server
 
     return start

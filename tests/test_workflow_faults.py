@@ -44,8 +44,8 @@ from safetensors.torch import load_file
 
 from eaglepipe.core.fingerprint import hash_file
 from eaglepipe.plan.shard_plan import plan_shards
-from eaglepipe.server.leases import ServerPaths, hostname, read_history, read_json
-from eaglepipe.server.ports import port_holders, port_is_free
+from eaglepipe.server.lifecycle.leases import ServerPaths, hostname, read_history, read_json
+from eaglepipe.server.lifecycle.ports import port_holders, port_is_free
 
 ROWS = 40
 ROWS_PER_SHARD = 2

@@ -206,7 +206,7 @@ assert transformers.__version__ == '5.8.1', transformers.__version__
 " || return 1
     timeout 180 python3 -c "
 import sys, torch, transformers, tokenizers, huggingface_hub, snakemake, jsonschema, eaglepipe
-from eaglepipe.server import sglang as recipe
+from eaglepipe.server.sglang import recipe
 print('pipeline env: python', sys.version.split()[0], '| torch', torch.__version__,
       '| transformers', transformers.__version__, '| tokenizers', tokenizers.__version__,
       '| huggingface_hub', huggingface_hub.__version__, '| snakemake', snakemake.__version__,

@@ -31,7 +31,6 @@ This module stays free of torch at import: the Snakefile asks it which export th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.atomic import atomic_write_json
@@ -40,6 +39,7 @@ from ..core.jsonio import read_json_object
 from ..core.run import RunSpec
 from .live_run import (
     ExportInfo,
+    LiveTurn,
     PromptRun,
     SpeculativeSetting,
     acceptance_length,
@@ -73,16 +73,6 @@ def live_export_engine(run: RunSpec) -> str | None:
             "or set evaluate.live_prompts: 0"
         )
     return "sglang" if "sglang" in engines else engines[0]
-
-
-@dataclass(frozen=True)
-class LiveTurn:
-    """One held-out assistant turn: the prompt before it and the reply the dataset holds."""
-
-    row_id: int
-    turn: int  # ordinal among the row's assistant turns (as eval.json's turns)
-    prompt: list[int]
-    reply: list[int]
 
 
 def held_out_turns(table_path, count: int, max_rows: int) -> list[LiveTurn]:

@@ -1,7 +1,7 @@
-"""What one live-acceptance run reads and records, shared by both harnesses: the exported
-drafter as its engine reads it, the speculative setting it is served with, each prompt's
-outcome, and the target's plain greedy outputs, which runs on the same target and prompts can
-share (a file keyed by everything they depend on)."""
+"""What one live-acceptance run reads and records, shared by both harnesses: the held-out turns
+it prompts with, the exported drafter as its engine reads it, the speculative setting it is
+served with, each prompt's outcome, and the target's plain greedy outputs, which runs on the
+same target and prompts can share (a file keyed by everything they depend on)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,16 @@ from pathlib import Path
 from ..core.atomic import atomic_write_json
 from ..core.errors import PipelineError
 from ..core.sealed import require_intact
+
+
+@dataclass(frozen=True)
+class LiveTurn:
+    """One held-out assistant turn: the prompt before it and the reply the dataset holds."""
+
+    row_id: int
+    turn: int  # ordinal among the row's assistant turns (as eval.json's turns)
+    prompt: list[int]
+    reply: list[int]
 
 
 @dataclass(frozen=True)

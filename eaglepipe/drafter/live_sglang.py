@@ -19,12 +19,15 @@ live.json's acceptance length is that ratio pooled over the prompts, the definit
 transformers harness and the offline decode-order walk use. Every flag and field is checked
 against the SGLang sources by tests/test_live_sglang_contract.py.
 
-These servers are the project's usual kind of process: started under the supervisor in their
-own process group with unbuffered logs under logs/live_acceptance/, after a port check naming
-any holder, awaited on /health with a deadline (log tail on failure), kept alive by a lease (a
-killed job leaves a server that stops itself after `server.idle_timeout_s`), and stopped as a
-whole group. They take `server.sglang` (tp_size, mem_fraction_static, extra_args) and
-`server.dtype` like the hidden-state server, but never load the project's dump hook.
+These servers are the project's usual kind of process, started, awaited and stopped by the
+same code as the hidden-state server (`server/lifecycle/process_group.py`): under the
+supervisor in their own process group with unbuffered logs under logs/live_acceptance/, after
+a port check naming any holder, awaited on /health with a deadline (log tail on failure), kept
+alive by a lease (a killed job leaves a server that stops itself after
+`server.idle_timeout_s`), and stopped as a whole group. Their command comes from the one
+builder of SGLang commands (`server/sglang/recipe.server_argv`): `server.sglang` (tp_size,
+mem_fraction_static, extra_args) and `server.dtype` as for the hidden-state server, but never
+the project's dump hook.
 """
 
 from __future__ import annotations
@@ -32,9 +35,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import signal
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -48,9 +48,8 @@ import psutil
 from ..core import config as cfg
 from ..core.errors import PipelineError
 from ..core.run import RunSpec
-from ..server.handle import http_get_json, log_tail, probe_health, supervisor_process
-from ..server.leases import (
-    STARTED_CHILDREN,
+from ..server.lifecycle.handle import http_get_json, log_tail, probe_health, supervisor_process
+from ..server.lifecycle.leases import (
     Lease,
     ProcessRef,
     ServerPaths,
@@ -58,24 +57,31 @@ from ..server.leases import (
     live_leases,
     read_json,
 )
-from ..server.lifecycle import (
-    INSTANCE_ENV,
-    STOP_GRACE_S,
-    _sigterm_raises,
-    current_run_token,
-    group_members,
-    stop_if_started_by,
+from ..server.lifecycle.ports import describe_port_holders, port_is_free
+from ..server.lifecycle.process_group import (
+    sigterm_raises,
+    start_supervised,
+    stop_group,
+    wait_healthy,
 )
-from ..server.ports import describe_port_holders, port_is_free, wait_port_free
-from ..server.sglang import check_extra_args, free_server_port
-from ..server.supervise import ENGINE_STOP_GRACE_S
-from .live import LiveTurn
-from .live_run import ExportInfo, PlainOutput, PromptRun, SpeculativeSetting, first_difference
+from ..server.lifecycle.shared_server import current_run_token, stop_if_started_by
+from ..server.sglang.recipe import (
+    draft_model_flags,
+    free_server_port,
+    server_argv,
+    server_path_entries,
+)
+from .live_run import (
+    ExportInfo,
+    LiveTurn,
+    PlainOutput,
+    PromptRun,
+    SpeculativeSetting,
+    first_difference,
+)
 
 LIVE_STATE_ROOT = cfg.STATE_DIR / "live-server"
 LIVE_LOG_DIR = cfg.LOG_DIR / "live_acceptance"
-PORT_RELEASE_TIMEOUT_S = 15.0
-_DTYPE_FLAGS = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
@@ -93,64 +99,18 @@ def serve_command(
     """`python -m sglang.launch_server` for the target, with the EAGLE-3 draft when given
     (drafting with `speculative`, by default a chain of `train.ttt_length` tokens).
 
-    No `--forward-hooks` and no patch/ on the path: these servers generate, they dump nothing.
+    No `--forward-hooks`: these servers generate, they dump nothing.
     """
-    sglang = run.server.sglang
-    extra_args = [str(a) for a in sglang.extra_args]
-    check_extra_args(extra_args)
-    argv = [
-        sys.executable,
-        "-m",
-        "sglang.launch_server",
-        "--model-path",
-        str(run.model.directory.resolve()),
-        "--tp-size",
-        str(sglang.tp_size),
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--mem-fraction-static",
-        str(sglang.mem_fraction_static),
-    ]
-    if run.model.trust_remote_code:
-        argv.append("--trust-remote-code")
-    dtype = _DTYPE_FLAGS.get(run.server.dtype)
-    if dtype:
-        argv += ["--dtype", dtype]
+    flags = []
     if draft_dir is not None:
         setting = speculative or SpeculativeSetting.chain(run.train.ttt_length)
-        argv += [
-            "--speculative-algorithm",
-            "EAGLE3",
-            "--speculative-draft-model-path",
-            str(Path(draft_dir).resolve()),
-            "--speculative-num-steps",
-            str(setting.steps),
-            "--speculative-eagle-topk",
-            str(setting.topk),
-            "--speculative-num-draft-tokens",
-            str(setting.draft_tokens),
-        ]
-    return argv + extra_args
+        flags = draft_model_flags(
+            draft_dir, steps=setting.steps, topk=setting.topk, draft_tokens=setting.draft_tokens
+        )
+    return server_argv(run, host=host, port=port, flags=flags)
 
 
 # ---------------------------------------------------------------- the server process
-
-
-def _stop(proc: subprocess.Popen, create_time: float, instance_id: str) -> None:
-    """SIGTERM to the supervisor (it stops the engine's whole group, escalating to SIGKILL),
-    then SIGKILL whatever of the group is left if it did not finish in time."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=ENGINE_STOP_GRACE_S + STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            pass
-    for member in group_members(proc.pid, create_time, instance_id):
-        member.kill()
-    proc.wait()
-    STARTED_CHILDREN.pop(proc.pid, None)
 
 
 @contextmanager
@@ -182,45 +142,35 @@ def served(
     instance_id = f"live-{name}-{secrets.token_hex(3)}"
     log_path = (Path(log_dir) / f"{hostname()}-{instance_id}.log").resolve()
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    supervisor = [
-        *(sys.executable, "-u", "-m", "eaglepipe.server.supervise"),
-        *("--state-dir", str(paths.root.resolve()), "--instance-id", instance_id),
-        *("--idle-timeout", str(server.idle_timeout_s)),
-        *("--lease-ttl", str(server.lease_ttl_s), "--", *argv),
-    ]
     # The server's own path first (patch/, EAGLEPIPE_SGLANG_PYTHONPATH): as the extraction server.
-    from ..server.sglang import server_path_entries
-
     path = {"PYTHONPATH": os.pathsep.join(server_path_entries())}
-    environment = {
-        **os.environ,
-        **path,
-        **(env or {}),
-        "PYTHONUNBUFFERED": "1",
-        INSTANCE_ENV: instance_id,
-    }
     # SIGTERM (a cancelled Snakemake job) unwinds like Ctrl-C: the group is stopped below.
-    with _sigterm_raises():
+    with sigterm_raises():
         proc = None
         try:
             lease.acquire()
-            with open(log_path, "ab") as log:
-                proc = subprocess.Popen(
-                    supervisor,
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    env=environment,
-                    start_new_session=True,
-                )
-            STARTED_CHILDREN[proc.pid] = proc
+            proc, _ = start_supervised(
+                argv,
+                state_dir=paths.root.resolve(),
+                instance_id=instance_id,
+                idle_timeout_s=server.idle_timeout_s,
+                lease_ttl_s=server.lease_ttl_s,
+                log_path=log_path,
+                extra_env={**path, **(env or {})},
+            )
             try:
                 create_time = ProcessRef.of(proc.pid).create_time
             except psutil.NoSuchProcess:  # exited at once; the health wait reports it
                 create_time = time.time()
             print(f"started the {what}: pid {proc.pid}, port {port}, log {log_path}", flush=True)
             url = f"http://{host}:{port}"
-            _wait_healthy(proc, url, what, log_path, server.health_timeout_s)
+            wait_healthy(
+                proc,
+                lambda: True if probe_health(url) is None else None,
+                what=f"the {what}",
+                timeout_s=server.health_timeout_s,
+                log_path=log_path,
+            )
             try:
                 yield url
             except PipelineError as exc:
@@ -233,35 +183,10 @@ def served(
                 ) from None
         finally:
             if proc is not None:
-                _stop(proc, create_time, instance_id)
-                if not wait_port_free(host, port, PORT_RELEASE_TIMEOUT_S):
+                if not stop_group(proc.pid, create_time, instance_id, host=host, port=port):
                     print(f"warning: port {port} still held after stopping the {what}", flush=True)
+                proc.wait()
             lease.release()
-
-
-def _wait_healthy(proc: subprocess.Popen, url: str, what: str, log_path: Path, timeout_s: float):
-    started = time.monotonic()
-    last_print = 0.0
-    while True:
-        code = proc.poll()
-        if code is not None:
-            raise PipelineError(
-                f"the {what} exited with code {code} before becoming healthy; last lines of "
-                f"{log_path}:\n{log_tail(log_path)}"
-            )
-        if probe_health(url) is None:
-            print(f"the {what} is healthy after {time.monotonic() - started:.0f}s", flush=True)
-            return
-        elapsed = time.monotonic() - started
-        if elapsed > timeout_s:
-            raise PipelineError(
-                f"the {what} was not healthy within {timeout_s:g}s (server.health_timeout_s); "
-                f"last lines of {log_path}:\n{log_tail(log_path)}"
-            )
-        if elapsed - last_print >= 10:
-            print(f"waiting for the {what}: {elapsed:.0f}s / {timeout_s:g}s", flush=True)
-            last_print = elapsed
-        time.sleep(0.5)
 
 
 def release_pipeline_server(run: RunSpec) -> None:

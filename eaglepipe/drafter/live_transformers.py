@@ -29,8 +29,14 @@ import torch
 from ..core.errors import PipelineError
 from ..core.run import RunSpec
 from .engine_load import load_exported_drafter
-from .live import LiveTurn
-from .live_run import ExportInfo, PlainOutput, PromptRun, SpeculativeSetting, first_difference
+from .live_run import (
+    ExportInfo,
+    LiveTurn,
+    PlainOutput,
+    PromptRun,
+    SpeculativeSetting,
+    first_difference,
+)
 from .model import Eagle3Drafter
 
 

@@ -35,7 +35,7 @@ from ..core.run import RunSpec
 from ..core.shard_job import process_age_s
 from ..core.space import format_bytes, free_bytes
 from ..core.tensor_bytes import RawTensor, dtype_name, dtype_text
-from ..server.handoff import (
+from ..server.handoff.dumps import (
     DUMP_SUFFIX,
     DUMP_WAIT_S,
     FAILED_SUFFIX,
@@ -44,8 +44,8 @@ from ..server.handoff import (
     read_dump_raw,
     take_dump_failure,
 )
-from ..server.request_ids import is_pipeline_rid, make_rid, new_nonce, parse_rid
-from ..server.watch import (
+from ..server.handoff.request_ids import is_pipeline_rid, make_rid, new_nonce, parse_rid
+from ..server.lifecycle.watch import (
     BACKOFF_BASE_S,
     BACKOFF_MAX_S,
     TransientError,

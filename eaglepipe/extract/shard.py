@@ -39,8 +39,8 @@ from ..core.shard_job import ShardLock, process_age_s, run_shard_job
 from ..core.space import check_free_space, format_bytes, free_bytes
 from ..plan.provenance import shard_provenance
 from ..plan.shard_plan import parse_shard_name
-from ..server.identity import chunk_reuse_key, engine_identity
-from ..server.watch import liveness_check
+from ..server.lifecycle.identity import chunk_reuse_key, engine_identity
+from ..server.lifecycle.watch import liveness_check
 from .chunk_file import (
     ChunkRecord,
     RowTensors,
@@ -267,7 +267,7 @@ def _extract_chunks(
     log: Callable[[str], None],
 ) -> tuple[dict[int, ChunkRecord], int, dict]:
     """Request the rows of the unfinished chunks and write those chunks as they complete."""
-    from ..server.lifecycle import server_lease
+    from ..server.lifecycle.shared_server import server_lease
 
     wanted = {r for i in todo for r in chunks[i]}
     requests = [
@@ -289,8 +289,8 @@ def _extract_chunks(
             f"{settings.max_inflight_requests} requests and "
             f"{format_bytes(settings.max_inflight_bytes)} of dumps in flight"
         )
-        # Dumps are mapped, not copied (eaglepipe.server.handoff.read_dump), so rows held for the
-        # look-ahead keep their handoff space until their chunk is written: by default the
+        # Dumps are mapped, not copied (eaglepipe.server.handoff.dumps.read_dump), so rows held
+        # for the look-ahead keep their handoff space until their chunk is written: by default the
         # look-ahead takes at most a quarter of the handoff's free space, as in-flight dumps do.
         lookahead = run.extract.lookahead_bytes or min(
             4 * run.shards.chunk_max_bytes,

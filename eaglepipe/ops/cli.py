@@ -48,7 +48,7 @@ def load_run_arg(args: argparse.Namespace) -> RunSpec:
 
 
 def server_start(args: argparse.Namespace) -> int:
-    from ..server.lifecycle import start_server
+    from ..server.lifecycle.shared_server import start_server
 
     handle = start_server(load_run_arg(args))
     state = handle.state
@@ -68,7 +68,7 @@ def _duration(seconds: float) -> str:
 
 
 def server_status(args: argparse.Namespace) -> int:
-    from ..server.lifecycle import server_status as read_status
+    from ..server.lifecycle.shared_server import server_status as read_status
 
     status = read_status()
     state = status["state"]
@@ -123,7 +123,7 @@ def server_status(args: argparse.Namespace) -> int:
 
 
 def server_stop(args: argparse.Namespace) -> int:
-    from ..server.lifecycle import stop_server
+    from ..server.lifecycle.shared_server import stop_server
 
     started = time.monotonic()
     state = stop_server()

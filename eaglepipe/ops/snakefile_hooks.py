@@ -178,6 +178,6 @@ def refuse_plan_that_cannot_fit(plan, run: RunSpec, snakemake_workflow) -> None:
 
 
 def stop_server_started_by_this_run() -> None:
-    from ..server.lifecycle import stop_if_started_by
+    from ..server.lifecycle.shared_server import stop_if_started_by
 
     stop_if_started_by(run_token())

@@ -15,14 +15,14 @@ from ..core.fingerprint import hash_file
 from ..core.run import RunSpec
 from .provenance import (
     PROVENANCE_DIR,
-    _identity_or_none,
-    _not_in_plan,
-    _regenerated_facts,
-    _regeneration_provenances,
-    _shard_provenances,
+    identity_or_none,
+    not_in_plan_error,
     prepare_provenance,
+    regenerated_facts,
     regenerated_manifest_path,
     regeneration_enabled,
+    regeneration_provenances,
+    shard_provenances,
     shards,
     stage_settings,
     stage_stamp,
@@ -32,12 +32,12 @@ from .provenance import (
 
 def regeneration_freshness(run: RunSpec) -> Callable[[str], bool]:
     """Whether a regenerated shard's manifest records the current regeneration provenance."""
-    provenances = _regeneration_provenances(run)
-    facts = _regenerated_facts(list(provenances))
+    provenances = regeneration_provenances(run)
+    facts = regenerated_facts(list(provenances))
 
     def is_fresh(shard: str) -> bool:
         if shard not in provenances:
-            raise _not_in_plan(run, shard)
+            raise not_in_plan_error(run, shard)
         recorded = facts.get(shard)
         return recorded is not None and recorded["workflow"] == provenances[shard]
 
@@ -115,7 +115,7 @@ def _validation_staleness(run: RunSpec, shard_names: list[str]) -> tuple[dict, d
     new_cache: dict[str, dict] = {}
     for shard in shard_names:
         manifest, report = manifest_path(shard), validation_report_path(shard)
-        key = [_identity_or_none(manifest), _identity_or_none(report)]
+        key = [identity_or_none(manifest), identity_or_none(report)]
         if key[1] is None:
             continue  # no report: a target of `all` instead (incomplete_targets)
         if key[0] is None:
@@ -365,12 +365,12 @@ def shard_freshness(run: RunSpec) -> Callable[[str], bool]:
     The extract rule's input function asks once per shard job; this hashes the config and
     looks up the shard provenances once, and reads each manifest only when its job is built.
     """
-    provenances = _shard_provenances(run)
+    provenances = shard_provenances(run)
 
     def is_fresh(shard: str) -> bool:
         current = provenances.get(shard)
         if current is None:
-            raise _not_in_plan(run, shard)
+            raise not_in_plan_error(run, shard)
         return _recorded_provenance(Path(manifest_path(shard))) == current
 
     return is_fresh

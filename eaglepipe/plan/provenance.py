@@ -155,7 +155,8 @@ def _shard_digests(path: str, rows_per_shard: int, identity: tuple) -> dict:
     return shard_source_digests(path, rows_per_shard)
 
 
-def _not_in_plan(run: RunSpec, shard: str) -> PipelineError:
+def not_in_plan_error(run: RunSpec, shard: str) -> PipelineError:
+    """The error for a shard name the plan does not hold, naming the plan's nearest shards."""
     planned = plan_for_source(_dataset_path(run), run.shards.rows_per_shard)
     return PipelineError(
         f"shard {shard} is not in the plan of {run.dataset.path} with "
@@ -166,14 +167,14 @@ def _not_in_plan(run: RunSpec, shard: str) -> PipelineError:
 def require_planned(run: RunSpec, shard: str) -> None:
     """A shard name the plan does not hold, refused naming the plan (not its missing files)."""
     if shard not in shards(run):
-        raise _not_in_plan(run, shard)
+        raise not_in_plan_error(run, shard)
 
 
 def shard_provenance(run: RunSpec, shard: str) -> str:
     """Hash of everything a shard's hidden states depend on; a change makes only it stale."""
     shared, digests = _shard_provenance_inputs(run)
     if shard not in digests:
-        raise _not_in_plan(run, shard)
+        raise not_in_plan_error(run, shard)
     if regeneration_enabled(run):
         return hash_json({**shared, **regenerated_contents(run, [shard])[shard]})
     return hash_json({**shared, "source_rows": digests[shard]})
@@ -203,11 +204,12 @@ def shard_source_rows_digest(run: RunSpec, shard: str) -> str:
     """The xxh3-128 of a shard's raw source rows (`shard_plan.shard_source_digests`)."""
     _, digests = _shard_provenance_inputs(run)
     if shard not in digests:
-        raise _not_in_plan(run, shard)
+        raise not_in_plan_error(run, shard)
     return digests[shard]
 
 
-def _shard_provenances(run: RunSpec) -> dict[str, str]:
+def shard_provenances(run: RunSpec) -> dict[str, str]:
+    """`shard_provenance` of every planned shard."""
     shared, digests = _shard_provenance_inputs(run)
     if not regeneration_enabled(run):
         return {shard: hash_json({**shared, "source_rows": d}) for shard, d in digests.items()}
@@ -250,7 +252,8 @@ def regeneration_settings(run: RunSpec) -> dict:
 _REGENERATION_MEMO: dict[str, dict[str, str]] = {}
 
 
-def _regeneration_provenances(run: RunSpec) -> dict[str, str]:
+def regeneration_provenances(run: RunSpec) -> dict[str, str]:
+    """`regeneration_provenance` of every planned shard, computed once per configuration."""
     config_key = run.config_hash
     if config_key not in _REGENERATION_MEMO:
         _, digests = _shard_provenance_inputs(run)
@@ -263,13 +266,13 @@ def _regeneration_provenances(run: RunSpec) -> dict[str, str]:
 
 def regeneration_provenance(run: RunSpec, shard: str) -> str:
     """Hash of everything a regenerated shard depends on; a change makes only it stale."""
-    provenances = _regeneration_provenances(run)
+    provenances = regeneration_provenances(run)
     if shard not in provenances:
-        raise _not_in_plan(run, shard)
+        raise not_in_plan_error(run, shard)
     return provenances[shard]
 
 
-def _regenerated_facts(shard_names: list[str]) -> dict[str, dict | None]:
+def regenerated_facts(shard_names: list[str]) -> dict[str, dict | None]:
     """What each regenerated manifest records (`workflow` provenance, rows checksum), or None
     when it is missing or unreadable. Cached by the manifest's identity: a warm parse only stats."""
     from ..core.atomic import write_json_if_changed
@@ -282,7 +285,7 @@ def _regenerated_facts(shard_names: list[str]) -> dict[str, dict | None]:
     updated = dict(cache)
     for shard in shard_names:
         path = regenerated_manifest_path(shard)
-        identity = _identity_or_none(path)
+        identity = identity_or_none(path)
         if identity is None:
             facts[shard] = None
             updated.pop(shard, None)
@@ -308,8 +311,8 @@ def _regenerated_facts(shard_names: list[str]) -> dict[str, dict | None]:
 def regenerated_contents(run: RunSpec, shard_names: list[str]) -> dict[str, dict]:
     """Per shard, what its regenerated rows are: their checksum while the regenerated shard is
     fresh, else that it is still to be regenerated (so anything built on it is stale)."""
-    provenances = _regeneration_provenances(run)
-    facts = _regenerated_facts(shard_names)
+    provenances = regeneration_provenances(run)
+    facts = regenerated_facts(shard_names)
     contents = {}
     for shard in shard_names:
         recorded = facts.get(shard)
@@ -379,17 +382,18 @@ def write_stamps(run: RunSpec) -> None:
     write_json_if_changed(PREPARE_STAMP, {"provenance": prepare_provenance(run)}, durable=False)
     for stage, settings in stage_settings(run).items():
         write_json_if_changed(stage_stamp(stage), {"settings": settings}, durable=False)
-    provenances = _shard_provenances(run)
+    provenances = shard_provenances(run)
     for shard in shards(run):
         write_json_if_changed(shard_stamp(shard), {"provenance": provenances[shard]}, durable=False)
     if regeneration_enabled(run):
-        for shard, provenance in _regeneration_provenances(run).items():
+        for shard, provenance in regeneration_provenances(run).items():
             write_json_if_changed(
                 regeneration_stamp(shard), {"provenance": provenance}, durable=False
             )
 
 
-def _identity_or_none(path: str | Path) -> list | None:
+def identity_or_none(path: str | Path) -> list | None:
+    """The file's identity (`file_identity`) as a list, or None when it is missing."""
     try:
         return list(file_identity(path))
     except FileNotFoundError:

@@ -27,8 +27,8 @@ import aiohttp
 
 from ..core.errors import PipelineError, ServerLost
 from ..core.shard_job import process_age_s
-from ..server.request_ids import make_generation_rid
-from ..server.watch import BACKOFF_BASE_S, BACKOFF_MAX_S, TransientError
+from ..server.handoff.request_ids import make_generation_rid
+from ..server.lifecycle.watch import BACKOFF_BASE_S, BACKOFF_MAX_S, TransientError
 
 
 class RowRefused(PipelineError):

@@ -48,9 +48,9 @@ from ..plan.provenance import (
     shard_source_rows_digest,
 )
 from ..plan.shard_plan import Shard, parse_shard_name
-from ..server.identity import GENERATION, engine_identity
-from ..server.request_ids import new_nonce
-from ..server.watch import liveness_check, watch_server
+from ..server.handoff.request_ids import new_nonce
+from ..server.lifecycle.identity import GENERATION, engine_identity
+from ..server.lifecycle.watch import liveness_check, watch_server
 from .client import GenerationClient, GenerationSettings, RowRefused
 from .store import (
     INVALID_MANIFEST_NAME,
@@ -232,7 +232,7 @@ def regenerate_shard(
 ) -> dict:
     """Regenerate one shard (keeping journalled rows) and return its manifest."""
     from ..data.tokenizer import load_target_tokenizer, stop_token_ids
-    from ..server.lifecycle import server_lease
+    from ..server.lifecycle.shared_server import server_lease
 
     started_at = datetime.now(UTC)
     t0 = time.monotonic()

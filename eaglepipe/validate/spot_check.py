@@ -22,8 +22,8 @@ from safetensors import safe_open
 from ..core.errors import PipelineError
 from ..core.run import RunSpec, TargetModel, ValidateSettings
 from ..core.space import format_bytes
-from ..server.handoff import dump_path, read_dump, wait_for_dump
-from ..server.request_ids import make_rid
+from ..server.handoff.dumps import dump_path, read_dump, wait_for_dump
+from ..server.handoff.request_ids import make_rid
 from .checks import LAYER_NAMES, ValidationFailure
 from .spot_rule import LayerReference, hf_layer_references, rel_l2, spot_check_verdict
 from .values import layer_label
@@ -232,7 +232,7 @@ def reextract_rows(
     run: RunSpec, shard: str, stored_rows: list[StoredRow], hidden: int, aux_layer_ids: list[int]
 ) -> tuple[dict[int, tuple[torch.Tensor, torch.Tensor]], dict]:
     """The rows re-extracted one at a time under an exclusive lease of the pipeline's server."""
-    from ..server.lifecycle import server_lease
+    from ..server.lifecycle.shared_server import server_lease
 
     with server_lease(run, exclusive=True) as handle:
         served = (handle.info.get("aux_layer_ids"), handle.info.get("hidden_size"))

@@ -1,6 +1,6 @@
 """The supervisor: the process-group leader that runs one server engine and outlives its jobs.
 
-    python -u -m eaglepipe.server.supervise --state-dir D --idle-timeout S --lease-ttl S \
+    python -u -m eaglepipe.server.lifecycle.supervise --state-dir D --idle-timeout S --lease-ttl S \
         --dump-dir DIR -- <engine argv>
 
 The lifecycle starts it in a new session (its own process group) with stdout and stderr going

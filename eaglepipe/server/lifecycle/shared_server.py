@@ -8,7 +8,7 @@
 - A healthy server with the same fingerprint (engine, model, layer ids, launch settings) is
   reused across jobs and runs; one with another fingerprint is stopped and replaced, unless
   other jobs still hold leases on it.
-- The server runs under `eaglepipe.server.supervise` in its own process group, with the
+- The server runs under `eaglepipe.server.lifecycle.supervise` in its own process group, with the
   project's Python, unbuffered, logging to `logs/server/`. Stopping it stops the whole group
   (SIGTERM, SIGKILL after a grace period) and waits until the port is free.
 - The server listens on `server.port`, or with null (the default) on a port drawn for this
@@ -25,10 +25,7 @@ import json
 import os
 import secrets
 import shutil
-import signal
-import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -39,17 +36,15 @@ from pathlib import Path
 import filelock
 import psutil
 
-from ..core import config as cfg
-from ..core.atomic import atomic_write_json
-from ..core.errors import PipelineError
-from ..core.run import RunSpec
+from ...core import config as cfg
+from ...core.atomic import atomic_write_json
+from ...core.errors import PipelineError
+from ...core.run import RunSpec
 from .handle import (
     PROBE_TIMEOUT_S,
-    SUPERVISOR_MODULE,
     ServerHandle,
     describe_server,
     http_get_json,
-    log_tail,
     probe_health,
     server_alive,
     supervisor_process,
@@ -57,7 +52,6 @@ from .handle import (
 from .identity import CAPTURE, server_purpose
 from .launch import engine_command, launch_settings, server_fingerprint
 from .leases import (
-    STARTED_CHILDREN,
     Lease,
     ProcessRef,
     RequestGate,
@@ -70,7 +64,6 @@ from .leases import (
     pinned_instance,
     read_history,
     read_json,
-    reap_started_children,
     remove_dead_leases,
 )
 from .ports import (
@@ -78,10 +71,16 @@ from .ports import (
     exposure_warning,
     port_holders,
     port_is_free,
-    wait_port_free,
     working_directory_port,
 )
-from .process_group import INSTANCE_ENV, group_members, stop_members
+from .process_group import (
+    STOP_GRACE_S,
+    group_members,
+    sigterm_raises,
+    start_supervised,
+    stop_group,
+    wait_healthy,
+)
 from .supervise import owner_file
 
 __all__ = [
@@ -101,8 +100,8 @@ __all__ = [
 
 RUN_TOKEN_ENV = "EAGLEPIPE_RUN_TOKEN"
 SERVER_LOG_DIR = cfg.LOG_DIR / "server"
-STOP_GRACE_S = 20.0
-PORT_RELEASE_TIMEOUT_S = 15.0
+# In the command line of every process of a pipeline server: its supervisor and engine.
+SERVER_PACKAGE = "eaglepipe.server."
 # How long a running server that does not answer /health gets before it is replaced.
 REUSE_PATIENCE_S = 30.0
 # A server that answered another job's health check this recently is taken as answering. The
@@ -113,7 +112,6 @@ ANSWERED_FRESH_S = 5.0
 JOINED_STARTED = "started"
 JOINED_ANSWERED_NOTE = "answered note"
 JOINED_ASKED = "server_info"
-PROGRESS_EVERY_S = 5.0
 
 
 def new_run_token() -> str:
@@ -180,11 +178,10 @@ def _remove_stale_dumps(dump_root: Path) -> None:
 
 def _stop_group(state: dict, paths: ServerPaths, reason: str) -> None:
     """Stop the server's whole process group, wait for its port, and remove its traces."""
-    if group_members(state["pgid"], state["create_time"], state["instance_id"]):
+    group = state["pgid"], state["create_time"], state["instance_id"]
+    if group_members(*group):
         print(f"stopping {describe_server(state)}: {reason}", file=sys.stderr, flush=True)
-        stop_members(state, STOP_GRACE_S)
-    reap_started_children()
-    port_free = wait_port_free(state["host"], state["port"], PORT_RELEASE_TIMEOUT_S)
+    port_free = stop_group(*group, host=state["host"], port=state["port"])
     shutil.rmtree(state["dump_dir"], ignore_errors=True)
     owner_file(Path(state["dump_dir"])).unlink(missing_ok=True)
     current = read_json(paths.state)
@@ -212,7 +209,7 @@ def _server_info_if_healthy(state: dict, *, health_probe: bool = True) -> dict |
     except (urllib.error.URLError, OSError, json.JSONDecodeError):
         return None
     if state.get("engine") == "sglang":
-        from .sglang import pipeline_server_info
+        from ..sglang.recipe import pipeline_server_info
 
         info = pipeline_server_info(info)
     if info.get("instance_id", state["instance_id"]) != state["instance_id"]:
@@ -335,7 +332,7 @@ def _start(
     warning = exposure_warning(host, port)
     if warning:
         print(warning, file=sys.stderr, flush=True)
-    from .handoff import prepare_dump_dir
+    from ..handoff.dumps import prepare_dump_dir
 
     dump_root = prepare_dump_dir(
         run.server.handoff_root, what="server.dump_root", refuse_open_mode=True
@@ -343,7 +340,7 @@ def _start(
     _remove_stale_dumps(dump_root)
     if not port_is_free(host, port):
         hint = ""
-        if any(SUPERVISOR_MODULE.rsplit(".", 1)[0] in h.cmdline for h in port_holders(port)):
+        if any(SERVER_PACKAGE in h.cmdline for h in port_holders(port)):
             hint = (
                 f" (an eaglepipe server not recorded in {paths.root}: another working "
                 "directory's, or one whose state file was deleted)"
@@ -360,35 +357,16 @@ def _start(
     )
     log_path = (SERVER_LOG_DIR / f"{hostname()}-{instance_id}.log").resolve()
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    argv = [
-        sys.executable,
-        "-u",
-        "-m",
-        SUPERVISOR_MODULE,
-        "--state-dir",
-        str(paths.root.resolve()),
-        "--idle-timeout",
-        str(server.idle_timeout_s),
-        "--lease-ttl",
-        str(server.lease_ttl_s),
-        "--dump-dir",
-        str(dump_dir),
-        "--instance-id",
-        instance_id,
-        "--",
-        *engine_argv,
-    ]
-    env = {**os.environ, **engine_env, "PYTHONUNBUFFERED": "1", INSTANCE_ENV: instance_id}
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
-    STARTED_CHILDREN[proc.pid] = proc
+    proc, argv = start_supervised(
+        engine_argv,
+        state_dir=paths.root.resolve(),
+        instance_id=instance_id,
+        idle_timeout_s=server.idle_timeout_s,
+        lease_ttl_s=server.lease_ttl_s,
+        log_path=log_path,
+        extra_env=engine_env,
+        dump_dir=dump_dir,
+    )
     supervisor = ProcessRef.of(proc.pid)
     atomic_write_json(
         owner_file(dump_dir),
@@ -431,7 +409,14 @@ def _start(
         file=sys.stderr,
         flush=True,
     )
-    info = _wait_healthy(proc, state, paths, server.health_timeout_s)
+    info = wait_healthy(
+        proc,
+        lambda: _server_info_if_healthy(state),
+        what=describe_server(state),
+        timeout_s=server.health_timeout_s,
+        log_path=state["log"],
+        before_failing=lambda reason: _stop_group(state, paths, f"start failed: {reason}"),
+    )
     engine_children = psutil.Process(proc.pid).children()
     state["engine_pid"] = engine_children[0].pid if engine_children else None
     state["ready_at"] = now_iso()
@@ -441,77 +426,7 @@ def _start(
     return state, info
 
 
-def _wait_healthy(
-    proc: subprocess.Popen, state: dict, paths: ServerPaths, timeout_s: float
-) -> dict:
-    started = time.monotonic()
-    last_print = 0.0
-    while True:
-        code = proc.poll()
-        if code is not None:
-            _fail_start(state, paths, f"exited with code {code} before becoming healthy")
-        info = _server_info_if_healthy(state)
-        if info is not None:
-            print(
-                f"server pid {proc.pid} on port {state['port']} is healthy after "
-                f"{time.monotonic() - started:.0f}s",
-                file=sys.stderr,
-                flush=True,
-            )
-            return info
-        elapsed = time.monotonic() - started
-        if elapsed > timeout_s:
-            _fail_start(
-                state, paths, f"was not healthy within {timeout_s:g}s (server.health_timeout_s)"
-            )
-        if elapsed - last_print >= PROGRESS_EVERY_S:
-            print(
-                f"waiting for server pid {proc.pid} on port {state['port']}: "
-                f"{elapsed:.0f}s / {timeout_s:g}s, log: {state['log']}",
-                file=sys.stderr,
-                flush=True,
-            )
-            last_print = elapsed
-        time.sleep(0.5)
-
-
-def _fail_start(state: dict, paths: ServerPaths, what: str) -> None:
-    _stop_group(state, paths, f"start failed: {what}")
-    raise PipelineError(
-        f"{describe_server(state)} {what}; last lines of {state['log']}:\n{log_tail(state['log'])}"
-    )
-
-
 # ---------------------------------------------------------------- public API
-
-
-class _TermSignal:
-    received = False
-
-
-@contextmanager
-def _sigterm_raises() -> Iterator[_TermSignal]:
-    """Turn SIGTERM into SystemExit inside the lease, so the lease cleans up like on Ctrl-C.
-
-    Only where nobody else handles SIGTERM, and only in the main thread (Python's rule).
-    """
-    flag = _TermSignal()
-    if (
-        threading.current_thread() is not threading.main_thread()
-        or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
-    ):
-        yield flag
-        return
-
-    def on_term(signum, frame):
-        flag.received = True
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, on_term)
-    try:
-        yield flag
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 @contextmanager
@@ -544,7 +459,7 @@ def server_lease(
     gate = RequestGate(paths)
     handle: ServerHandle | None = None
     interrupted = False
-    with _sigterm_raises() as term:
+    with sigterm_raises() as term:
         lease.acquire()
         try:
             with _locked(paths, _lock_wait_s(run)):
@@ -668,7 +583,7 @@ def server_status(*, paths: ServerPaths | None = None) -> dict:
         status["healthy"] = status["health"] == "ok"
         status["uptime_s"] = time.time() - state["create_time"]
     status["leases"] = live_leases(paths, state["lease_ttl_s"])
-    from .handoff import handoff_usage
+    from ..handoff.dumps import handoff_usage
 
     status["handoff"] = handoff_usage(state["dump_dir"])
     return status

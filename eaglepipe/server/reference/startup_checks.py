@@ -7,8 +7,8 @@ import json
 import socket
 from pathlib import Path
 
-from ..core.errors import PipelineError
-from ..core.layers import validate_aux_layer_ids
+from ...core.errors import PipelineError
+from ...core.layers import validate_aux_layer_ids
 
 
 def check_port_free(host: str, port: int) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from ..core.errors import PipelineError
+from ...core.errors import PipelineError
 from .generate import BatchGenerator, DecodeSession
 
 # A decode batch may hold the keys and values of this many prefill batches (max_batch_tokens):

@@ -34,8 +34,8 @@ from pathlib import Path
 
 import psutil
 
-from ..core.atomic import atomic_write_bytes, atomic_write_json
-from ..core.config import STATE_DIR
+from ...core.atomic import atomic_write_bytes, atomic_write_json
+from ...core.config import STATE_DIR
 
 SERVER_STATE_ROOT = STATE_DIR / "server"
 _lease_numbers = itertools.count()

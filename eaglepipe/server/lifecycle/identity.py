@@ -4,7 +4,7 @@
   its version, device kind, dtype and batch layout (resolved, not `auto`).
 - `server_identity`: everything that decides what a running hidden-state server computes and
   where it listens. Its hash is the server's fingerprint: a job whose identity differs from the
-  running server's never uses that server (`server.lifecycle`). With SGLang a server is started
+  running server's never uses that server (`shared_server.py`). With SGLang a server is started
   for a purpose: `capture` (extraction, validation: the hook, the capture and the flags it
   needs) or `generation` (regeneration: no capture, so SGLang's radix cache, chunked prefill and
   CUDA graphs stay on); the reference server does both, so it has no purpose in its identity.
@@ -19,7 +19,7 @@ the one the shard provenance uses too.
 
 from __future__ import annotations
 
-from ..core.run import RunSpec
+from ...core.run import RunSpec
 
 # What an SGLang server is started for (`server_purpose`).
 CAPTURE = "capture"
@@ -39,7 +39,7 @@ def engine_identity(run: RunSpec) -> dict:
     """Engine, version, device kind, dtype and layout, as the server on this node resolves them."""
     server = run.server
     if server.engine == "sglang":
-        from .sglang import installed_sglang_version
+        from ..sglang.recipe import installed_sglang_version
 
         return {
             "engine": "sglang",
@@ -49,7 +49,7 @@ def engine_identity(run: RunSpec) -> dict:
             "dtype": server.dtype,
             "tp_size": server.sglang.tp_size,
         }
-    from .reference_settings import (
+    from ..reference.settings import (
         engine_version,
         resolve_device_type,
         resolve_dtype_name,

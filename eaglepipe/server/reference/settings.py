@@ -1,9 +1,9 @@
 """The reference engine's device, dtype and batch layout resolved by name, and its version.
 
-Kept apart from `reference_engine.py`, which imports torch: a shard job computes the engine's
-identity (`identity.engine_identity`) before its first request, and on `server.device: cpu`
-nothing in it needs torch or transformers, whose imports take seconds (issue 28). `auto` and
-`cuda` ask torch whether CUDA is there, as the server itself does.
+Kept apart from `engine.py`, which imports torch: a shard job computes the engine's identity
+(`lifecycle.identity.engine_identity`) before its first request, and on `server.device: cpu`
+nothing in it needs torch or transformers, whose imports take seconds. `auto` and `cuda` ask
+torch whether CUDA is there, as the server itself does (`resolve_device`, torch imported there).
 """
 
 from __future__ import annotations
@@ -15,12 +15,16 @@ import os
 import socket
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .. import __version__
-from ..core.atomic import atomic_write_json
-from ..core.errors import PipelineError
-from ..core.fingerprint import hash_json
-from ..core.user_cache import user_cache_dir
+from ... import __version__
+from ...core.atomic import atomic_write_json
+from ...core.errors import PipelineError
+from ...core.fingerprint import hash_json
+from ...core.user_cache import user_cache_dir
+
+if TYPE_CHECKING:
+    import torch
 
 ATTENTION_LAYOUTS = ("auto", "packed", "padded")
 DTYPE_NAMES = ("bfloat16", "float16", "float32")
@@ -41,16 +45,32 @@ def accelerator_driver_present() -> bool:
     return any(os.path.exists(node) for node in ACCELERATOR_NODES)
 
 
+def resolve_device(name: str) -> torch.device:
+    """The torch device the server runs on: `auto` is CUDA where torch sees it, else the CPU."""
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise PipelineError(f"--device {name!r} is not a torch device (auto, cpu, cuda)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise PipelineError(
+            f"server.device {name} (the server's --device): CUDA is not available on this "
+            "machine (no GPU, or a CPU build of torch): use auto or cpu"
+        )
+    return device
+
+
 def resolve_device_type(name: str) -> str:
-    """The device type (`cpu`, `cuda`) `reference_engine.resolve_device(name)` gives. `auto`
-    answers without importing torch (seconds per job) on a machine with no GPU driver, and
-    elsewhere from torch's answer kept for this boot of this machine (`cuda_answer_cached`)."""
+    """The device type (`cpu`, `cuda`) `resolve_device(name)` gives. `auto` answers without
+    importing torch (seconds per job) on a machine with no GPU driver, and elsewhere from
+    torch's answer kept for this boot of this machine (`cuda_answer_cached`)."""
     if name == "cpu" or (name == "auto" and not accelerator_driver_present()):
         return "cpu"
     if name == "auto":
         return "cuda" if cuda_answer_cached() else "cpu"
-    from .reference_engine import resolve_device
-
     return resolve_device(name).type
 
 

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import psutil
 
-from ..core.errors import PipelineError, ServerLost
+from ...core.errors import PipelineError, ServerLost
 from .leases import ProcessRef, RequestGate, note_answer
 
-SUPERVISOR_MODULE = "eaglepipe.server.supervise"
+SUPERVISOR_MODULE = "eaglepipe.server.lifecycle.supervise"
 PROBE_TIMEOUT_S = 5.0
 # After a request fails, how long to watch for the server process to be gone before blaming it.
 DEATH_CONFIRM_S = 3.0

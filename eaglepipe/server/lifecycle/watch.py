@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import aiohttp
 
-from ..core.errors import ServerLost
+from ...core.errors import ServerLost
 
 # How often the watchdog asks whether the server is alive, and how many consecutive failed
 # health probes (on top of the lifecycle's process check) count as "stopped answering".
@@ -60,7 +60,7 @@ def liveness_check(handle) -> Callable[[], bool] | None:
         return None
     import psutil
 
-    from .lifecycle import server_alive
+    from .shared_server import server_alive
 
     engine_pid = handle.state.get("engine_pid")
 

@@ -1,5 +1,9 @@
 """The SGLang launch recipe: the command line, its environment, and the layer-id translation.
 
+Every `sglang.launch_server` command the pipeline runs is built by `server_argv`: the capture
+and generation servers of extraction and regeneration (`launch_command`) and the live
+acceptance servers (`drafter/live_sglang.py`, with `draft_model_flags`).
+
 SGLang captures aux hidden states and calls the project's hook (patch/eaglepipe_hook.py) through
 `--forward-hooks`; nothing in SGLang is edited. The supported releases are a range
 (patch/sglang.toml: oldest, newest, recommended); the launcher reads the installed version from
@@ -11,7 +15,7 @@ the one thing that differs across the range, chosen here from the version:
   --return-aux-hidden-state-layer-ids ...` with no draft model.
 - `plugin` (older releases, which lack those flags): the launcher passes the ids in
   EAGLEPIPE_SGLANG_CAPTURE_LAYER_IDS and the project's SGLang plugin
-  (eaglepipe/server/sglang_plugin.py, entry point group `sglang.srt.plugins`, loaded by SGLang
+  (eaglepipe/server/sglang/plugin.py, entry point group `sglang.srt.plugins`, loaded by SGLang
   in every scheduler process) calls the target model's `set_eagle3_layers_to_capture(ids)` right
   after it is loaded, as capture-only mode does.
 
@@ -21,7 +25,7 @@ tests/test_sglang_contract.py; docs/sglang.md records the live runs.
 How the hook module is found: `patch/` is prepended to PYTHONPATH in the environment returned by
 `launch_command`, so the server process (and its per-rank scheduler processes, which inherit the
 environment) import it as the top-level module `eaglepipe_hook`. It imports
-`eaglepipe.server.dump_writer`,
+`eaglepipe.server.handoff.dump_writer`,
 so SGLang must run where eaglepipe is importable (the `sglang` extra). SGLANG_PATH_ENV adds path
 entries for the server only (an SGLang staged beside a Python whose own packages conflict).
 
@@ -42,17 +46,18 @@ import random
 import socket
 import sys
 import tomllib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
-from ..core.errors import PipelineError
-from ..core.layers import CONVENTION
-from ..core.run import RunSpec
+from ...core.errors import PipelineError
+from ...core.layers import CONVENTION
+from ...core.run import RunSpec
 
 # The checkout's patch/ (the project runs from its repository, installed editable).
-PATCH_DIR = Path(__file__).resolve().parents[2] / "patch"
+PATCH_DIR = Path(__file__).resolve().parents[3] / "patch"
 HOOK_MODULE = "eaglepipe_hook"
 HOOK_FACTORY = f"{HOOK_MODULE}:make_dump_hook"
 HOOK_NAME = "eaglepipe-dump"
@@ -90,7 +95,7 @@ CAPTURE_BY_PLUGIN = "plugin"
 # The project's SGLang general plugin: SGLang loads it through this entry point.
 PLUGIN_GROUP = "sglang.srt.plugins"
 PLUGIN_NAME = "eaglepipe"
-PLUGIN_ENTRY = "eaglepipe.server.sglang_plugin:register"
+PLUGIN_ENTRY = "eaglepipe.server.sglang.plugin:register"
 # SGLang's whitelist of general plugins (comma-separated names); unset loads every plugin.
 SGLANG_PLUGINS_ENV = "SGLANG_PLUGINS"
 
@@ -434,6 +439,57 @@ def free_server_port(host: str, low: int = 20000) -> int:
     raise PipelineError(f"no free port between {low} and {MAX_SERVER_PORT} on {host}")
 
 
+def server_argv(run: RunSpec, *, host: str, port: int, flags: Sequence[str] = ()) -> list[str]:
+    """`python -m sglang.launch_server` for the target: the flags every server of the pipeline
+    gets from the configuration, then `flags` (what makes it a capture, generation or drafting
+    server), then `server.sglang.extra_args` (refused where they break the capture or fight
+    these flags)."""
+    sglang_cfg = run.server.sglang
+    extra_args = [str(a) for a in sglang_cfg.extra_args]
+    check_extra_args(extra_args)
+    check_port(port)
+    argv = [
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(run.model.directory.resolve()),
+        "--tp-size",
+        str(sglang_cfg.tp_size),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--mem-fraction-static",
+        str(sglang_cfg.mem_fraction_static),
+    ]
+    if run.model.trust_remote_code:
+        argv.append("--trust-remote-code")
+    dtype = _DTYPE_FLAG_VALUES.get(run.server.dtype)
+    if dtype:
+        argv += ["--dtype", dtype]
+    return [*argv, *flags, *extra_args]
+
+
+def draft_model_flags(
+    draft_dir: str | os.PathLike, *, steps: int, topk: int, draft_tokens: int
+) -> list[str]:
+    """The flags that serve the target with an EAGLE-3 draft model (live acceptance): `steps`
+    draft steps of top-`topk`, `draft_tokens` verified per round."""
+    return [
+        "--speculative-algorithm",
+        "EAGLE3",
+        "--speculative-draft-model-path",
+        str(Path(draft_dir).resolve()),
+        "--speculative-num-steps",
+        str(steps),
+        "--speculative-eagle-topk",
+        str(topk),
+        "--speculative-num-draft-tokens",
+        str(draft_tokens),
+    ]
+
+
 def launch_command(
     run: RunSpec,
     *,
@@ -456,14 +512,13 @@ def launch_command(
     chunked prefill and CUDA graphs (decode with CUDA graphs ran 1.58x the eager decode on the
     H200, BENCHMARKS.md); the hook stays, inert, for `/server_info` and as a guard.
     """
-    from ..core import config as cfg
-    from .sglang_plugin import CAPTURE_ENV
+    from ...core import config as cfg
+    from .plugin import CAPTURE_ENV
 
     if not (PATCH_DIR / f"{HOOK_MODULE}.py").is_file():
         raise PipelineError(f"{PATCH_DIR / (HOOK_MODULE + '.py')} is missing from the checkout")
-    sglang_cfg = run.server.sglang
-    extra_args = [str(a) for a in sglang_cfg.extra_args]
-    check_extra_args(extra_args)
+    # What `server_argv` refuses, refused before the installed SGLang is looked up.
+    check_extra_args([str(a) for a in run.server.sglang.extra_args])
     check_port(port)
     version = check_supported(
         sglang_version if sglang_version is not None else installed_sglang_version()
@@ -494,38 +549,19 @@ def launch_command(
         capture=capture,
     )
 
-    argv = [
-        sys.executable,
-        "-m",
-        "sglang.launch_server",
-        "--model-path",
-        str(model_path),
-        "--tp-size",
-        str(sglang_cfg.tp_size),
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--mem-fraction-static",
-        str(sglang_cfg.mem_fraction_static),
-    ]
-    if run.model.trust_remote_code:
-        argv.append("--trust-remote-code")
-    dtype = _DTYPE_FLAG_VALUES.get(run.server.dtype)
-    if dtype:
-        argv += ["--dtype", dtype]
+    flags = []
     if capture and mechanism == CAPTURE_BY_FLAGS:
-        argv += [
+        flags += [
             "--speculative-algorithm",
             "EAGLE3",
             "--enable-return-aux-hidden-states",
             "--return-aux-hidden-state-layer-ids",
             *[str(i) for i in capture_ids],
         ]
-    argv += ["--forward-hooks", json.dumps([spec], separators=(",", ":"))]
+    flags += ["--forward-hooks", json.dumps([spec], separators=(",", ":"))]
     if capture:
-        argv += list(CAPTURE_ONLY_FLAGS)
-    argv += extra_args
+        flags += list(CAPTURE_ONLY_FLAGS)
+    argv = server_argv(run, host=host, port=port, flags=flags)
 
     # Extra environment, merged over os.environ by the lifecycle code. The capture ids are
     # always set (empty with the flags), so none left in the caller's environment leaks in.

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from ..core.errors import PipelineError
+from ...core.errors import PipelineError
 
 _LAYER_LIST_NAMES = ("layers", "h", "blocks")
 _FINAL_NORM_NAMES = ("norm", "final_layernorm", "ln_f", "norm_f", "final_norm")

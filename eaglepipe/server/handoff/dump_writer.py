@@ -5,7 +5,7 @@ starts one asynchronous device-to-host copy into a reusable pinned buffer and re
 background thread waits for the copy and writes the files (a few threads in parallel), so the
 forward pass never waits on the disk. The pinned memory it holds is bounded; `submit` blocks
 (backpressure) when the writer thread falls behind by more than that bound. The file format and
-the temp-name-then-rename handoff are `handoff.py`'s.
+the temp-name-then-rename handoff are `dumps.py`'s.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..core.errors import PipelineError
-from .handoff import AUX_KEY, FINAL_KEY, dump_path, mark_dump_failed, temp_dump_path
+from ...core.errors import PipelineError
+from .dumps import AUX_KEY, FINAL_KEY, dump_path, mark_dump_failed, temp_dump_path
 from .request_ids import is_pipeline_rid
 
 DEFAULT_MAX_PINNED_BYTES = 2 << 30

@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 import secrets
 
-from ..core.errors import PipelineError
+from ...core.errors import PipelineError
 
 NONCE_HEX_CHARS = 12
 

@@ -2,17 +2,17 @@
 no capture-only flags, and (on a staged machine only) steers around flashinfer's JIT kernels.
 
 SGLang loads general plugins from the entry-point group `sglang.srt.plugins` (pyproject.toml
-registers `eaglepipe = eaglepipe.server.sglang_plugin:register`) at the start of the launcher
+registers `eaglepipe = eaglepipe.server.sglang.plugin:register`) at the start of the launcher
 and of every scheduler process, then applies the hooks they registered with its own
 `HookRegistry`. `register` does nothing unless the launcher or the machine's staging asked for
 it, so an SGLang started by anything else in the same environment is untouched:
 
-- CAPTURE_ENV (set by eaglepipe/server/sglang.py for releases without capture-only flags): a JSON
-  list of SGLang capture ids. Right after a model runner loads its model, the target's runner
-  (not a speculative draft's, and only without a speculative algorithm: a real EAGLE-3 draft
-  sets the capture from its own config) calls `model.set_eagle3_layers_to_capture(ids)`: what
-  capture-only mode does in the releases that have it, before any forward, CUDA-graph capture or
-  forward-hook registration.
+- CAPTURE_ENV (set by eaglepipe/server/sglang/recipe.py for releases without capture-only
+  flags): a JSON list of SGLang capture ids. Right after a model runner loads its model, the
+  target's runner (not a speculative draft's, and only without a speculative algorithm: a real
+  EAGLE-3 draft sets the capture from its own config) calls
+  `model.set_eagle3_layers_to_capture(ids)`: what capture-only mode does in the releases that
+  have it, before any forward, CUDA-graph capture or forward-hook registration.
 - SLIM_FLASHINFER_ENV=1 (set by tools/h200.sh when the staged flashinfer wheel has no JIT
   sources, flashinfer/data/): sgl_kernel's norm and sampling use their own precompiled kernels
   instead of flashinfer's JIT, and DeepSeek's grouped top-k uses sgl_kernel's `moe_fused_gate`

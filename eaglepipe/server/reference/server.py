@@ -15,7 +15,7 @@ request's hidden states through the same `DumpWriter` as the SGLang hook. `/gene
 `auto` packs on CUDA when torch has flex_attention and pads elsewhere (a CPU would spend minutes
 compiling flex kernels). One worker thread runs the forward passes; writer threads write files.
 
-    python -u -m eaglepipe.server.reference --model DIR --aux-layer-ids 1,3,4 --host H \
+    python -u -m eaglepipe.server.reference.server --model DIR --aux-layer-ids 1,3,4 --host H \
         --port P --dump-dir DIR --request-prefix eaglepipe --device auto --dtype auto \
         --max-batch-tokens N --attention auto --instance-id ID [--trust-remote-code]
 """
@@ -37,18 +37,18 @@ from pathlib import Path
 
 from aiohttp import web
 
-from ..core.errors import PipelineError
-from ..core.fingerprint import hash_json, model_config_hash
-from ..core.layers import CONVENTION, FINAL_CONVENTION
+from ...core.errors import PipelineError
+from ...core.fingerprint import hash_json, model_config_hash
+from ...core.layers import CONVENTION, FINAL_CONVENTION
+from ..handoff.dump_writer import DEFAULT_MAX_PINNED_BYTES, DumpWriter
+from ..handoff.dumps import prepare_dump_dir
+from ..handoff.request_ids import is_pipeline_rid, parse_rid
 from .batching import select_batch
 from .continuous_batching import JoinQueue, decode_continuously
-from .dump_writer import DEFAULT_MAX_PINNED_BYTES, DumpWriter
+from .engine import ReferenceEngine, resolve_dtype
 from .faults import DIE_EXIT_CODE, Faults, faults_from_env
 from .generate import BadSamplingParams, Generation, SamplingParams
-from .handoff import prepare_dump_dir
-from .reference_engine import ReferenceEngine, resolve_device, resolve_dtype
-from .reference_settings import ATTENTION_LAYOUTS, DTYPE_NAMES, engine_version
-from .request_ids import is_pipeline_rid, parse_rid
+from .settings import ATTENTION_LAYOUTS, DTYPE_NAMES, engine_version, resolve_device
 from .startup_checks import check_aux_ids_against_config, check_port_free
 
 ENGINE = "reference"
@@ -486,7 +486,7 @@ def parse_layer_ids(text: str) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m eaglepipe.server.reference", description=__doc__.split("\n\n")[0]
+        prog="python -m eaglepipe.server.reference.server", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--model", required=True, help="local Hugging Face model directory")
     parser.add_argument("--aux-layer-ids", required=True, type=parse_layer_ids, help="e.g. 1,3,4")

@@ -32,9 +32,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..core.errors import PipelineError
-from ..core.space import format_bytes, free_bytes
-from ..core.tensor_bytes import RawTensor, read_safetensors, torch_dtype_text
+from ...core.errors import PipelineError
+from ...core.space import format_bytes, free_bytes
+from ...core.tensor_bytes import RawTensor, read_safetensors, torch_dtype_text
 
 if TYPE_CHECKING:
     import torch

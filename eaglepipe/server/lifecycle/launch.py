@@ -6,9 +6,9 @@ import importlib
 import sys
 from pathlib import Path
 
-from ..core.errors import PipelineError
-from ..core.fingerprint import hash_json
-from ..core.run import RunSpec
+from ...core.errors import PipelineError
+from ...core.fingerprint import hash_json
+from ...core.run import RunSpec
 from .identity import CAPTURE, server_identity, server_purpose
 
 
@@ -35,13 +35,13 @@ def engine_command(
     engine = run.server.engine
     if engine == "sglang":
         try:
-            sglang = importlib.import_module("eaglepipe.server.sglang")
+            sglang = importlib.import_module("eaglepipe.server.sglang.recipe")
         except ModuleNotFoundError as exc:
-            if exc.name != "eaglepipe.server.sglang":
+            if exc.name != "eaglepipe.server.sglang.recipe":
                 raise
             raise PipelineError(
                 "server.engine sglang: the sglang engine is unavailable in this installation "
-                "(eaglepipe/server/sglang.py is missing)"
+                "(eaglepipe/server/sglang/recipe.py is missing)"
             ) from None
         return sglang.launch_command(
             run,
@@ -56,7 +56,7 @@ def engine_command(
         sys.executable,
         "-u",
         "-m",
-        "eaglepipe.server.reference",
+        "eaglepipe.server.reference.server",
         "--model",
         str(run.model.directory.resolve()),
         "--aux-layer-ids",

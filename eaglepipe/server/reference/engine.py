@@ -11,28 +11,13 @@ from pathlib import Path
 
 import torch
 
-from ..core.errors import PipelineError
-from ..core.layers import validate_aux_layer_ids
+from ...core.errors import PipelineError
+from ...core.layers import validate_aux_layer_ids
 from .capture import HiddenStateCapture, text_config
 from .generate import BatchGenerator, Generation, SamplingParams
-from .reference_settings import flex_attention_available, resolve_dtype_name, resolve_layout
+from .settings import flex_attention_available, resolve_dtype_name, resolve_layout
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise PipelineError(f"--device {name!r} is not a torch device (auto, cpu, cuda)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise PipelineError(
-            f"server.device {name} (the server's --device): CUDA is not available on this "
-            "machine (no GPU, or a CPU build of torch): use auto or cpu"
-        )
-    return device
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import xxhash
 
-from ..core.errors import PipelineError
+from ...core.errors import PipelineError
 
 # Where a working directory's port is drawn from: below Linux's ephemeral range (32768-60999,
 # where client sockets bind), and below SGLang's limit (it also takes port + 10000).

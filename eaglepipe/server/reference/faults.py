@@ -15,9 +15,8 @@ variable holds a comma-separated list of modes (unset or empty: no fault):
   worker stalls (so `/health_generate` stalls too); `/health` keeps answering, like a wedged
   GPU process whose HTTP thread is alive.
 - `empty_reply:ROW`: text generation requests for source row ROW (read from the generation
-  request id, `eaglepipe.server.request_ids`) answer at once with nothing but a stop token: a
-  reply the
-  target "could not give", for the tests of the bad-row policy of regeneration.
+  request id, `eaglepipe.server.handoff.request_ids`) answer at once with nothing but a stop
+  token: a reply the target "could not give", for the tests of the bad-row policy of regeneration.
 
 Example: `EAGLEPIPE_FAULT=shift_layer_batched,die_after:100`.
 """
@@ -28,7 +27,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ..core.errors import PipelineError
+from ...core.errors import PipelineError
 
 ENV_VAR = "EAGLEPIPE_FAULT"
 DIE_EXIT_CODE = 17
@@ -70,7 +69,7 @@ class Faults:
         """Whether a text generation request gets the empty reply of the empty_reply fault."""
         if not self.empty_reply_rows:
             return False
-        from .request_ids import parse_generation_rid
+        from ..handoff.request_ids import parse_generation_rid
 
         parsed = parse_generation_rid(rid)
         return parsed is not None and parsed[2] in self.empty_reply_rows
