@@ -26,8 +26,8 @@ text-only multimodal processor for SGLang: the checkpoint has no image processor
 model is compared with the DeepSeek references (same weights). A Kimi server that cannot start
 is reported as unavailable, not as a mismatch.
 
-    python3 -u benchmarks/sglang_fidelity.py --out $OUT/fidelity.json       # on the H200
-    python3 -u benchmarks/sglang_fidelity.py --dry-run --small --sglang-version 0.5.14 \
+    python3 -u -m benchmarks.checks.sglang_fidelity --out $OUT/fidelity.json       # on the H200
+    python3 -u -m benchmarks.checks.sglang_fidelity --dry-run --small --sglang-version 0.5.14 \
         --out /tmp/fidelity.json                                             # CPU: no server
 
 --dry-run builds the checkpoints and references, prints each model's launch command (for
@@ -54,24 +54,23 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import (  # noqa: E402
+from benchmarks.common import (
     REPO_ROOT,
-    SGLANG_EXTRA_ARGS,
-    add_engine_options,
-    add_sglang_deepseek_keys,
     command_line,
     free_port,
     log,
-    log_between,
     machine_info,
     markdown_table,
-    prefill_batches,
     working_directory,
     write_results,
 )
-
+from benchmarks.sglang_runs import (
+    SGLANG_EXTRA_ARGS,
+    add_engine_options,
+    log_between,
+    prefill_batches,
+)
+from benchmarks.toy_targets.deepseek import add_sglang_deepseek_keys
 from eaglepipe.validate import (
     DEFAULT_NEIGHBOUR_FRACTION,
     DEFAULT_NOISE_MARGIN,

@@ -2,7 +2,7 @@
 
 For each candidate shape (hidden, q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
 v_head_dim) a DeepSeek-V3-shaped toy with random weights is built
-(benchmarks/deepseek_toy_target.py --steps 0), then served twice, each through the pipeline's
+(benchmarks/toy_targets/deepseek.py --steps 0), then served twice, each through the pipeline's
 lifecycle: by the capture server (one prefill-only request of --prompt-tokens, as extraction
 sends it, and the dump it leaves; then --batch-rows such requests of 100 to --prompt-tokens
 tokens at once, the batched prefill extraction makes) and by the generation server (a greedy
@@ -10,7 +10,7 @@ decode of --new-tokens, as regeneration and live acceptance need). Each outcome 
 server log's first error line. Servers start with CUDA_LAUNCH_BLOCKING=1, so a failing kernel is
 named where it fails, not at a later call.
 
-    python -u benchmarks/sglang_mla_probe.py --shapes 64,64,48,32,16,32 --out probe.json
+    python -u -m benchmarks.checks.sglang_mla_probe --shapes 64,64,48,32,16,32 --out probe.json
     (on the H200: bash tools/h200.sh mla-probe OUT [--shapes ...])
 
 With --dry-run (a CPU machine, --sglang-version) the toys are built and each server's command
@@ -31,17 +31,16 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from common import (
+from benchmarks.common import (
     REPO_ROOT,
-    SGLANG_EXTRA_ARGS,
     free_port,
     log,
     machine_info,
-    planned_sglang_commands,
     working_directory,
     write_results,
 )
-from deepseek_toy_target import DEFAULT_SHAPE
+from benchmarks.sglang_runs import SGLANG_EXTRA_ARGS, planned_sglang_commands
+from benchmarks.toy_targets.deepseek import DEFAULT_SHAPE
 
 # 48 + 16 with v_head_dim 32 crashed in a batched prefill on the H200 (2026-12-04); the suspect
 # is Triton's [128 x 64] . [64 x 32] dot in SGLang's extend kernel on sm_90 (BLOCK_DV 32): the
@@ -70,10 +69,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def build_toy(shape: str, out: Path) -> None:
     subprocess.run(
-        [sys.executable, "-u", str(REPO_ROOT / "benchmarks" / "deepseek_toy_target.py"),
+        [sys.executable, "-u", "-m", "benchmarks.toy_targets.deepseek",
          "--corpus", str(REPO_ROOT / "data" / "sample" / "conversations.jsonl"),
          "--out", str(out), "--steps", "0", "--shape", shape],
-        check=True, stdout=subprocess.DEVNULL,
+        check=True, stdout=subprocess.DEVNULL, cwd=REPO_ROOT,
     )  # fmt: skip
 
 

@@ -3,7 +3,7 @@
 # prepare through extraction, validation (its spot check through SGLang), training, evaluation,
 # export and live acceptance, in a fresh copy of the workflow, then the results into OUT.
 #
-#   bash benchmarks/sglang_pipeline_h200.sh OUT [--default-toy] [--quick] [--overrides YAML]
+#   bash benchmarks/checks/sglang_pipeline_h200.sh OUT [--default-toy] [--quick] [--overrides YAML]
 #                                               [--fp32-live] [--deterministic-live]
 #                                               [snakemake args and targets...]
 #
@@ -17,11 +17,11 @@
 # --default-toy keeps the default toy instead. --quick shortens the run where its quality does not
 # matter to the check (60 toy pre-training steps, 2 training epochs, 4 live prompts of 32 tokens),
 # for a second attempt when the whole run does not fit one call. --overrides YAML is one more
-# config file after these (benchmarks/bench_specforge.py sets train.epochs and train.seed with
+# config file after these (benchmarks/studies/specforge/compare.py sets train.epochs and train.seed with
 # it). The other overrides: engine sglang with the flags
 # that ran live (../../shared/sglang-h200), bf16, 0.15 for SGLang's static memory (SGLang takes
 # that fraction of the memory free when it starts, ~20 GB, plenty for the toy: the drafter's
-# training, and in bench_specforge.py several live servers, share the GPU), `--scheduler greedy`
+# training, and in benchmarks/studies/specforge/compare.py several live servers, share the GPU), `--scheduler greedy`
 # (the ilp scheduler needs pulp, which is not staged).
 #
 # --fp32-live: after the run, live acceptance once more with the target served in fp32
@@ -40,7 +40,7 @@
 set -u -o pipefail
 
 if [ $# -lt 1 ]; then
-    echo "usage: bash benchmarks/sglang_pipeline_h200.sh OUT [--default-toy] [snakemake args]" >&2
+    echo "usage: bash benchmarks/checks/sglang_pipeline_h200.sh OUT [--default-toy] [snakemake args]" >&2
     exit 2
 fi
 OUT=$(mkdir -p "$1" && cd "$1" && pwd)
@@ -65,7 +65,7 @@ while [ $# -gt 0 ]; do
     esac
     shift
 done
-REPO=$(cd "$(dirname "$0")/.." && pwd)
+REPO=$(cd "$(dirname "$0")/../.." && pwd)
 RUN=${EAGLEPIPE_H200_ROOT:-/tmp/eaglepipe-h200}/pipeline-run
 LIMIT_S=${EAGLEPIPE_PIPELINE_LIMIT_S:-520}
 

@@ -10,7 +10,7 @@ the keys the converter logged as missing or unexpected, whether every tensor of 
 unchanged (`midlayer.` becomes `layers.0.`), and whether each flag reached the converted
 config. Verdict: `intact`, `lossy` (converted, but weights or flags lost), or `failed`.
 
-    python -u benchmarks/speculators_convert.py --target models/toy-target --out /tmp/conv \\
+    python -u -m benchmarks.checks.speculators_convert --target models/toy-target --out /tmp/conv \\
         variants/*/export/vllm
 """
 

@@ -13,8 +13,8 @@ functions, logs, params or conda) planning the same jobs per shard, with the sam
 collector tuning, dry-run the same way. No workflow with that many jobs plans faster; a second
 floor with one job per shard is the best a workflow that merged its per-shard stages could do.
 
-    python -u benchmarks/bench_dryrun.py                     # 10,000 rows -> 5,000 shards
-    python -u benchmarks/bench_dryrun.py --rows 200 --out /tmp/dryrun.json   # quick check
+    python -u -m benchmarks.speed.dryrun                     # 10,000 rows -> 5,000 shards
+    python -u -m benchmarks.speed.dryrun --rows 200 --out /tmp/dryrun.json   # quick check
 """
 
 from __future__ import annotations
@@ -31,9 +31,7 @@ from pathlib import Path
 
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import (  # noqa: E402
+from benchmarks.common import (
     REPO_ROOT,
     command_line,
     log,
@@ -66,7 +64,7 @@ def write_config(path: Path, dataset: Path, rows_per_shard: int, regenerate: boo
 
 
 FLOOR_SNAKEFILE = """\
-# Snakemake's floor: the DAG's shape with nothing but the jobs (bench_dryrun.py writes this).
+# Snakemake's floor: the DAG's shape with nothing but the jobs (benchmarks.speed.dryrun wrote it).
 from eaglepipe.ops.snakefile_hooks import tune_gc_for_dag
 
 tune_gc_for_dag()

@@ -16,8 +16,8 @@ A ratio of `capture+async_dump` to `capture` near 1.0 means the dump path keeps 
 unblocked. Before timing, one batch is dumped and read back and must equal the captured
 tensors bit for bit (bf16). Results: one markdown table on stdout and a JSON file.
 
-    python -u benchmarks/bench_dump_gpu.py                  # H200: 4096-wide, 8 layers
-    python -u benchmarks/bench_dump_gpu.py --tiny --device cpu   # quick check anywhere
+    python -u -m benchmarks.speed.dump_gpu                  # H200: 4096-wide, 8 layers
+    python -u -m benchmarks.speed.dump_gpu --tiny --device cpu   # quick check anywhere
 """
 
 from __future__ import annotations
@@ -35,10 +35,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from common import random_llama  # noqa: E402
-
+from benchmarks.toy_targets.llama import random_llama
 from eaglepipe.core.layers import default_aux_layer_ids  # noqa: E402
 from eaglepipe.server.capture import HiddenStateCapture  # noqa: E402
 from eaglepipe.server.dump_writer import DumpWriter  # noqa: E402

@@ -20,8 +20,8 @@ directory), and generates seeded token rows of 512-4096 tokens (uniform, mean ~2
 Ratios b/a (goal >= 0.90), b/c (goal >= 3.2) and d/a are printed and written, with the
 machine, to --out (JSON) and the .md beside it.
 
-    python -u benchmarks/bench_extraction.py --out benchmarks/results/extraction.json  # GPU
-    python -u benchmarks/bench_extraction.py --tiny --out /tmp/extraction.json        # CPU check
+    python -u -m benchmarks.speed.extraction --out benchmarks/results/extraction.json  # GPU
+    python -u -m benchmarks.speed.extraction --tiny --out /tmp/extraction.json        # CPU check
 """
 
 from __future__ import annotations
@@ -42,30 +42,23 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import (  # noqa: E402
-    BREAKDOWN_KEYS,
+from benchmarks.common import (
     REPO_ROOT,
-    GpuUtilisation,
-    chunk_storage,
     command_line,
     free_port,
     log,
     machine_info,
     machine_line,
     markdown_table,
-    random_llama,
-    rate,
     ratio,
-    seeded_rows,
-    shard_jobs_in_parallel,
     timed,
     working_directory,
-    write_prepared,
     write_results,
 )
-
+from benchmarks.speed.shard_runs import BREAKDOWN_KEYS, GpuUtilisation, shard_jobs_in_parallel
+from benchmarks.speed.storage import chunk_storage
+from benchmarks.toy_targets.llama import random_llama
+from benchmarks.toy_targets.rows import seeded_rows, write_prepared
 from eaglepipe.core.layers import default_aux_layer_ids  # noqa: E402
 
 SHAPES = {
@@ -82,6 +75,10 @@ GOALS = {"server_vs_bare": 0.90, "server_vs_per_sample": 3.2}
 # Unprefixed requests (not dumped) the server answers before timing: about two 32k batches.
 WARMUP_REQUESTS = 24
 PATHS = ("bare_prefill", "server_end_to_end", "per_sample_baseline", "packed_flex")
+
+
+def rate(amount: float, seconds: float) -> float:
+    return amount / seconds if seconds > 0 else float("nan")
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -15,9 +15,9 @@ and fsynced, no hashing. The ratio says how close ingest gets to the storage. A 
 Kimi-K2.5 node makes about 57 KB per token (H = 7168) at tens of thousands of tokens/s: about
 3 GB/s, what the client must keep up with.
 
-    python -u benchmarks/bench_ingest.py --hidden-size 7168 --gb-per-worker 2 \\
+    python -u -m benchmarks.speed.ingest --hidden-size 7168 --gb-per-worker 2 \\
         --workers 1,2,4,8,16 --storages shm,disk --out-dir /tmp --out $OUT/ingest.json   # H200
-    python -u benchmarks/bench_ingest.py --dry-run --out /tmp/ingest.json             # CPU check
+    python -u -m benchmarks.speed.ingest --dry-run --out /tmp/ingest.json             # CPU check
 """
 
 from __future__ import annotations
@@ -30,16 +30,21 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 NONCE = "0123456789ab"
 PREFIX = "eaglepipe"
 SHM = Path("/dev/shm")
 GOAL = 0.9  # ingest / raw write, at enough workers
 NODE_GB_PER_S = 3.0  # an 8-GPU DeepSeek-V3 / Kimi-K2.5 node's hidden states (issue 28)
+
+
+def with_repository_importable() -> dict:
+    """The environment for a worker run as `-m benchmarks.speed.ingest` from any directory."""
+    paths = [str(REPO_ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -200,8 +205,16 @@ def run_workers(
             Path(spec["out"]).mkdir()
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, "-u", __file__, "--worker", json.dumps(spec)],
+                    [
+                        sys.executable,
+                        "-u",
+                        "-m",
+                        "benchmarks.speed.ingest",
+                        "--worker",
+                        json.dumps(spec),
+                    ],
                     stdout=subprocess.PIPE,
+                    env=with_repository_importable(),
                     text=True,
                 )  # fmt: skip
             )
@@ -229,38 +242,6 @@ def run_workers(
     return {"bytes": written, "seconds": seconds, "file_sizes": sizes}
 
 
-def raw_write(storage_dir: Path, sizes: list[int], writers: int, *, writeback: bool) -> dict:
-    """The same file sizes written by `writers` threads at once, large buffers, fsync each;
-    with `writeback`, each file's pages handed to the disk every 64 MiB as chunks' are."""
-    from eaglepipe.core.atomic import Writeback
-
-    scratch = Path(tempfile.mkdtemp(prefix="bench-ingest-raw-", dir=storage_dir))
-    # A source larger than any CPU cache, as the dumps are: a cache-hot block would measure a
-    # faster copy than any real data gets.
-    block = os.urandom(64 << 20) * 8
-
-    def write(item) -> int:
-        index, size = item
-        with open(scratch / f"raw-{index:05d}.bin", "wb", buffering=0) as f:
-            pacer = Writeback(f.fileno()) if writeback else None
-            left = size
-            while left:
-                left -= f.write(memoryview(block)[: min(left, len(block))])
-                if pacer is not None:
-                    pacer.advance(size - left)
-            os.fsync(f.fileno())
-        return size
-
-    try:
-        started = time.perf_counter()
-        with ThreadPoolExecutor(writers) as pool:
-            written = sum(pool.map(write, enumerate(sizes)))
-        seconds = time.perf_counter() - started
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    return {"bytes": written, "seconds": seconds}
-
-
 def storage_dirs(args) -> dict[str, Path]:
     dirs = {}
     for storage in args.storages:
@@ -277,7 +258,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
         return worker_main(json.loads(args.worker))
-    from common import command_line, log, machine_info, markdown_table, write_results
+    from benchmarks.common import command_line, log, machine_info, markdown_table, write_results
+    from benchmarks.speed.storage import raw_write
 
     deadline = time.monotonic() + args.deadline_s
     handoff_root = Path(args.handoff_dir or (SHM if os.access(SHM, os.W_OK) else "/tmp"))

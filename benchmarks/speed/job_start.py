@@ -20,9 +20,9 @@ every running job is starting or finishing at once (BENCHMARKS.md, "job turnover
   idle and beside `--writers` threads writing `--writer-gb` GB each into the same filesystem as
   shard jobs write their chunks (bench_ingest's raw writes), against the same file fsynced.
 
-    python -u benchmarks/bench_job_start.py --out /tmp/job_start.json
-    python -u benchmarks/bench_job_start.py --parts read --rows 20000 --rows-per-shard 200
-    python -u benchmarks/bench_job_start.py --parts lease --writer-gb 12
+    python -u -m benchmarks.speed.job_start --out /tmp/job_start.json
+    python -u -m benchmarks.speed.job_start --parts read --rows 20000 --rows-per-shard 200
+    python -u -m benchmarks.speed.job_start --parts lease --writer-gb 12
 """
 
 from __future__ import annotations
@@ -40,9 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import (  # noqa: E402
+from benchmarks.common import (
     REPO_ROOT,
     command_line,
     log,
@@ -51,11 +49,9 @@ from common import (  # noqa: E402
     markdown_table,
     ratio,
     timed,
-    train_table_bytes,
-    write_prepared,
     write_results,
 )
-
+from benchmarks.toy_targets.rows import train_table_bytes, write_prepared
 from eaglepipe.core.atomic import atomic_write_json  # noqa: E402
 from eaglepipe.extract.shard import load_shard_rows  # noqa: E402
 from eaglepipe.prepare.table import load_prepared, rows_in_range  # noqa: E402
@@ -202,8 +198,9 @@ def measure_imports(args, model_dir: Path | None) -> dict:
 def build_target(model_dir: Path) -> None:
     """A tiny random Llama with a word tokenizer and a chat template (no download)."""
     import torch
-    from bench_sglang_regeneration import save_chat_tokenizer
-    from common import random_llama
+
+    from benchmarks.toy_targets.llama import random_llama
+    from benchmarks.toy_targets.word_tokenizer import save_chat_tokenizer
 
     model = random_llama("cpu", torch.float32, seed=0, **TINY)
     model.save_pretrained(model_dir)
@@ -226,8 +223,7 @@ def write_inputs(run_dir: Path, shards: int, rows_per_shard: int) -> tuple[Path,
 
 
 def job_config(model_dir: Path, dataset: Path, rows_per_shard: int, regenerate: bool) -> dict:
-    from common import free_port
-
+    from benchmarks.common import free_port
     from eaglepipe.core.config import validate_config
     from eaglepipe.core.config_files import load_config
 
@@ -293,8 +289,7 @@ def summary_of(runs: list[dict]) -> dict:
 
 
 def measure_jobs(args, work: Path, model_dir: Path) -> dict:
-    from common import working_directory
-
+    from benchmarks.common import working_directory
     from eaglepipe.core.config import write_resolved
     from eaglepipe.core.run import resolve
     from eaglepipe.plan.provenance import shards as planned_shards
@@ -384,13 +379,13 @@ def measure_read(args, work: Path) -> dict:
 
 # ----------------------------------------------------------------------------- the lease
 
-# bench_ingest's raw writes: files of up to 1 GiB written as chunks are (handed to the disk every
-# 64 MiB, then fsynced), by one thread per writer, in a process of its own so that the lease's
+# The ingest benchmark's raw writes: files of up to 1 GiB written as chunks are (handed to the disk
+# every 64 MiB, then fsynced), by one thread per writer, in a process of its own so that the lease's
 # timing shares no interpreter with them.
 WRITERS = """
 import json, sys
 from pathlib import Path
-from bench_ingest import raw_write
+from benchmarks.speed.storage import raw_write
 raw_write(Path(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3]), writeback=True)
 """
 
@@ -450,7 +445,7 @@ def measure_lease(args, work: Path) -> dict:
     sizes = writer_file_sizes(args.writers, args.writer_gb)
     writer = subprocess.Popen(
         [sys.executable, "-c", WRITERS, str(work), json.dumps(sizes), str(args.writers)],
-        cwd=Path(__file__).resolve().parent,
+        cwd=REPO_ROOT,
     )
     started = time.perf_counter()
     try:

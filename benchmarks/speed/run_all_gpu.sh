@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU benchmark in one go, sized to finish within 9 minutes on one H200.
 #
-#   bash benchmarks/run_all_gpu.sh OUT_DIR        (from the repository root)
+#   bash benchmarks/speed/run_all_gpu.sh OUT_DIR        (from the repository root)
 #
 # Installs the wheels carried in .whl/ (packages the GPU image lacks, e.g. jsonschema), then runs
 # bench_extraction (8B shape), bench_dump_gpu, bench_sglang_hook, bench_ingest, bench_validate
@@ -12,7 +12,7 @@
 set -u -o pipefail
 
 if [ $# -ne 1 ]; then
-    echo "usage: bash benchmarks/run_all_gpu.sh OUT_DIR" >&2
+    echo "usage: bash benchmarks/speed/run_all_gpu.sh OUT_DIR" >&2
     exit 2
 fi
 OUT=$1
@@ -65,18 +65,18 @@ step() {
     [ "$rc" -ne 0 ] && FAILED+=("$name(rc=$rc)")
 }
 
-step extraction 290 python3 -u benchmarks/bench_extraction.py --tokens 600000 --chunk-mb 1024 \
+step extraction 290 python3 -u -m benchmarks.speed.extraction --tokens 600000 --chunk-mb 1024 \
     --shard-gb 10 --parallel-shards 2 --variants auto:2:shm --work-root "$SCRATCH" \
     --out "$OUT/extraction.json"
-step dump_gpu 50 python3 -u benchmarks/bench_dump_gpu.py \
+step dump_gpu 50 python3 -u -m benchmarks.speed.dump_gpu \
     --batches 12 --repeats 3 --out "$OUT/dump_gpu.json"
-step sglang_hook 60 python3 -u benchmarks/bench_sglang_hook.py \
+step sglang_hook 60 python3 -u -m benchmarks.speed.sglang_hook \
     --tokens 8192 32768 --batches 6 --out "$OUT/sglang_hook.json"
-step ingest 30 python3 -u benchmarks/bench_ingest.py \
+step ingest 30 python3 -u -m benchmarks.speed.ingest \
     --hidden-size 4096 --rows 24 --tokens 2048 --chunk-mb 1024 --repeat 2 --out-dir "$SCRATCH"
-step validate 30 python3 -u benchmarks/bench_validate.py \
+step validate 30 python3 -u -m benchmarks.speed.validate \
     --gb 1.5 --hidden 4096 --repeat 2 --dir "$SCRATCH"
-step train 70 python3 -u benchmarks/bench_train.py \
+step train 70 python3 -u -m benchmarks.speed.train \
     --steps 16 --work-dir "$SCRATCH/train" --out "$OUT/train.json"
 
 if [ ${#FAILED[@]} -eq 0 ]; then

@@ -37,10 +37,10 @@ while the next job runs. `--shard-tokens` bounds a shard by tokens. The results 
 and time plan for the full-size shape (`plan`), also in `--dry-run`, so a command can be checked
 against the machine here before a device call.
 
-    python3 -u benchmarks/bench_sglang_extraction.py --out $OUT/sglang_extraction.json   # H200
-    python3 -u benchmarks/bench_sglang_extraction.py --tokens 5000000 --shard-tokens 1250000 \
+    python3 -u -m benchmarks.speed.sglang_extraction --out $OUT/sglang_extraction.json   # H200
+    python3 -u -m benchmarks.speed.sglang_extraction --tokens 5000000 --shard-tokens 1250000 \
         --parallel-shards 2 --storages shm --verify-delete --out $OUT/scale.json        # H200
-    python3 -u benchmarks/bench_sglang_extraction.py --dry-run --sglang-version 0.5.14 \\
+    python3 -u -m benchmarks.speed.sglang_extraction --dry-run --sglang-version 0.5.14 \\
         --out /tmp/sglang_extraction.json                                  # CPU: no server
 """
 
@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import re
@@ -59,51 +58,43 @@ import sys
 import tempfile
 import time
 import traceback
-import urllib.request
+from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import (  # noqa: E402
-    BREAKDOWN_KEYS,
-    REPO_ROOT,
-    SGLANG_EXTRA_ARGS,
-    GpuUtilisation,
-    add_engine_options,
-    chunk_storage,
+from benchmarks.common import (
     command_line,
-    first_request_summary,
     free_port,
     log,
-    log_between,
     machine_info,
     markdown_table,
-    prefill_batches,
-    prefill_timeline,
-    random_llama,
     ratio,
-    seeded_rows,
-    shard_jobs_in_parallel,
-    split_by_jobs_alive,
-    verify_and_delete,
     working_directory,
-    write_prepared,
     write_results,
 )
-
+from benchmarks.sglang_runs import (
+    SGLANG_EXTRA_ARGS,
+    add_engine_options,
+    bare_command,
+    http_ok,
+    log_between,
+    max_inflight_bytes,
+    pipeline_config,
+    prefill_batches,
+    shm_free_gb,
+    stop_group,
+    tail,
+)
+from benchmarks.speed.shard_runs import BREAKDOWN_KEYS, GpuUtilisation, shard_jobs_in_parallel
+from benchmarks.speed.storage import chunk_storage
+from benchmarks.toy_targets.llama import SHAPES, random_llama
+from benchmarks.toy_targets.rows import seeded_rows, write_prepared
+from benchmarks.toy_targets.word_tokenizer import save_word_tokenizer
 from eaglepipe.core.run import AUTO_INFLIGHT_REQUESTS  # noqa: E402
 
-SHAPES = {
-    "8b": dict(
-        hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336, vocab=128256, max_pos=8192
-    ),
-    "tiny": dict(
-        hidden=64, layers=8, heads=4, kv_heads=2, intermediate=176, vocab=512, max_pos=2048
-    ),
-}
 GOALS = {"shm_vs_bare": 0.95, "shm_vs_bare_at_least": 0.90, "disk_vs_ceiling": 0.95}
 WARMUP_ROWS = 32
 HOOK_LINE = re.compile(
@@ -240,6 +231,122 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+# ----------------------------------------------------------------------------- the jobs
+
+
+JOB_START_STEPS = ("entered_s", "lease_asked_s", "leased_s", "first_request_s", "lease_via")
+
+
+def first_request_summary(manifests: list[dict]) -> dict | None:
+    """The jobs' start-up, from their manifests (`timing.first_request_s`: process start to
+    first request): sum, median and max over the shards, None where none records it; with the
+    medians of its steps where the manifests record them (extraction: `entered_s`, the
+    library's code entered after interpreter and imports; `lease_asked_s`, the shard's rows
+    read and its chunks planned; `leased_s`, the server's lease held) and how many leases had
+    the server's info each way (`lease_via`: started it, another job's answer note, asked);
+    `jobs`: each job's own steps, in the order given."""
+    timings = [m.get("timing", {}) for m in manifests]
+    values = sorted(t["first_request_s"] for t in timings if t.get("first_request_s") is not None)
+    if not values:
+        return None
+    summary = {
+        "shards": len(values),
+        "sum_s": round(sum(values), 3),
+        "median_s": values[len(values) // 2],
+        "max_s": values[-1],
+    }
+    for step in ("entered_s", "lease_asked_s", "leased_s"):
+        steps = sorted(t[step] for t in timings if t.get(step) is not None)
+        if steps:
+            summary[f"{step[:-2]}_median_s"] = steps[len(steps) // 2]
+    via = Counter(t["lease_via"] for t in timings if t.get("lease_via"))
+    if via:
+        summary["lease_via"] = dict(sorted(via.items()))
+    # Each job's own steps, in the order given (the plan's): a first wave that starts together
+    # and a job that starts beside running ones can differ, which medians hide.
+    births = [m["job_window"][0] for m in manifests if m.get("job_window")]
+    summary["jobs"] = []
+    for manifest, timing in zip(manifests, timings, strict=True):
+        if timing.get("first_request_s") is None:
+            continue
+        job = {"shard": manifest.get("shard")}
+        if manifest.get("job_window"):  # its process start after the first job's
+            job["started_s"] = round(manifest["job_window"][0] - min(births), 3)
+        job.update({k: timing[k] for k in JOB_START_STEPS if timing.get(k) is not None})
+        summary["jobs"].append(job)
+    return summary
+
+
+def verify_and_delete(shard_dir: Path, manifest: dict) -> dict:
+    """The validation stage's integrity check of a finished shard (every chunk present with its
+    size, re-hashed against the manifest, none unlisted), then the shard deleted: a benchmark
+    that writes more than the storage holds keeps only the shards in progress. Returns what was
+    checked; raises on a failed check (the shard is kept for a look)."""
+    from eaglepipe.validate.integrity import (
+        check_chunk_checksum,
+        check_chunk_file,
+        check_no_stray_chunks,
+        read_manifest,
+    )
+
+    started = time.perf_counter()
+    shard = manifest["shard"]
+    listed = read_manifest(shard_dir, shard)
+    for entry in listed["chunks"]:
+        check_chunk_file(shard_dir, shard, entry)
+        check_chunk_checksum(shard_dir, shard, entry)
+    check_no_stray_chunks(shard_dir, shard, listed)
+    shutil.rmtree(shard_dir)
+    manifest["verified"] = {
+        "chunks": len(listed["chunks"]),
+        "bytes": listed["num_bytes"],
+        "seconds": round(time.perf_counter() - started, 3),
+    }
+    return manifest["verified"]
+
+
+def prefill_timeline(log_text: str) -> list[tuple[float, int]]:
+    """(epoch second, tokens) of each prefill batch whose log line carries a timestamp."""
+    return [(b["at"], b["tokens"]) for b in prefill_batches(log_text) if b["at"] is not None]
+
+
+def split_by_jobs_alive(
+    windows: Sequence[Sequence[float]],
+    gpu_points: Sequence[tuple[float, int]],
+    prefill_points: Sequence[tuple[float, int]],
+) -> dict:
+    """A run's whole seconds grouped by how many shard-job processes were alive at mid-second:
+    per group the seconds, the tokens the server prefilled in them (from its log, to the
+    second) and the mean GPU utilisation. It separates the steady state (every job slot busy)
+    from the start-up, turnover and tail of the run."""
+    if not windows:
+        return {}
+    first = int(min(start for start, _ in windows))
+    last = int(max(end for _, end in windows))
+    groups: dict[int, dict] = {}
+    second_group: dict[int, dict] = {}
+    for second in range(first, last + 1):
+        alive = sum(1 for start, end in windows if start <= second + 0.5 < end)
+        group = groups.setdefault(alive, {"seconds": 0, "prefill_tokens": 0, "util": []})
+        group["seconds"] += 1
+        second_group[second] = group
+    for when, tokens in prefill_points:
+        if int(when) in second_group:
+            second_group[int(when)]["prefill_tokens"] += tokens
+    for when, util in gpu_points:
+        if int(when) in second_group:
+            second_group[int(when)]["util"].append(util)
+    return {
+        str(alive): {
+            "seconds": g["seconds"],
+            "prefill_tokens": g["prefill_tokens"],
+            "prefill_tokens_per_s": round(g["prefill_tokens"] / g["seconds"], 1),
+            "gpu_util_mean_pct": round(sum(g["util"]) / len(g["util"]), 1) if g["util"] else None,
+        }
+        for alive, g in sorted(groups.items(), reverse=True)
+    }
+
+
 # ----------------------------------------------------------------------------- storage
 
 
@@ -269,37 +376,7 @@ def raw_write(directory: Path, gigabytes: float) -> dict:
             "gb_per_s": round(written / seconds / 1e9, 3)}  # fmt: skip
 
 
-def shm_free_gb() -> float:
-    shm = Path("/dev/shm")
-    if not (shm.is_dir() and os.access(shm, os.W_OK)):
-        return 0.0
-    return shutil.disk_usage(shm).free / 1e9
-
-
 # ----------------------------------------------------------------------------- configs
-
-
-def save_word_tokenizer(model_dir: Path, vocab: int, chat_template: str | None = None) -> None:
-    """A tokenizer covering the whole vocabulary (SGLang's server loads one at start; the rows
-    are sent as token ids), as the 0.5.14 throughput run on the H200 used; with `chat_template`
-    (a Jinja template) for tools that render conversations (SpecForge's generator)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"t{i}": i for i in range(3, vocab)}
-    backend = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-        pad_token="<unk>", model_max_length=8192,
-    )  # fmt: skip
-    if chat_template is not None:
-        tokenizer.chat_template = chat_template
-    tokenizer.save_pretrained(model_dir)
-    settings_path = model_dir / "tokenizer_config.json"
-    settings = json.loads(settings_path.read_text())
-    settings["tokenizer_class"] = "PreTrainedTokenizerFast"
-    settings_path.write_text(json.dumps(settings, indent=2))
 
 
 # The lent H200 (KINDS: 128 GiB of /dev/shm, 64 GiB of disk) and what tools/h200.sh leaves this
@@ -396,87 +473,7 @@ def rows_per_shard_for(rows, args, shape) -> int:
     return max(1, min(len(rows), -(-shard_token_bound(args, shape) // int(row_tokens))))
 
 
-def pipeline_config(
-    run_dir: Path, model_dir: Path, dataset: Path, rows_per_shard: int, args
-) -> dict:
-    from eaglepipe.core.config import validate_config
-    from eaglepipe.core.config_files import load_config
-
-    dump_parent = "/dev/shm" if shm_free_gb() > 8 else str(run_dir)
-    config = load_config(REPO_ROOT / "config.yaml")
-    config["model"]["path"] = str(model_dir)
-    config["dataset"]["path"] = str(dataset)
-    config["shards"].update(
-        rows_per_shard=rows_per_shard, chunk_max_bytes=max(4096, int(args.chunk_mb * 2**20))
-    )
-    config["server"].update(
-        engine=args.engine,
-        dtype="bfloat16" if args.engine == "sglang" else "float32",
-        device="auto" if args.engine == "sglang" else "cpu",
-        port=free_port(),
-        dump_root=tempfile.mkdtemp(prefix="eaglepipe-bench-sglang-dumps-", dir=dump_parent),
-        health_timeout_s=int(args.health_s),
-        idle_timeout_s=900,
-        sglang={
-            "tp_size": 1,
-            "mem_fraction_static": args.mem_fraction_static,
-            "extra_args": list(SGLANG_EXTRA_ARGS),
-        },
-    )
-    # Bounded per job (by default) so that the jobs' dumps, the chunks and the model fit on
-    # /dev/shm; each variant sets its own.
-    config["extract"].update(
-        max_inflight_requests=args.inflight_requests,
-        max_inflight_bytes=max_inflight_bytes(args.inflight_gb_variants[0]),
-        chunk_writeback_mb=args.writeback_variants[0],
-    )
-    return validate_config(config)
-
-
-def bare_command(
-    config: dict, sglang_version: str | None = None, *, capture: bool = False
-) -> tuple[list[str], dict]:
-    """The launcher's command without the hook and the capture; every other flag the same.
-    With `capture`, only without the hook: SGLang computes the aux hidden states and nothing
-    takes them (what the capture alone costs a prefill)."""
-    from eaglepipe.core.run import resolve
-    from eaglepipe.server.sglang import launch_command
-    from eaglepipe.server.sglang_plugin import CAPTURE_ENV
-
-    argv, env = launch_command(
-        resolve(config), host=config["server"]["host"], port=config["server"]["port"],
-        dump_dir=Path(config["server"]["dump_root"]) / "bare", instance_id="bare",
-        sglang_version=sglang_version,
-    )  # fmt: skip
-    if capture:
-        hook_at = argv.index("--forward-hooks")
-        return argv[:hook_at] + argv[hook_at + 2 :], env
-    bare, i = [], 0
-    while i < len(argv):
-        token = argv[i]
-        if token in ("--forward-hooks", "--speculative-algorithm"):
-            i += 2
-        elif token == "--enable-return-aux-hidden-states":
-            i += 1
-        elif token == "--return-aux-hidden-state-layer-ids":
-            i += 1
-            while i < len(argv) and not argv[i].startswith("--"):
-                i += 1
-        else:
-            bare.append(token)
-            i += 1
-    return bare, {**env, CAPTURE_ENV: ""}
-
-
 # ----------------------------------------------------------------------------- bare SGLang
-
-
-def http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=3) as response:
-            return response.status == 200
-    except OSError:
-        return False
 
 
 async def send_rows(url: str, rows, inflight: int, tag: str) -> dict:
@@ -507,33 +504,6 @@ async def send_rows(url: str, rows, inflight: int, tag: str) -> dict:
         await asyncio.gather(*(one(i, ids, session) for i, ids in enumerate(rows)))
         seconds = time.perf_counter() - started
     return {"answered": answered, "errors": errors[:5], "seconds": round(seconds, 3)}
-
-
-def group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def stop_group(proc: subprocess.Popen) -> None:
-    """SIGTERM the server's whole process group (its schedulers too), SIGKILL what is left;
-    return once none of it runs, so the GPU memory is free for the next server."""
-    for sig, wait in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 15.0)):
-        if not group_alive(proc.pid):
-            break
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            proc.poll()  # reap the leader, so the group can empty
-            if not group_alive(proc.pid):
-                break
-            time.sleep(0.2)
-    proc.poll()
 
 
 def run_bare(
@@ -575,13 +545,6 @@ def run_bare(
         stop_group(proc)
         result["server_log_tail"] = tail(log_path, 15)
     return result
-
-
-def tail(path: Path, lines: int = 20) -> list[str]:
-    try:
-        return path.read_text(errors="replace").splitlines()[-lines:]
-    except FileNotFoundError:
-        return []
 
 
 def batch_summary(batches: list[dict]) -> dict:
@@ -633,16 +596,6 @@ def hook_delta(now: dict | None, before: dict | None) -> dict | None:
         "mean_ms": round(total_ms / batches, 3),
         "max_ms": now["max_ms"],
     }
-
-
-def max_inflight_bytes(gb: str) -> int | None:
-    """extract.max_inflight_bytes for an `--inflight-gb` value (None: the pipeline's default);
-    ValueError for anything but `auto` or a positive number."""
-    if gb == "auto":
-        return None
-    if not 0 < float(gb) < float("inf"):  # NaN fails too
-        raise ValueError(gb)
-    return int(float(gb) * 2**30)
 
 
 def variant_settings(args) -> list[tuple[str, int, str, int]]:
@@ -1024,7 +977,7 @@ def main(argv=None) -> int:
         )
         shutil.rmtree(work, ignore_errors=True)
         raise SystemExit(
-            f"bench_sglang_extraction.py: the run does not fit the lent machine ({over} at "
+            f"benchmarks.speed.sglang_extraction: the run does not fit the lent machine ({over} at "
             "once): fewer --tokens, smaller --shard-tokens, fewer --parallel-shards or a lower "
             "--inflight-gb"
         )

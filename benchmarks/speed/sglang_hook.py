@@ -22,6 +22,7 @@ small sizes on CPU as a smoke check. Ratios are measured within one run; nothing
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import sys
@@ -35,8 +36,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT / "patch"))
+# The hook as SGLang finds it: a top-level module of patch/ (the launcher puts patch/ on the
+# server's PYTHONPATH), loaded here from its file.
+HOOK_FILE = Path(__file__).resolve().parents[2] / "patch" / "eaglepipe_hook.py"
 
 
 class LogitsProcessorStandIn(nn.Module):
@@ -60,7 +62,12 @@ def load_hook(dump_dir: Path, aux_ids: list[int], prefix: str):
     for name in ("sglang", "sglang.srt"):
         sys.modules.setdefault(name, types.ModuleType(name))
     sys.modules["sglang.srt.runtime_context"] = runtime_context
-    import eaglepipe_hook
+    eaglepipe_hook = sys.modules.get("eaglepipe_hook")
+    if eaglepipe_hook is None:
+        loader = importlib.util.spec_from_file_location("eaglepipe_hook", HOOK_FILE)
+        eaglepipe_hook = importlib.util.module_from_spec(loader)
+        sys.modules["eaglepipe_hook"] = eaglepipe_hook
+        loader.loader.exec_module(eaglepipe_hook)
 
     from eaglepipe.server.sglang import hook_spec
 

@@ -28,9 +28,9 @@ concurrency (the jobs split it): where the server saturates, and the pipeline's 
 SGLang's decode log lines give the running batch size and SGLang's own generation throughput
 in each run. JSON to --out, a markdown table beside it.
 
-    python3 -u benchmarks/bench_sglang_regeneration.py --out $OUT/sglang_regeneration.json  # H200
-    python3 -u benchmarks/bench_sglang_regeneration.py --engine reference --out /tmp/r.json  # CPU
-    python3 -u benchmarks/bench_sglang_regeneration.py --dry-run --sglang-version 0.5.14 \\
+    python3 -u -m benchmarks.speed.sglang_regeneration --out $OUT/sglang_regeneration.json  # H200
+    python3 -u -m benchmarks.speed.sglang_regeneration --engine reference --out /tmp/r.json  # CPU
+    python3 -u -m benchmarks.speed.sglang_regeneration --dry-run --sglang-version 0.5.14 \\
         --out /tmp/r.json                                                  # commands only
 """
 
@@ -52,46 +52,33 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_sglang_extraction import (  # noqa: E402
-    SHAPES,
+from benchmarks.common import (
+    REPO_ROOT,
+    command_line,
+    free_port,
+    log,
+    machine_info,
+    markdown_table,
+    ratio,
+    working_directory,
+    write_results,
+)
+from benchmarks.sglang_runs import (
+    SGLANG_EXTRA_ARGS,
+    add_engine_options,
     bare_command,
     http_ok,
-    save_word_tokenizer,
+    log_between,
+    planned_sglang_commands,
     shm_free_gb,
     stop_group,
     tail,
 )
-from common import (  # noqa: E402
-    REPO_ROOT,
-    SGLANG_EXTRA_ARGS,
-    GpuUtilisation,
-    add_engine_options,
-    command_line,
-    free_port,
-    log,
-    log_between,
-    machine_info,
-    markdown_table,
-    planned_sglang_commands,
-    random_llama,
-    ratio,
-    shard_jobs_in_parallel,
-    working_directory,
-    write_results,
-)
-
+from benchmarks.speed.shard_runs import GpuUtilisation, shard_jobs_in_parallel
+from benchmarks.toy_targets.llama import SHAPES, random_llama
+from benchmarks.toy_targets.word_tokenizer import TEMPLATE_TOKENS, save_chat_tokenizer
 from eaglepipe.server import sglang as recipe  # noqa: E402
 
-# Chat markers: word tokens, so the template renders to exactly 3 tokens around the content.
-USER_MARK, END_MARK, ASSISTANT_MARK = "t100", "t101", "t102"
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{% if m['role'] == 'user' %}" + USER_MARK + " {% else %}"
-    + ASSISTANT_MARK + " {% endif %}{{ m['content'] }} " + END_MARK + " {% endfor %}"
-    "{% if add_generation_prompt %}" + ASSISTANT_MARK + " {% endif %}"
-)  # fmt: skip
-TEMPLATE_TOKENS = 3  # user mark, end mark, assistant mark
 # Flags the launcher adds because the capture needs them; a stock server runs without them.
 CAPTURE_ONLY_FLAGS = recipe.CAPTURE_ONLY_FLAGS
 _DECODE_LINE = re.compile(
@@ -147,14 +134,6 @@ def concurrencies(args) -> list[int]:
 
 
 # ----------------------------------------------------------------------------- inputs
-
-
-def save_chat_tokenizer(model_dir: Path, vocab: int) -> None:
-    save_word_tokenizer(model_dir, vocab)
-    settings_path = model_dir / "tokenizer_config.json"
-    settings = json.loads(settings_path.read_text())
-    settings["chat_template"] = CHAT_TEMPLATE
-    settings_path.write_text(json.dumps(settings, indent=2))
 
 
 def write_conversations(path: Path, rows: int, prompt_tokens: int, vocab: int, seed: int) -> None:

@@ -7,14 +7,14 @@ states written with the project's shard writer, validation reports and a draft v
 then runs the real training loop (eaglepipe.drafter.train) for --steps steps and reports, from
 its per-step log, tokens/s and the fraction of step time spent waiting on the data loader.
 
-    python -u benchmarks/bench_train.py                  # Llama-3.1-8B shape (GPU)
-    python -u benchmarks/bench_train.py --tiny           # the toy shape, CPU-sized
-    python -u benchmarks/bench_train.py --run-dir RUN --model-dir MODEL   # a run's own shards
+    python -u -m benchmarks.speed.train                  # Llama-3.1-8B shape (GPU)
+    python -u -m benchmarks.speed.train --tiny           # the toy shape, CPU-sized
+    python -u -m benchmarks.speed.train --run-dir RUN --model-dir MODEL   # a run's own shards
 
 With --run-dir the shards are a run's own (its prepared table and hidden_states/*/manifest.json,
 the caller having checked them: a report is written for each, as the validate stage would) and
 the target is --model-dir; the 8B shape's batch tokens and draft vocabulary stay, the row length
-is the table's longest row. benchmarks/bench_specforge_scale.py trains so on the rows it
+is the table's longest row. benchmarks/studies/specforge/scale.py trains so on the rows it
 extracted through SGLang, beside `specforge train` on SpecForge's features of the same rows.
 
 Results go to stdout and --out (JSON); BENCHMARKS.md records the GPU numbers.

@@ -13,7 +13,7 @@ prepared table), then measures in one run:
 The files were just written, so they are likely in the page cache: the numbers are CPU
 throughput of the checks, a disk would be the bound. Ratios to the raw read are printed.
 
-    python -u benchmarks/bench_validate.py [--gb 1.0] [--hidden 4096] [--chunk-mb 256]
+    python -u -m benchmarks.speed.validate [--gb 1.0] [--hidden 4096] [--chunk-mb 256]
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from eaglepipe.extract.chunk_file import RowTensors, plan_chunks, write_chunk
 from eaglepipe.extract.shard_files import build_manifest, write_manifest
 from eaglepipe.validate import ShardPaths, expected_provenance, validate_shard, verify_all
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 8 << 20
 
 

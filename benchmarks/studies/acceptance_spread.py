@@ -4,7 +4,7 @@ closely the offline walk follows it (issue 26, item 2: a `live_prompts` that giv
 figure).
 
     python scripts/live_acceptance.py --config CONFIG_WITH_LIVE_PROMPTS_200 ... --out live_all.json
-    python benchmarks/acceptance_spread.py --live live_all.json --eval drafter/eval.json \\
+    python -m benchmarks.studies.acceptance_spread --live live_all.json --eval drafter/eval.json \\
         --sizes 8,16,32,64 --draws 2000 --out spread.json
 
 The live run should cover every eligible held-out turn (`evaluate.live_prompts` at least their
@@ -25,9 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import log, markdown_table, write_results  # noqa: E402
+from benchmarks.common import log, markdown_table, write_results
 
 
 def per_turn(live: dict, evaluation: dict) -> tuple[np.ndarray, np.ndarray]:

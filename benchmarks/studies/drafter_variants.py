@@ -11,10 +11,10 @@ export/, live.json, result.json); a variant whose result.json exists is read bac
 redone (delete its directory to redo it; one trained for other epochs is redone). The table
 goes to stdout and --out/summary.json.
 
-    python -u benchmarks/bench_drafter_variants.py --run-dir <run>
-    python -u benchmarks/bench_drafter_variants.py --run-dir <run> --variants plain,mla
-    python -u benchmarks/bench_drafter_variants.py --run-dir <run> --seeds 1,2
-    python -u benchmarks/bench_drafter_variants.py --run-dir <run> --epochs 2   # a quicker CPU run
+    python -u -m benchmarks.studies.drafter_variants --run-dir <run>
+    python -u -m benchmarks.studies.drafter_variants --run-dir <run> --variants plain,mla
+    python -u -m benchmarks.studies.drafter_variants --run-dir <run> --seeds 1,2
+    python -u -m benchmarks.studies.drafter_variants --run-dir <run> --epochs 2  # quicker, CPU
 
 `--seeds` trains each variant once per `train.seed` (another seed: another initialisation and
 batch order), into --out/<name>-seed<k>/; without it the run's own seed is used, so the plain

@@ -18,13 +18,14 @@ each run's own drafter/eval.json and drafter/live.json, the pipeline's wall time
 regeneration stage's output tokens and tokens/s per shard job.
 
 `--overrides FILE` merges a YAML file over the config (the H200's SGLang engine and toy:
-benchmarks/h200_regeneration.yaml, through `bash tools/h200.sh regen-acceptance OUT`);
+benchmarks/studies/h200_regeneration.yaml, through `bash tools/h200.sh regen-acceptance OUT`);
 `--parallel` runs the two pipelines at once (cores split between them); `--cross-live 0` leaves
 out the two extra live passes (each run's own drafter/live.json is still reported).
 
-    python -u benchmarks/bench_regeneration.py --work-root /tmp/regen-bench \
+    python -u -m benchmarks.studies.regeneration_acceptance --work-root /tmp/regen-bench \
         --out benchmarks/results/regeneration_cpu.json          # the embedded default
-    python -u benchmarks/bench_regeneration.py --quick --work-root /tmp/q --out /tmp/q.json
+    python -u -m benchmarks.studies.regeneration_acceptance --quick --work-root /tmp/q \
+        --out /tmp/q.json
 
 `--quick`: 40 rows, 10 per shard, a 20-step toy, 2 epochs, 32 new tokens per reply (a check that
 the benchmark runs, not a measurement). A finished run directory is reused (snakemake finds
@@ -46,9 +47,7 @@ from pathlib import Path
 
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import (  # noqa: E402
+from benchmarks.common import (
     REPO_ROOT,
     command_line,
     free_port,
@@ -58,7 +57,6 @@ from common import (  # noqa: E402
     markdown_table,
     write_results,
 )
-
 from eaglepipe.core.config import merge_config  # noqa: E402
 
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]  # also where snakemake has no script on PATH

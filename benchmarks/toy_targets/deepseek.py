@@ -4,10 +4,10 @@
 The embedded default's toy target is a Llama; an MLA draft layer needs a target with MLA
 attention. This builds one the same way (the toy's byte-level BPE tokenizer, the same short
 seeded pre-training on the same conversations, `eaglepipe.data.toy_target.pretrain`) so a
-pipeline run with `model.path` set to it gives `bench_drafter_variants.py --variants plain,mla`
-a learnable target:
+pipeline run with `model.path` set to it gives the drafter-variants study
+(`benchmarks.studies.drafter_variants --variants plain,mla`) a learnable target:
 
-    python -u benchmarks/deepseek_toy_target.py --corpus data/sample/conversations.jsonl \
+    python -u -m benchmarks.toy_targets.deepseek --corpus data/sample/conversations.jsonl \
         --out /tmp/deepseek-toy [--tokenizer-from <run>/models/toy-target] [--device cuda]
 
 Without --tokenizer-from the toy's tokenizer is trained here on the corpus, as the embedded
@@ -16,19 +16,20 @@ heads, vocab of the tokenizer) with DeepSeek-V3's MLA (q_lora_rank 64, kv_lora_r
 128, qk_rope 64, v 128; `--shape` sets hidden and the five MLA sizes). Its layers are dense unless
 `--moe` (DeepSeek-V3's MoE after the first layer): transformers' MoE trains about 10x slower on
 a CPU, and the draft layer's own MLP is dense either way. config.json also gets the keys SGLang
-0.5.14 reads without a default (`common.SGLANG_DEEPSEEK_KEYS`), so SGLang serves the directory
+0.5.14 reads without a default (`SGLANG_DEEPSEEK_KEYS`), so SGLang serves the directory
 as it is (`tools/h200.sh pipeline-mla`).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import torch
-from common import add_sglang_deepseek_keys
 from transformers import AutoTokenizer, DeepseekV3Config, DeepseekV3ForCausalLM
 
+from eaglepipe.core.atomic import atomic_write_json
 from eaglepipe.data.dataset import read_conversations
 from eaglepipe.data.toy_target import (
     corpus_texts,
@@ -38,6 +39,27 @@ from eaglepipe.data.toy_target import (
 )
 
 TOKENIZER_VOCAB = 512  # the embedded default's model.toy.vocab_size
+
+# Keys real DeepSeek-V3 config.json files carry that transformers' DeepseekV3Config does not
+# save; SGLang 0.5.14 (and 0.5.18) reads moe_layer_freq and topk_method without a default.
+SGLANG_DEEPSEEK_KEYS = {
+    "moe_layer_freq": 1,
+    "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid",
+    "ep_size": 1,
+}
+
+
+def add_sglang_deepseek_keys(model_dir: Path) -> dict:
+    """Write SGLANG_DEEPSEEK_KEYS into a saved DeepSeek-V3 checkpoint's config.json (those it
+    lacks); returns the config as saved."""
+    config_path = Path(model_dir) / "config.json"
+    saved = json.loads(config_path.read_text())
+    saved.update({k: v for k, v in SGLANG_DEEPSEEK_KEYS.items() if k not in saved})
+    atomic_write_json(config_path, saved)
+    return saved
+
+
 # DeepSeek-V3's own MLA sizes at the toy's width: the shape SGLang 0.5.14 served through the
 # whole pipeline on the H200 (2026-12-04). Smaller ones failed there: 32 + 8 and 64 + 16 in the
 # Triton MLA decode kernel at start (eaglepipe.drafter.variants.triton_mla_decode_fits), 48 + 16

@@ -3,12 +3,12 @@
 SGLang's model runner, in-process), on the staged H200 machine (issue 27).
 
     python3 -m torch.distributed.run --standalone --nproc_per_node 1 \\
-        benchmarks/specforge_capture.py --template-json toy.json \\
+        benchmarks/studies/specforge/capture.py --template-json toy.json \\
         --script .whl-specforge/prepare_hidden_states.py -- [the script's own arguments]
 
 Two things SpecForge's script cannot do by itself there, done before it runs:
 
-- register the target's chat template (the JSON bench_specforge.py writes) in SpecForge's
+- register the target's chat template (the JSON compare.py writes) in SpecForge's
   template registry, so `--chat-template <its name>` finds it: the toy target's template is not
   one SpecForge ships;
 - with EAGLEPIPE_SGLANG_SLIM_FLASHINFER=1 (tools/h200.sh sets it: the staged flashinfer has no
@@ -33,9 +33,7 @@ def main() -> None:
     parser.add_argument("rest", nargs=argparse.REMAINDER, help="-- then the script's arguments")
     args = parser.parse_args()
     rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from specforge_hf_features import register_template
+    from benchmarks.studies.specforge.hf_features import register_template
 
     name = register_template(args.template_json)
     print(f"[specforge_capture] chat template {name!r} registered", file=sys.stderr, flush=True)

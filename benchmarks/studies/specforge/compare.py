@@ -4,26 +4,26 @@ training rows, the same number of epochs, and both drafters served by the same S
 the same live harness (issue 27).
 
     bash tools/h200.sh specforge $OUT [--seeds 0,1,2] [--epochs 8] [--settings 7/1/8,3/1/4]
-    python3 -u benchmarks/bench_specforge.py --dry-run --out /tmp/sf.json   # commands, here
+    python3 -u -m compare --dry-run --out /tmp/sf.json   # commands, here
 
 Steps, in order; each is recorded in WORK/state.json when it ends, and a later call on the
 warm machine (the same WORK) skips what is done, so a comparison longer than one call's 10
 minutes continues where the last call stopped:
 
-1. pipeline (the first seed): benchmarks/sglang_pipeline_h200.sh, the pipeline part's run
+1. pipeline (the first seed): benchmarks/checks/sglang_pipeline_h200.sh, the pipeline part's run
    (the 128-wide toy, engine sglang), through drafter/eval.json and the SGLang export, with
    `train.epochs` and `train.seed` set. Its export, eval.json and training log are kept under
    WORK/seeds/seed<S>-epochs<E>/eaglepipe/.
 2. specforge-inputs (once, after the first seed's pipeline): the run's train split as
    SpecForge JSONL (held-out rows and rows prepare skipped are left out;
-   benchmarks/specforge_data.py), the target's chat template as SpecForge's template JSON,
+   benchmarks/studies/specforge/data.py), the target's chat template as SpecForge's template JSON,
    checked row by row against the prepared table (SpecForge's masking rule, written here,
    gives the same input_ids and loss mask), a view of the target with the index SpecForge's
    loader wants, and the draft config (the run's aux layers and train.draft_vocab_size, so
    both drafters have the same size).
 3. specforge-features (once): SpecForge's own generator, scripts/prepare_hidden_states.py with
    SGLang in-process (--features sglang), or a transformers forward through SpecForge's own
-   preprocessing (hf, benchmarks/specforge_hf_features.py); the first route of --features that
+   preprocessing (hf, hf_features.py); the first route of --features that
    succeeds is used. Every feature file's tokens and loss mask are then looked up in the
    prepared table.
 4. the trainings, side by side on the one GPU (a toy's training leaves it mostly idle) unless
@@ -66,11 +66,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import REPO_ROOT, log, markdown_table, write_results  # noqa: E402
-from specforge_resume import restore_kit, write_kit  # noqa: E402
-from specforge_steps import (  # noqa: E402
+from benchmarks.common import REPO_ROOT, log, markdown_table, write_results
+from benchmarks.studies.specforge.resume import restore_kit, write_kit
+from benchmarks.studies.specforge.steps import (
     MARGIN_S,
     RECIPE,
     SPECFORGE_WHEELS,
@@ -83,7 +81,6 @@ from specforge_steps import (  # noqa: E402
     step_inputs,
     step_trainings,
 )
-
 from eaglepipe.core.errors import PipelineError  # noqa: E402
 from eaglepipe.drafter.live_run import SpeculativeSetting  # noqa: E402
 
@@ -209,7 +206,8 @@ def step_pipeline(ctx: Context, step: Step) -> dict:
         "EAGLEPIPE_PIPELINE_RESUME": "1" if resume else "0",
     }
     argv = [
-        "bash", str(REPO_ROOT / "benchmarks" / "sglang_pipeline_h200.sh"), str(keep / "pipeline"),
+        "bash", str(REPO_ROOT / "benchmarks" / "checks" / "sglang_pipeline_h200.sh"),
+        str(keep / "pipeline"),
         "--overrides", str(overrides),
         "--rerun-incomplete", "drafter/eval.json", "drafter/export/sglang/config.json",
     ]  # fmt: skip
@@ -520,7 +518,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         type=Path,
         default=None,
         help="after each group, write what a call on another machine needs to go on "
-        "(benchmarks/specforge_resume.py)",
+        "(benchmarks/studies/specforge/resume.py)",
     )
     parser.add_argument(
         "--resume-kit",

@@ -30,8 +30,6 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
-from common import REPO_ROOT  # noqa: F401  (puts the repository on sys.path)
-
 from eaglepipe.core.atomic import atomic_write_bytes, atomic_write_json
 from eaglepipe.core.errors import PipelineError
 from eaglepipe.core.run import RunSpec

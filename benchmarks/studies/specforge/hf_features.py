@@ -14,11 +14,11 @@ What is captured is what SGLang captures for a Llama: for each aux layer id, tha
 layer's output (the residual stream after it, which SGLang reads at the next layer's input),
 concatenated; and the final normed hidden state (what the target's lm_head reads).
 
-    python benchmarks/specforge_hf_features.py --target T --draft-config D.json \\
+    python -m benchmarks.studies.specforge.hf_features --target T --draft-config D.json \\
         --data train.jsonl --template-json toy.json --out FEATURES --max-length 1024 \\
         --cache-dir CACHE [--device cuda] [--batch-size 8]
 
-Needs SpecForge on the path (benchmarks/bench_specforge.py runs it so).
+Needs SpecForge on the path (benchmarks/studies/specforge/compare.py runs it so).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ FILE_GROUP = 2000  # SpecForge's --file-group-size default
 
 
 def register_template(path) -> str:
-    """Register a SpecForge ChatTemplate from the JSON bench_specforge.py writes; its name."""
+    """Register a SpecForge ChatTemplate from the JSON compare.py writes; its name."""
     from specforge.data.template import TEMPLATE_REGISTRY, ChatTemplate
 
     spec = json.loads(Path(path).read_text())

@@ -28,8 +28,7 @@ import sys
 import tarfile
 from pathlib import Path
 
-from specforge_steps import REPO_ROOT, Paths, Step
-
+from benchmarks.studies.specforge.steps import REPO_ROOT, Paths, Step
 from eaglepipe.core.errors import PipelineError
 from eaglepipe.core.fingerprint import hash_file
 

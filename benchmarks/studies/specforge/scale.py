@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
 """SpecForge 0.2 and this pipeline on the 8B-shaped random Llama (bf16), the rows of issue 27
-the toy comparison (bench_specforge.py) could not give: (a) hidden-state generation on the same
+the toy comparison (compare.py) could not give: (a) hidden-state generation on the same
 rows, each killed with `kill -9` at half its rows and run again; (b) training tokens/s of both
 trainers on those features; (c) the two feature sets compared row by row.
 
     bash tools/h200.sh specforge-scale $OUT                  # the H200, one device call
-    python3 -u benchmarks/bench_specforge_scale.py --dry-run --out /tmp/scale.json  # commands
+    python3 -u -m benchmarks.studies.specforge.scale --dry-run --out /tmp/scale.json  # commands
 
-Steps (benchmarks/specforge_scale.py; each recorded in WORK/state.json when it ends, so a later
+Steps (scale_steps.py; each recorded in WORK/state.json when it ends, so a later
 call on the warm machine goes on where one stopped; a step starts only when the time left
 covers its usual length, and only once the steps it needs are done):
 
@@ -22,7 +22,8 @@ covers its usual length, and only once the steps it needs are done):
                     at --kill-at; the jobs again; the shards checked; the server stopped
   fidelity          compare_features on every row both stored
   train-specforge   `specforge train` (its 8B offline recipe, batch 1, TTT 7), --specforge-steps
-  train-eaglepipe   bench_train.py --run-dir on the pipeline's shards, --eaglepipe-steps steps
+  train-eaglepipe   benchmarks.speed.train --run-dir on the pipeline's shards, --eaglepipe-steps
+                    steps
 
 --out gets the JSON and a markdown table beside it after every step. Exit 0 when every step
 is done (the target and both feature sets are then removed unless --keep-data), 3 when some
@@ -36,10 +37,8 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from specforge_scale import run_plan  # noqa: E402
-from specforge_steps import SPECFORGE_WHEELS  # noqa: E402
+from benchmarks.studies.specforge.scale_steps import run_plan
+from benchmarks.studies.specforge.steps import SPECFORGE_WHEELS
 
 
 def default_work_root() -> Path:

@@ -1,4 +1,4 @@
-"""The 8B-shape comparison (specforge_scale.py): (c) the two feature sets compared row by row,
+"""The 8B-shape comparison (scale_steps.py): (c) the two feature sets compared row by row,
 and (b) the training rates read from both trainers' logs."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from specforge_scale_kill import SPECFORGE_FILES
+from benchmarks.studies.specforge.scale_kill import SPECFORGE_FILES
 
 # ---------------------------------------------------------------- (c) the two feature sets
 

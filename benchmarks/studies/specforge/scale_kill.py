@@ -1,4 +1,4 @@
-"""The 8B-shape comparison (specforge_scale.py), (a) after a `kill -9` half-way: when to kill,
+"""The 8B-shape comparison (scale_steps.py), (a) after a `kill -9` half-way: when to kill,
 the kill itself, what each tool's rerun kept and redid, whether the shards are whole, and
 the steady generation rates."""
 
@@ -13,15 +13,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from common import log
-from specforge_steps import (
-    MARGIN_S,
-    Command,
-    Context,
-    StepFailed,
-    show,
-    tail,
-)
+from benchmarks.common import log
+from benchmarks.studies.specforge.steps import MARGIN_S, Command, Context, StepFailed, show, tail
 
 # SpecForge's feature files (written by its prepare_hidden_states.py).
 SPECFORGE_FILES = "rows_*/data_*.ckpt*"

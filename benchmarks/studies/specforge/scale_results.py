@@ -1,10 +1,10 @@
-"""The 8B-shape comparison (specforge_scale.py): its results, as JSON and as the markdown table
+"""The 8B-shape comparison (scale_steps.py): its results, as JSON and as the markdown table
 BENCHMARKS.md takes."""
 
 from __future__ import annotations
 
-from specforge_scale_kill import combined_rate
-from specforge_steps import Context
+from benchmarks.studies.specforge.scale_kill import combined_rate
+from benchmarks.studies.specforge.steps import Context
 
 # ---------------------------------------------------------------- the results
 
@@ -116,7 +116,7 @@ WHAT_WAS_COMPARED = (
 
 
 def write(ctx: Context, step_names: list[str]) -> None:
-    from common import command_line, write_results
+    from benchmarks.common import command_line, write_results
 
     args = ctx.args
     results = {
@@ -168,7 +168,7 @@ def _rate(entry: dict, *keys):
 
 
 def markdown(results: dict) -> str:
-    from common import markdown_table
+    from benchmarks.common import markdown_table
 
     gen = results["generation"]
     sf, ep = gen["specforge"], gen["eaglepipe"]

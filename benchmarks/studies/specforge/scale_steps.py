@@ -1,8 +1,8 @@
 """The rows of issue 27 still open, on the 8B-shaped random Llama (benchmarks/
-bench_specforge_scale.py drives them on the lent H200; nothing here imports SpecForge):
+benchmarks/studies/specforge/scale.py drives them on the lent H200; nothing here imports SpecForge):
 
 (a) hidden-state generation on the same rows: SpecForge 0.2's own generator
-    (scripts/prepare_hidden_states.py, SGLang in-process, as specforge_capture.py runs it)
+    (scripts/prepare_hidden_states.py, SGLang in-process, as capture.py runs it)
     against this pipeline's extraction through its SGLang server (scripts/extract.py shard
     jobs): tokens/s, bytes stored per token, and a `kill -9` at half the rows followed by the
     same command again: what the rerun kept, what it redid, and whether the result is whole
@@ -13,7 +13,7 @@ bench_specforge_scale.py drives them on the lent H200; nothing here imports Spec
 (c) the two feature sets compared row by row (`compare_features`).
 
 The rows: one user turn and one assistant turn of word tokens `t<id>` of the word-level
-tokenizer bench_sglang_extraction.py saves, rendered by a chat template of our own
+tokenizer benchmarks/speed/sglang_extraction.py saves, rendered by a chat template of our own
 (`CHAT_TEMPLATE`): `t3 <user words> t4 <assistant words> t5 `. SpecForge tokenizes the
 rendering and masks by its rule (the reply and its end of turn); the pipeline's prepared table
 holds the same ids and mask, written directly (`scale_rows`). Content ids start at 16, so the
@@ -46,10 +46,19 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from common import REPO_ROOT, log, working_directory
-from specforge_data import draft_config, target_view, write_json, write_specforge_jsonl
-from specforge_scale_compare import compare_features, specforge_step_times, training_rate
-from specforge_scale_kill import (
+from benchmarks.common import REPO_ROOT, log, working_directory
+from benchmarks.studies.specforge.data import (
+    draft_config,
+    target_view,
+    write_json,
+    write_specforge_jsonl,
+)
+from benchmarks.studies.specforge.scale_compare import (
+    compare_features,
+    specforge_step_times,
+    training_rate,
+)
+from benchmarks.studies.specforge.scale_kill import (
     SPECFORGE_FILES,
     KillPlan,
     PipelineWatch,
@@ -66,8 +75,8 @@ from specforge_scale_kill import (
     steady_rate,
     verify_shards,
 )
-from specforge_scale_results import write
-from specforge_steps import (
+from benchmarks.studies.specforge.scale_results import write
+from benchmarks.studies.specforge.steps import (
     SERVING_DTYPE,
     Command,
     Context,
@@ -93,7 +102,7 @@ CHAT_TEMPLATE = (
     "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}t4 {% endif %}"
 )
-# SpecForge's ChatTemplate fields for CHAT_TEMPLATE (registered by specforge_capture.py).
+# SpecForge's ChatTemplate fields for CHAT_TEMPLATE (registered by capture.py).
 TEMPLATE_SPEC = {
     "name": TEMPLATE_NAME,
     "assistant_header": "t4 ",
@@ -104,7 +113,7 @@ TEMPLATE_SPEC = {
 
 
 class ScalePaths(Paths):
-    """specforge_steps.Paths (SpecForge's inputs, features and runs under WORK/specforge-files,
+    """steps.Paths (SpecForge's inputs, features and runs under WORK/specforge-files,
     the pipeline's run under WORK/pipeline-run) and the random target."""
 
     @property
@@ -168,7 +177,7 @@ def note(ctx: Context, name: str, text: str) -> None:
 
 
 def shape() -> dict:
-    from bench_sglang_extraction import SHAPES
+    from benchmarks.toy_targets.llama import SHAPES
 
     return SHAPES["8b"]
 
@@ -182,8 +191,9 @@ def step_model(ctx: Context, step: Step) -> dict:
     if ctx.args.dry_run:
         return {}
     import torch
-    from bench_sglang_extraction import save_word_tokenizer
-    from common import random_llama
+
+    from benchmarks.toy_targets.llama import random_llama
+    from benchmarks.toy_targets.word_tokenizer import save_word_tokenizer
 
     if (paths.model / "config.json").is_file():
         return {"reused": True}
@@ -206,7 +216,7 @@ def step_model(ctx: Context, step: Step) -> dict:
 def step_inputs(ctx: Context, step: Step) -> dict:
     """The same rows for both: SpecForge's JSONL, template JSON, target view and draft config;
     the pipeline's dataset and prepared table with the same ids and loss masks. A few rows are
-    tokenized by SpecForge's rule (specforge_data.specforge_tokenize) with the target's own
+    tokenized by SpecForge's rule (data.specforge_tokenize) with the target's own
     tokenizer and template first: they must give the table's ids and mask. SpecForge's wheels
     are installed here too."""
     paths, args = ctx.paths, ctx.args
@@ -216,9 +226,10 @@ def step_inputs(ctx: Context, step: Step) -> dict:
          f"{paths.run}/prepared/tokenized.parquet; target view {paths.target}")  # fmt: skip
     if not args.dry_run:
         import numpy as np
-        from common import write_prepared
-        from specforge_data import specforge_tokenize
         from transformers import AutoTokenizer
+
+        from benchmarks.studies.specforge.data import specforge_tokenize
+        from benchmarks.toy_targets.rows import write_prepared
 
         rows = scale_rows(args.rows, args.row_tokens, shape()["vocab"], args.seed)
         tokenizer = AutoTokenizer.from_pretrained(paths.model)
@@ -317,12 +328,11 @@ def scale_rows_per_shard(args) -> int:
 
 
 def pipeline_config_for(ctx: Context, model_dir: Path, run_dir: Path, dataset: Path) -> dict:
-    """bench_sglang_extraction.py's server and extraction settings (the flags that ran on the
-    H200), with --shards shards and --chunk-mb chunks."""
+    """The extraction benchmark's server and extraction settings (benchmarks.sglang_runs'
+    pipeline_config: the flags that ran on the H200), with --shards shards and --chunk-mb chunks."""
     from argparse import Namespace
 
-    from bench_sglang_extraction import pipeline_config
-
+    from benchmarks.sglang_runs import pipeline_config
     from eaglepipe.core.config import validate_config
 
     args = ctx.args
@@ -417,9 +427,9 @@ def pipeline_dry_run(ctx: Context, step: Step) -> dict:
     import tempfile
 
     import numpy as np
-    from common import write_prepared
     from transformers import LlamaConfig
 
+    from benchmarks.toy_targets.rows import write_prepared
     from eaglepipe.core.config import write_resolved
     from eaglepipe.core.run import resolve
     from eaglepipe.plan.provenance import shards
@@ -534,11 +544,11 @@ def step_train_specforge(ctx: Context, step: Step) -> dict:
 
 
 def step_train_eaglepipe(ctx: Context, step: Step) -> dict:
-    """benchmarks/bench_train.py (the 8B shape's batch of 16,384 tokens, TTT 7) on the
+    """benchmarks/speed/train.py (the 8B shape's batch of 16,384 tokens, TTT 7) on the
     pipeline's shards of the same rows, --eaglepipe-steps steps."""
     paths, args = ctx.paths, ctx.args
     out = paths.work / "train-eaglepipe.json"
-    argv = [sys.executable, "-u", str(REPO_ROOT / "benchmarks" / "bench_train.py"),
+    argv = [sys.executable, "-u", "-m", "benchmarks.speed.train",
             "--run-dir", str(paths.run), "--model-dir", str(paths.model),
             "--steps", str(args.eaglepipe_steps), "--warmup-steps", str(args.warmup_steps),
             "--work-dir", str(paths.work / "train-eaglepipe"), "--out", str(out)]  # fmt: skip

@@ -1,4 +1,4 @@
-"""SpecForge's side of benchmarks/bench_specforge.py (issue 27), and the command runner both
+"""SpecForge's side of compare.py (issue 27), and the command runner both
 sides share: SpecForge's inputs made from the pipeline's run, its features (its own SGLang
 generator, or a transformers forward through its preprocessing), `specforge train` with its
 offline recipe and `specforge export --to sglang`, each as a step of the comparison.
@@ -27,8 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common import REPO_ROOT, log, working_directory
-
+from benchmarks.common import REPO_ROOT, log, working_directory
 from eaglepipe.drafter.live_run import SpeculativeSetting
 
 SPECFORGE_WHEELS = REPO_ROOT / ".whl-specforge"
@@ -52,7 +51,9 @@ class Paths:
     work: Path
 
     @property
-    def run(self) -> Path:  # sglang_pipeline_h200.sh's run with EAGLEPIPE_H200_ROOT=work
+    def run(
+        self,
+    ) -> Path:  # benchmarks/checks/sglang_pipeline_h200.sh's run with EAGLEPIPE_H200_ROOT=work
         return self.work / "pipeline-run"
 
     @property
@@ -185,7 +186,7 @@ def run_commands(ctx: Context, commands: list[Command]) -> list[int]:
             running.append(
                 subprocess.Popen(
                     command.argv,
-                    cwd=command.cwd,
+                    cwd=command.cwd or REPO_ROOT,  # where `-m benchmarks...` resolves
                     env=command.env,
                     stdout=out,
                     stderr=subprocess.STDOUT,
@@ -247,7 +248,8 @@ def step_inputs(ctx: Context, step: Step) -> dict:
         log(f"[{step.name}] {paths.run}: train rows -> {paths.data}, template -> {paths.template}")
         return {}
     import pandas as pd
-    from specforge_data import (
+
+    from benchmarks.studies.specforge.data import (
         chat_template_spec,
         draft_config,
         target_view,
@@ -256,7 +258,6 @@ def step_inputs(ctx: Context, step: Step) -> dict:
         write_json,
         write_specforge_jsonl,
     )
-
     from eaglepipe.core.run import load_run
     from eaglepipe.data.tokenizer import load_target_tokenizer
 
@@ -349,7 +350,7 @@ def capture_command(ctx: Context, route: str) -> tuple[list[str], dict]:
             shutil.copyfile(args.wheels / "prepare_hidden_states.py", script)
         argv = [
             sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
-            str(REPO_ROOT / "benchmarks" / "specforge_capture.py"),
+            "-m", "benchmarks.studies.specforge.capture",
             "--template-json", str(paths.template), "--script", str(script), "--",
             "--strategy", "eagle3", "--target-model-path", str(paths.target),
             "--draft-model-config", str(paths.draft_config), "--data-path", str(paths.data),
@@ -362,7 +363,7 @@ def capture_command(ctx: Context, route: str) -> tuple[list[str], dict]:
         ]  # fmt: skip
         return argv, specforge_env(paths, capture=True)
     argv = [
-        sys.executable, str(REPO_ROOT / "benchmarks" / "specforge_hf_features.py"),
+        sys.executable, "-m", "benchmarks.studies.specforge.hf_features",
         "--target", str(paths.target), "--draft-config", str(paths.draft_config),
         "--data", str(paths.data), "--template-json", str(paths.template),
         "--out", str(paths.features), "--max-length", max_length,
@@ -391,7 +392,8 @@ def step_features(ctx: Context, step: Step) -> dict:
             continue
         if code == 0 and list(paths.features.glob("rows_*/data_*.ckpt*")):
             import pandas as pd
-            from specforge_data import compare_with_table
+
+            from benchmarks.studies.specforge.data import compare_with_table
 
             table = pd.read_parquet(paths.run / "prepared" / "tokenized.parquet")
             check = compare_with_table(paths.features, table)
