@@ -58,6 +58,19 @@ def load_specforge_stage_tool():
 stage_specforge = load_specforge_stage_tool()
 
 
+def load_device_parts():
+    spec = importlib.util.spec_from_file_location(
+        "device_parts", REPO_ROOT / "tools" / "device_parts.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["device_parts"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+device_parts = load_device_parts()
+
+
 # ------------------------------------------------------------------------------ the wheel list
 
 
@@ -209,6 +222,7 @@ def test_the_project_wheel_builds_with_a_fresh_machines_python(tmp_path):
     fresh Python 3.11 (setuptools 65, no `wheel` package) has no `bdist_wheel`. A new virtual
     environment has that Python's bundled setuptools; the staging's build function, run by it,
     must still give a wheel that registers the SGLang plugin and holds every module."""
+    before = build_outputs_in_checkout()
     fresh = tmp_path / "fresh"
     subprocess.run([sys.executable, "-m", "venv", str(fresh)], check=True, timeout=300)
     python = fresh / "bin" / "python"
@@ -236,7 +250,20 @@ def test_the_project_wheel_builds_with_a_fresh_machines_python(tmp_path):
         )
     modules = {p.relative_to(REPO_ROOT).as_posix() for p in (REPO_ROOT / "eaglepipe").rglob("*.py")}
     assert modules and modules <= names
-    assert not (REPO_ROOT / "build").exists()  # built from a copy, nothing left in the checkout
+    # Built from a copy: nothing made or changed in the checkout (which may hold a build/ of
+    # its own, from a `pip install .`).
+    assert build_outputs_in_checkout() == before
+
+
+def build_outputs_in_checkout() -> dict:
+    """The checkout's top-level names, and every file (size, mtime) where a setuptools build
+    writes into its source tree: build/, dist/, *.egg-info/."""
+    state: dict = {"top": sorted(p.name for p in REPO_ROOT.iterdir())}
+    for folder in [REPO_ROOT / "build", REPO_ROOT / "dist", *REPO_ROOT.glob("*.egg-info")]:
+        for path in sorted(folder.rglob("*")) if folder.is_dir() else []:
+            stat = path.lstat()
+            state[str(path.relative_to(REPO_ROOT))] = (stat.st_size, stat.st_mtime_ns)
+    return state
 
 
 # ------------------------------------------------------------------------------ SpecForge's staging
@@ -424,18 +451,112 @@ def test_the_jit_cache_returned_fits_what_the_next_call_can_carry(tmp_path, limi
 def test_the_runner_refuses_bad_arguments(tmp_path, args):
     done = run_h200(args, REPO_ROOT, tmp_path / "root")
     assert done.returncode == 2
-    assert "check, fidelity, perf, pipeline" in done.stderr or "usage" in done.stderr
+    if args[:1] == ["burn"]:
+        assert f"unknown part 'burn' ({', '.join(device_parts.BY_NAME)})" in done.stderr
+    else:  # the usage, with every part of the table
+        assert "usage" in done.stderr
+        assert all(f"  {name}: " in done.stderr for name in device_parts.BY_NAME)
+    assert not (tmp_path / "root").exists()
 
 
 def test_the_runner_stops_without_staged_wheels(tmp_path):
     repo = tmp_path / "repo"
     (repo / "tools").mkdir(parents=True)
-    shutil.copy(REPO_ROOT / "tools" / "h200.sh", repo / "tools" / "h200.sh")
+    for name in ("h200.sh", "device_parts.py"):
+        shutil.copy(REPO_ROOT / "tools" / name, repo / "tools" / name)
     out = tmp_path / "out"
     done = run_h200(["check", str(out)], repo, tmp_path / "root")
     assert done.returncode == 1
     assert "no staged wheels in" in done.stdout and "tools/stage_sglang.py" in done.stdout
     assert "no staged wheels" in (out / "h200_check.log").read_text()
+
+
+# ------------------------------------------------------------------------------ the parts' table
+
+GOLDEN_PLANS = Path(__file__).parent / "device_parts"
+
+
+def planned_lines(part, tmp_path: Path) -> str:
+    """The part's commands for a call with its whole limit and `--dry-run`, paths under
+    tmp_path written as <TMP> (the golden files' form)."""
+    call = device_parts.Call(
+        part.name, tmp_path / "out", ["--dry-run"], root=tmp_path / "root", repo=tmp_path / "repo",
+        environ={"EAGLEPIPE_SCALE_ROOT": str(tmp_path / "scale")}, cores=2,
+    )  # fmt: skip
+    return "".join(f"{line}\n" for line in device_parts.plan_lines(part, call)).replace(
+        str(tmp_path), "<TMP>"
+    )
+
+
+@pytest.mark.parametrize("part", device_parts.PARTS, ids=lambda part: part.name)
+def test_each_part_plans_the_commands_its_golden_file_pins(tmp_path, part):
+    """What each part of `bash tools/h200.sh PART OUT` runs, its arguments and deadline
+    included: a change to the table shows here, one golden file per part."""
+    golden = GOLDEN_PLANS / f"{part.name}.txt"
+    assert planned_lines(part, tmp_path) == golden.read_text(), golden
+
+
+def test_every_golden_plan_is_a_part_of_the_table():
+    assert sorted(p.stem for p in GOLDEN_PLANS.glob("*.txt")) == sorted(device_parts.BY_NAME)
+
+
+@pytest.mark.parametrize("part", device_parts.PARTS, ids=lambda part: part.name)
+def test_each_part_runs_a_module_or_script_of_the_repository(part):
+    if not part.command:
+        return
+    argv = list(part.command)
+    target = argv[argv.index("-m") + 1] if "-m" in argv else argv[1]
+    path = Path(*target.split(".")).with_suffix(".py") if "-m" in argv else Path(target)
+    assert (REPO_ROOT / path).is_file(), f"{part.name}: {target}"
+    assert part.needs[0] == ".whl-sglang"  # what tools/h200.sh installs for every part
+
+
+def test_a_part_given_too_little_time_is_not_started(tmp_path, capsys):
+    call = device_parts.Call("perf", tmp_path / "out", [], root=tmp_path, budget_s=80)
+    assert device_parts.run_part(device_parts.BY_NAME["perf"], call) == 1
+    assert "only 50s left for perf: not started" in capsys.readouterr().out
+
+
+def test_a_specforge_part_without_its_staged_wheels_names_them(tmp_path, capsys):
+    (tmp_path / ".whl-sglang").mkdir()
+    call = device_parts.Call("specforge", tmp_path / "out", [], root=tmp_path, repo=tmp_path)
+    assert device_parts.run_part(device_parts.BY_NAME["specforge"], call) == 1
+    assert "specforge needs .whl-specforge staged and carried: not started" in (
+        capsys.readouterr().out
+    )
+    assert not (tmp_path / "out").exists() and not (tmp_path / "specforge").exists()
+
+
+def test_a_part_keeps_the_tails_of_the_logs_its_run_left(tmp_path):
+    root = tmp_path / "root"
+    (root / "logs" / "server").mkdir(parents=True)
+    (root / "logs" / "server" / "capture.log").write_text("".join(f"{i}\n" for i in range(500)))
+    (root / "snakemake.log").write_text("one line\n")
+    (root / "model.bin").write_bytes(b"not a log")
+    archive = tmp_path / "tails.tgz"
+    device_parts.keep_log_tails(root, archive)
+    with tarfile.open(archive) as tar:
+        names = sorted(n for n in tar.getnames() if n.endswith(".log"))
+        server = tar.extractfile("./logs/server/capture.log").read().decode().splitlines()
+    assert names == ["./logs/server/capture.log", "./snakemake.log"]
+    assert server == [str(i) for i in range(300, 500)]
+
+
+def test_the_variants_part_keeps_its_results_without_the_weights(tmp_path):
+    variants = tmp_path / "root" / "variants"
+    (variants / "fc_norm" / "checkpoints").mkdir(parents=True)
+    (variants / "fc_norm" / "checkpoints" / "step.pt").write_bytes(b"x")
+    (variants / "fc_norm" / "model.safetensors").write_bytes(b"x")
+    (variants / "fc_norm" / "eval.json").write_text("{}")
+    (variants / "summary.json").write_text('{"results": []}')
+    (tmp_path / "out").mkdir()
+    call = device_parts.Call("variants", tmp_path / "out", [], root=tmp_path / "root")
+    device_parts.keep_variants(call, {})
+    assert (tmp_path / "out" / "variants_summary.json").read_text() == '{"results": []}'
+    with tarfile.open(tmp_path / "out" / "variants_results.tgz") as tar:
+        assert sorted(tar.getnames()) == [
+            "variants", "variants/fc_norm", "variants/fc_norm/eval.json", "variants/summary.json"
+        ]  # fmt: skip
 
 
 # ------------------------------------------------------------------------------ the drivers

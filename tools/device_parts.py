@@ -600,6 +600,7 @@ def main(argv=None) -> int:
         action.add_argument("--root", type=Path, default=Path(DEFAULT_ROOT))
         action.add_argument("--budget-s", type=int, default=DEFAULT_BUDGET_S)
         action.add_argument("--elapsed-s", type=int, default=0)
+        # (the options before PART: everything after OUT is the part's)
         action.add_argument("args", nargs=argparse.REMAINDER, help="-- then the part's arguments")
     args = parser.parse_args(argv)
     if args.action == "names":
@@ -634,9 +635,10 @@ def plan_lines(part: Part, call: Call) -> list[str]:
         extra = ["--overrides", str(call.root / "mla-overrides.yaml")]
     elif part.prepare is specforge_resume_kit:
         extra = specforge_resume_kit(call, values)
-    if part.command:
-        command = planned(part, call, left, extra)
-        lines.append(Planned(under_timeout(command, left), command.env).line())
+    if not part.command:
+        return ["# nothing beyond tools/h200.sh's own import check"]
+    command = planned(part, call, left, extra)
+    lines.append(Planned(under_timeout(command, left), command.env).line())
     return lines
 
 

@@ -172,8 +172,8 @@ assert recipe.capture_mechanism(version) == 'flags' or recipe.plugin_registered(
 }
 
 run_part() {
-    EAGLEPIPE_H200_CALL=$CALL_MARK python3 -u "$PARTS_TABLE" run "$PART" "$OUT" --root "$ROOT" \
-        --budget-s "$BUDGET_S" --elapsed-s "$SECONDS" -- "$@"
+    EAGLEPIPE_H200_CALL=$CALL_MARK python3 -u "$PARTS_TABLE" run --root "$ROOT" \
+        --budget-s "$BUDGET_S" --elapsed-s "$SECONDS" "$PART" "$OUT" -- "$@"
 }
 
 stop_leftovers() {
