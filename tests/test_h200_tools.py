@@ -12,6 +12,7 @@ import io
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -504,7 +505,7 @@ def test_every_golden_plan_is_a_part_of_the_table():
 def test_each_part_runs_a_module_or_script_of_the_repository(part):
     if not part.command:
         return
-    argv = list(part.command)
+    argv = shlex.split(part.command)
     target = argv[argv.index("-m") + 1] if "-m" in argv else argv[1]
     path = Path(*target.split(".")).with_suffix(".py") if "-m" in argv else Path(target)
     assert (REPO_ROOT / path).is_file(), f"{part.name}: {target}"

@@ -83,13 +83,13 @@ class Planned:
 
 @dataclass(frozen=True)
 class Part:
-    """One row of the table. `command` is the part's argv, its `{placeholders}` filled from
+    """One row of the table. `command` is the part's command line, its `{placeholders}` filled from
     `fields` (out, root, repo, deadline, pipeline_limit, and what `extra_fields` adds); the
     call's own arguments follow it (without --dry-run where `drops_dry_run`)."""
 
     name: str
     summary: str
-    command: tuple[str, ...] = ()
+    command: str = ""  # split as a shell splits it, then each word's placeholders filled
     deadline_margin_s: int = 25  # --deadline-s: this much less than the part's limit
     needs: tuple[str, ...] = (".whl-sglang",)
     pipeline_site: bool = True  # the pipeline's transformers ahead of the machine's
@@ -118,7 +118,7 @@ def planned(part: Part, call: Call, left: int, extra: list[str] = ()) -> Planned
     """The part's command for this call, `left` seconds before the call's reserve."""
     values = fields(part, call, left)
     given = [a for a in call.args if not (part.drops_dry_run and a == "--dry-run")]
-    argv = [word.format(**values) for word in part.command] + list(extra) + given
+    argv = [word.format(**values) for word in shlex.split(part.command)] + list(extra) + given
     return Planned(argv, {k: v.format(**values) for k, v in part.env})
 
 
@@ -265,16 +265,17 @@ def specforge_scale_root(call: Call) -> dict:
     return {"scale": str(scale)}
 
 
-MLA_TOY = ("python3", "-u", "-m", "benchmarks.toy_targets.deepseek",
-           "--corpus", "data/sample/conversations.jsonl", "--out", "{root}/deepseek-toy",
-           "--device", "cuda")  # fmt: skip
+MLA_TOY = (
+    "python3 -u -m benchmarks.toy_targets.deepseek --corpus data/sample/conversations.jsonl "
+    "--out {root}/deepseek-toy --device cuda"
+)
 TOY_BUILD_RESERVE_S = 200  # what the pipeline needs after the toy's build
 
 
 def mla_toy_command(call: Call) -> list[str]:
     """The DeepSeek-V3-shaped toy's build; EAGLEPIPE_MLA_TOY_SHAPE=H,Q,KV,NOPE,ROPE,V picks its
     sizes (`--shape`: a shape mla-probe served)."""
-    argv = [word.format(root=call.root) for word in MLA_TOY]
+    argv = [word.format(root=call.root) for word in shlex.split(MLA_TOY)]
     shape = call.environ.get("EAGLEPIPE_MLA_TOY_SHAPE") or "default"
     return argv if shape == "default" else [*argv, "--shape", shape]
 
@@ -317,13 +318,9 @@ def mla_toy_and_overrides(call: Call, values: dict) -> list[str]:
 
 # ---------------------------------------------------------------- the table
 
-PIPELINE = ("bash", "benchmarks/checks/sglang_pipeline_h200.sh", "{out}")
+PIPELINE = "bash benchmarks/checks/sglang_pipeline_h200.sh {out}"
 PIPELINE_ENV = (("EAGLEPIPE_PIPELINE_LIMIT_S", "{pipeline_limit}"),)
 SPECFORGE_NEEDS = (".whl-sglang", ".whl-specforge")
-
-
-def python(module: str, *args: str) -> tuple[str, ...]:
-    return ("python3", "-u", "-m", module, *args)
 
 
 PARTS = [
@@ -331,62 +328,29 @@ PARTS = [
     Part(
         "fidelity",
         "live SGLang dumps vs a transformers forward (Llama, DeepSeek, Kimi)",
-        python(
-            "benchmarks.checks.sglang_fidelity",
-            "--out",
-            "{out}/fidelity.json",
-            "--deadline-s",
-            "{deadline}",
-            "--work-root",
-            "{root}",
-            "--keep",
-        ),
-    ),  # fmt: skip
+        "python3 -u -m benchmarks.checks.sglang_fidelity --out {out}/fidelity.json --deadline-s "
+        "{deadline} --work-root {root} --keep",
+    ),
     Part(
         "perf",
         "the extraction benchmark through SGLang (8B shape)",
-        python(
-            "benchmarks.speed.sglang_extraction",
-            "--out",
-            "{out}/sglang_extraction.json",
-            "--deadline-s",
-            "{deadline}",
-            "--work-root",
-            "/tmp",
-        ),
-    ),  # fmt: skip
+        "python3 -u -m benchmarks.speed.sglang_extraction --out {out}/sglang_extraction.json "
+        "--deadline-s {deadline} --work-root /tmp",
+    ),
     Part(
         "perf-scale",
         "the same at realistic sizes on /dev/shm (5 M tokens, 1.25 M per shard, each shard "
         "verified then deleted; ~8 min)",
-        python(
-            "benchmarks.speed.sglang_extraction",
-            "--preset",
-            "scale-shm",
-            "--out",
-            "{out}/sglang_extraction_scale-shm.json",
-            "--deadline-s",
-            "{deadline}",
-            "--work-root",
-            "/tmp",
-        ),
-    ),  # fmt: skip
+        "python3 -u -m benchmarks.speed.sglang_extraction --preset scale-shm --out "
+        "{out}/sglang_extraction_scale-shm.json --deadline-s {deadline} --work-root /tmp",
+    ),
     Part(
         "perf-scale-disk",
-        "the same on disk (3 M tokens in 0.5 M-token shards, dumps bounded as the pipeline "
-        "does by default; ~7 min)",
-        python(
-            "benchmarks.speed.sglang_extraction",
-            "--preset",
-            "scale-disk",
-            "--out",
-            "{out}/sglang_extraction_scale-disk.json",
-            "--deadline-s",
-            "{deadline}",
-            "--work-root",
-            "/tmp",
-        ),
-    ),  # fmt: skip
+        "the same on disk (3 M tokens in 0.5 M-token shards, dumps bounded as the pipeline does "
+        "by default; ~7 min)",
+        "python3 -u -m benchmarks.speed.sglang_extraction --preset scale-disk --out "
+        "{out}/sglang_extraction_scale-disk.json --deadline-s {deadline} --work-root /tmp",
+    ),
     Part(
         "pipeline",
         "the whole pipeline with engine sglang (snakemake)",
@@ -395,9 +359,9 @@ PARTS = [
     ),
     Part(
         "pipeline-mla",
-        "the pipeline on a DeepSeek-V3-shaped toy target (MLA attention, pre-trained here on "
-        "the GPU; EAGLEPIPE_MLA_TOY_SHAPE=H,Q,KV,NOPE,ROPE,V for other sizes), regeneration "
-        "off (~6 min)",
+        "the pipeline on a DeepSeek-V3-shaped toy target (MLA attention, pre-trained here on the "
+        "GPU; EAGLEPIPE_MLA_TOY_SHAPE=H,Q,KV,NOPE,ROPE,V for other sizes), regeneration off (~6 "
+        "min)",
         PIPELINE,
         env=PIPELINE_ENV,
         prepare=mla_toy_and_overrides,
@@ -406,175 +370,95 @@ PARTS = [
         "mla-probe",
         "which MLA shapes the capture and generation servers serve (--shapes "
         "H,Q,KV,NOPE,ROPE,V;...; ~2.5 min a shape)",
-        python(
-            "benchmarks.checks.sglang_mla_probe",
-            "--out",
-            "{out}/mla_probe.json",
-            "--deadline-s",
-            "{deadline}",
-            "--work-root",
-            "{root}",
-        ),
+        "python3 -u -m benchmarks.checks.sglang_mla_probe --out {out}/mla_probe.json --deadline-s "
+        "{deadline} --work-root {root}",
         finish=keep_mla_probe_logs,
-    ),  # fmt: skip
+    ),
     Part(
         "variants",
         "each drafter variant trained, evaluated, exported and served live on the run the "
         "pipeline part left ([--variants fc_norm,norm_output] [--epochs N]; ~3.5 min each; "
         "EAGLEPIPE_VARIANTS_RUN=DIR: another finished run)",
-        python(
-            "benchmarks.studies.drafter_variants",
-            "--run-dir",
-            "{run}",
-            "--variants",
-            "fc_norm,norm_output",
-            "--out",
-            "{root}/variants",
-        ),
+        "python3 -u -m benchmarks.studies.drafter_variants --run-dir {run} --variants "
+        "fc_norm,norm_output --out {root}/variants",
         extra_fields=variants_run,
         prepare=variants_need_a_run,
         finish=keep_variants,
-    ),  # fmt: skip
+    ),
     Part(
         "live",
-        "scripts/live_acceptance.py on a carried run's files (--config C --export-dir D "
-        "--table T --eval E)",
-        ("python3", "-u", "scripts/live_acceptance.py", "--out", "{out}/live.json"),
+        "scripts/live_acceptance.py on a carried run's files (--config C --export-dir D --table T "
+        "--eval E)",
+        "python3 -u scripts/live_acceptance.py --out {out}/live.json",
     ),
     Part(
         "regen",
         "the regenerate stage vs SGLang's bench_serving, same batch (8B shape)",
-        python(
-            "benchmarks.speed.sglang_regeneration",
-            "--out",
-            "{out}/sglang_regeneration.json",
-            "--deadline-s",
-            "{deadline}",
-            "--work-root",
-            "/tmp",
-        ),
-    ),  # fmt: skip
+        "python3 -u -m benchmarks.speed.sglang_regeneration --out {out}/sglang_regeneration.json "
+        "--deadline-s {deadline} --work-root /tmp",
+    ),
     Part(
         "regen-sweep",
         "the same at 64, 128, 256 requests in flight (~8 min)",
-        python(
-            "benchmarks.speed.sglang_regeneration",
-            "--sweep",
-            "64,128,256",
-            "--out",
-            "{out}/sglang_regeneration_sweep.json",
-            "--deadline-s",
-            "{deadline}",
-            "--work-root",
-            "/tmp",
-        ),
-    ),  # fmt: skip
+        "python3 -u -m benchmarks.speed.sglang_regeneration --sweep 64,128,256 --out "
+        "{out}/sglang_regeneration_sweep.json --deadline-s {deadline} --work-root /tmp",
+    ),
     Part(
         "ingest",
-        "H = 7168 dumps to checksummed chunks with 1-16 workers vs raw writes, /dev/shm and "
-        "disk (no GPU, no SGLang; ~5 min)",
-        python(
-            "benchmarks.speed.ingest",
-            "--hidden-size",
-            "7168",
-            "--gb-per-worker",
-            "2",
-            "--workers",
-            "1,2,4,8,16",
-            "--storages",
-            "shm,disk",
-            "--out-dir",
-            "/tmp",
-            "--out",
-            "{out}/ingest.json",
-            "--deadline-s",
-            "{deadline}",
-        ),
-    ),  # fmt: skip
+        "H = 7168 dumps to checksummed chunks with 1-16 workers vs raw writes, /dev/shm and disk "
+        "(no GPU, no SGLang; ~5 min)",
+        "python3 -u -m benchmarks.speed.ingest --hidden-size 7168 --gb-per-worker 2 --workers "
+        "1,2,4,8,16 --storages shm,disk --out-dir /tmp --out {out}/ingest.json --deadline-s "
+        "{deadline}",
+    ),
     Part(
-        # Needs neither GPU nor server, so a dry run runs it as is (without --dry-run, which
-        # the script does not take).
+        # Needs neither GPU nor server, so a dry run runs it as is (without --dry-run, which the
+        # script does not take).
         "job-start",
-        "a shard job's imports in fresh interpreters and its row read (no GPU, no server; "
-        "~30 s; runs with --dry-run too); `--parts lease --writer-gb 12`: the job's server "
-        "lease beside two chunk writers",
-        python(
-            "benchmarks.speed.job_start",
-            "--parts",
-            "imports,read",
-            "--dir",
-            "/tmp",
-            "--out",
-            "{out}/job_start.json",
-        ),
+        "a shard job's imports in fresh interpreters and its row read (no GPU, no server; ~30 s; "
+        "runs with --dry-run too); `--parts lease --writer-gb 12`: the job's server lease beside "
+        "two chunk writers",
+        "python3 -u -m benchmarks.speed.job_start --parts imports,read --dir /tmp --out "
+        "{out}/job_start.json",
         drops_dry_run=True,
-    ),  # fmt: skip
+    ),
     Part(
         # --scheduler greedy: the ilp scheduler needs pulp, which is not staged.
         "regen-acceptance",
-        "drafters trained on the dataset's and on the target's replies (two pipelines at "
-        "once; a second call on the warm machine resumes them)",
-        python(
-            "benchmarks.studies.regeneration_acceptance",
-            "--overrides",
-            "benchmarks/studies/h200_regeneration.yaml",
-            "--work-root",
-            "{root}/regen-acceptance",
-            "--cores",
-            "{cores}",
-            "--parallel",
-            "--cross-live",
-            "0",
-            "--deadline-s",
-            "{deadline}",
-            "--snakemake-arg=--scheduler",
-            "--snakemake-arg=greedy",
-            "--out",
-            "{out}/regen_acceptance.json",
-        ),
+        "drafters trained on the dataset's and on the target's replies (two pipelines at once; a "
+        "second call on the warm machine resumes them)",
+        "python3 -u -m benchmarks.studies.regeneration_acceptance --overrides "
+        "benchmarks/studies/h200_regeneration.yaml --work-root {root}/regen-acceptance --cores "
+        "{cores} --parallel --cross-live 0 --deadline-s {deadline} --snakemake-arg=--scheduler "
+        "--snakemake-arg=greedy --out {out}/regen_acceptance.json",
         deadline_margin_s=45,
         finish=keep_regen_acceptance_logs,
-    ),  # fmt: skip
+    ),
     Part(
         "specforge",
-        "this pipeline and SpecForge 0.2 on the same toy target and rows, both drafters "
-        "through the same live harness ([--seeds 0,1,2] [--epochs 8] [--settings "
-        "7/1/8,3/1/4]; a later call continues)",
-        python(
-            "benchmarks.studies.specforge.compare",
-            "--out",
-            "{out}/specforge.json",
-            "--work-root",
-            "{root}/specforge",
-            "--deadline-s",
-            "{deadline}",
-            "--kit-out",
-            "{out}/specforge_resume.tgz",
-        ),
+        "this pipeline and SpecForge 0.2 on the same toy target and rows, both drafters through "
+        "the same live harness ([--seeds 0,1,2] [--epochs 8] [--settings 7/1/8,3/1/4]; a later "
+        "call continues)",
+        "python3 -u -m benchmarks.studies.specforge.compare --out {out}/specforge.json "
+        "--work-root {root}/specforge --deadline-s {deadline} --kit-out "
+        "{out}/specforge_resume.tgz",
         needs=SPECFORGE_NEEDS,
         pipeline_site=False,
         prepare=specforge_resume_kit,
         finish=keep_specforge_results,
-    ),  # fmt: skip
+    ),
     Part(
         "specforge-scale",
-        "on the 8B-shaped random Llama: SpecForge's generator vs this pipeline's extraction, "
-        "each killed at half its rows and run again, both trainers, the feature sets compared "
-        "([--rows 96] [--row-tokens 2048]; ~8 min; a later call finishes what is left)",
-        python(
-            "benchmarks.studies.specforge.scale",
-            "--out",
-            "{out}/specforge_scale.json",
-            "--work-root",
-            "{scale}",
-            "--deadline-s",
-            "{deadline}",
-        ),
+        "on the 8B-shaped random Llama: SpecForge's generator vs this pipeline's extraction, each "
+        "killed at half its rows and run again, both trainers, the feature sets compared ([--rows "
+        "96] [--row-tokens 2048]; ~8 min; a later call finishes what is left)",
+        "python3 -u -m benchmarks.studies.specforge.scale --out {out}/specforge_scale.json "
+        "--work-root {scale} --deadline-s {deadline}",
         needs=SPECFORGE_NEEDS,
         pipeline_site=False,
         extra_fields=specforge_scale_root,
         finish=keep_specforge_scale_logs,
-    ),  # fmt: skip
+    ),
 ]
 BY_NAME = {part.name: part for part in PARTS}
 
