@@ -506,8 +506,11 @@ def test_each_part_runs_a_module_or_script_of_the_repository(part):
     if not part.command:
         return
     argv = shlex.split(part.command)
-    target = argv[argv.index("-m") + 1] if "-m" in argv else argv[1]
-    path = Path(*target.split(".")).with_suffix(".py") if "-m" in argv else Path(target)
+    if "-m" in argv:
+        target = argv[argv.index("-m") + 1]
+        path = Path(*target.split(".")).with_suffix(".py")
+    else:
+        target = path = next(w for w in argv if w.endswith((".py", ".sh")))
     assert (REPO_ROOT / path).is_file(), f"{part.name}: {target}"
     assert part.needs[0] == ".whl-sglang"  # what tools/h200.sh installs for every part
 
