@@ -214,17 +214,6 @@ def tiny_deepseek_dir(tmp_path_factory) -> Path:
 
 
 @contextmanager
-def benchmarks_importable() -> Iterator[None]:
-    """benchmarks/ on sys.path while its modules are imported: they import their siblings
-    (`common`, `specforge_steps`, ...) as top-level modules, as when run as scripts."""
-    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
-    try:
-        yield
-    finally:
-        sys.path.pop(0)
-
-
-@contextmanager
 def shard_lock_held_elsewhere(shard_dir: Path) -> Iterator[subprocess.Popen]:
     """Another process holds the shard's writer lock for the block; it is killed afterwards."""
     holder = subprocess.Popen(

@@ -12,14 +12,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import benchmarks_importable
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_benchmark(script: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+def run_benchmark(module: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     proc = subprocess.run(
-        [sys.executable, "-u", str(REPO_ROOT / "benchmarks" / script), *args],
+        [sys.executable, "-u", "-m", module, *args],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
@@ -37,7 +36,7 @@ def test_extraction_quick_check_measures_every_path(tmp_path, parallel_shards, v
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     proc = run_benchmark(
-        "bench_extraction.py",
+        "benchmarks.speed.extraction",
         "--tiny",
         "--device",
         "cpu",
@@ -101,7 +100,7 @@ def test_extraction_quick_check_measures_every_path(tmp_path, parallel_shards, v
 def test_dryrun_quick_check_plans_every_shard(tmp_path):
     out = tmp_path / "dryrun.json"
     run_benchmark(
-        "bench_dryrun.py", "--rows", "40", "--work-root", str(tmp_path), "--out", str(out)
+        "benchmarks.speed.dryrun", "--rows", "40", "--work-root", str(tmp_path), "--out", str(out)
     )
     results = json.loads(out.read_text())
     assert results["setup"] == {"rows": 40, "rows_per_shard": 2, "shards": 20, "regenerate": False}
@@ -129,7 +128,7 @@ def test_dryrun_quick_check_plans_every_shard(tmp_path):
     # --regenerate plans a regenerate job per shard besides.
     with_regeneration = tmp_path / "regen.json"
     run_benchmark(
-        "bench_dryrun.py", "--rows", "40", "--regenerate", "--work-root", str(tmp_path),
+        "benchmarks.speed.dryrun", "--rows", "40", "--regenerate", "--work-root", str(tmp_path),
         "--out", str(with_regeneration),
     )  # fmt: skip
     regenerating = json.loads(with_regeneration.read_text())
@@ -143,7 +142,7 @@ def test_job_start_quick_check_reads_the_same_rows_both_ways(tmp_path):
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     run_benchmark(
-        "bench_job_start.py",
+        "benchmarks.speed.job_start",
         *("--parts", "read", "--rows", "300", "--rows-per-shard", "50", "--mean-len", "64"),
         *("--repeat", "1", "--dir", str(scratch), "--out", str(out)),
     )
@@ -162,7 +161,7 @@ def test_job_start_times_the_lease_idle_and_beside_chunk_writers(tmp_path):
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     run_benchmark(
-        "bench_job_start.py", "--parts", "lease", "--samples", "3", "--writers", "2",
+        "benchmarks.speed.job_start", "--parts", "lease", "--samples", "3", "--writers", "2",
         "--writer-gb", "0.5", "--dir", str(scratch), "--out", str(out),
     )  # fmt: skip
     lease = json.loads(out.read_text())["lease"]
@@ -177,9 +176,9 @@ def test_job_start_times_the_lease_idle_and_beside_chunk_writers(tmp_path):
 
 def test_job_start_refuses_a_lease_run_without_writers(tmp_path):
     done = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "benchmarks" / "bench_job_start.py"),
+        [sys.executable, "-m", "benchmarks.speed.job_start",
          "--parts", "lease", "--writers", "0", "--dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=120,
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 2 and "--writers: at least 1" in done.stderr
     assert list(tmp_path.iterdir()) == []
@@ -194,7 +193,7 @@ def test_job_start_times_real_jobs_to_their_first_request(tmp_path):
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     run_benchmark(
-        "bench_job_start.py", "--parts", "imports,jobs", "--jobs", "1", "--repeat", "1",
+        "benchmarks.speed.job_start", "--parts", "imports,jobs", "--jobs", "1", "--repeat", "1",
         "--dir", str(scratch), "--out", str(out),
     )  # fmt: skip
     results = json.loads(out.read_text())
@@ -228,8 +227,8 @@ def test_job_start_counts_the_imported_modules_compiled_at_every_import(tmp_path
     """Where Python writes no bytecode (PYTHONDONTWRITEBYTECODE, as on the lent GPU machines),
     a module without a cached .pyc is compiled by every process that imports it: counted, and
     no longer once compiled ahead (what tools/h200.sh does for the staged wheels)."""
-    with benchmarks_importable():
-        from bench_job_start import bytecode_state
+    from benchmarks.speed.job_start import bytecode_state
+
     package = tmp_path / "probe_pkg"
     package.mkdir()
     (package / "__init__.py").write_text("from . import leaf\n")
@@ -254,7 +253,7 @@ def test_ingest_quick_check_measures_each_worker_count_against_raw_writes(tmp_pa
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     run_benchmark(
-        "bench_ingest.py", "--dry-run", "--storages", "disk", "--out-dir", str(scratch),
+        "benchmarks.speed.ingest", "--dry-run", "--storages", "disk", "--out-dir", str(scratch),
         "--handoff-dir", str(scratch), "--writeback", "off,on", "--out", str(out),
     )  # fmt: skip
     results = json.loads(out.read_text())
@@ -294,7 +293,7 @@ def test_acceptance_spread_pools_turns_as_the_harnesses_do(tmp_path):
     (tmp_path / "eval.json").write_text(json.dumps(evaluation))
     out = tmp_path / "spread.json"
     run_benchmark(
-        "acceptance_spread.py", "--live", str(tmp_path / "live.json"), "--eval",
+        "benchmarks.studies.acceptance_spread", "--live", str(tmp_path / "live.json"), "--eval",
         str(tmp_path / "eval.json"), "--sizes", "2,4", "--draws", "50", "--out", str(out),
     )  # fmt: skip
     results = json.loads(out.read_text())
@@ -310,9 +309,9 @@ def test_acceptance_spread_pools_turns_as_the_harnesses_do(tmp_path):
     evaluation["turns"].pop()
     (tmp_path / "eval.json").write_text(json.dumps(evaluation))
     proc = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "benchmarks" / "acceptance_spread.py"), "--live",
+        [sys.executable, "-m", "benchmarks.studies.acceptance_spread", "--live",
          str(tmp_path / "live.json"), "--eval", str(tmp_path / "eval.json"), "--sizes", "2"],
-        capture_output=True, text=True,
+        cwd=REPO_ROOT, capture_output=True, text=True,
     )  # fmt: skip
     assert proc.returncode != 0 and "turn (2, 0) of the live run" in proc.stderr
 
@@ -320,8 +319,8 @@ def test_acceptance_spread_pools_turns_as_the_harnesses_do(tmp_path):
 def test_first_request_summary_reports_the_start_ups_steps_where_manifests_record_them():
     """Sum, median and max of the jobs' start-ups, with the medians of the steps before the
     first request; manifests from before the steps were recorded still summarise."""
-    with benchmarks_importable():
-        from common import first_request_summary
+    from benchmarks.speed.sglang_extraction import first_request_summary
+
     steps = [
         (0.4, 0.45, 0.5, 0.6, "started"),
         (0.3, 0.9, 1.2, 1.5, "server_info"),
@@ -360,9 +359,10 @@ def test_a_run_splits_by_jobs_alive_with_the_servers_log_and_the_gpu_samples():
     """Whole seconds are grouped by the shard jobs alive at mid-second; the prefill lines of
     SGLang's log (local time, to the second) and nvidia-smi's timed samples fall in their
     second's group; a line without a timestamp or a batch is not counted."""
-    with benchmarks_importable():
-        from common import _gpu_sample, prefill_timeline, split_by_jobs_alive
     from datetime import datetime
+
+    from benchmarks.speed.sglang_extraction import prefill_timeline, split_by_jobs_alive
+    from benchmarks.speed.shard_runs import _gpu_sample
 
     def at(clock: str) -> float:
         return datetime.strptime(f"2026-12-05 {clock}", "%Y-%m-%d %H:%M:%S").timestamp()
@@ -402,10 +402,9 @@ def test_benchmark_tables_hold_one_row_group_per_shard_as_prepare_writes_them(tm
     import numpy as np
     import pyarrow.parquet as pq
 
+    from benchmarks.toy_targets.rows import write_prepared
     from eaglepipe.prepare.table import read_token_rows
 
-    with benchmarks_importable():
-        from common import write_prepared
     rows = [np.arange(n, dtype=np.int32) for n in (3, 5, 2, 7, 4, 6, 1)]
     masks = [np.arange(len(r)) % 2 for r in rows]
     dataset = write_prepared(tmp_path, rows, rows_per_shard=3, loss_masks=masks)

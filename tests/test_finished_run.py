@@ -413,11 +413,13 @@ def test_the_drafter_variants_benchmark_retrains_on_the_runs_own_shards(run, tmp
     drafter again, and each variant is evaluated, exported and checked live."""
     out = tmp_path / "variants"
     argv = [
-        sys.executable, "-u", str(Path(__file__).parent.parent / "benchmarks" /
-        "bench_drafter_variants.py"), "--run-dir", str(run), "--out", str(out),
+        sys.executable, "-u", "-m", "benchmarks.studies.drafter_variants",
+        "--run-dir", str(run), "--out", str(out),
         "--variants", "plain,fc_norm+norm_output",
     ]  # fmt: skip
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run(
+        argv, cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=1200
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     plain, both = json.loads((out / "summary.json").read_text())["results"]
     own = json.loads((run / "drafter" / "eval.json").read_text())

@@ -12,6 +12,7 @@ import io
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -21,7 +22,6 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import benchmarks_importable
 from packaging.version import Version
 
 from eaglepipe.drafter.variants import triton_mla_decode_fits
@@ -57,6 +57,19 @@ def load_specforge_stage_tool():
 
 
 stage_specforge = load_specforge_stage_tool()
+
+
+def load_device_parts():
+    spec = importlib.util.spec_from_file_location(
+        "device_parts", REPO_ROOT / "tools" / "device_parts.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["device_parts"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+device_parts = load_device_parts()
 
 
 # ------------------------------------------------------------------------------ the wheel list
@@ -210,6 +223,7 @@ def test_the_project_wheel_builds_with_a_fresh_machines_python(tmp_path):
     fresh Python 3.11 (setuptools 65, no `wheel` package) has no `bdist_wheel`. A new virtual
     environment has that Python's bundled setuptools; the staging's build function, run by it,
     must still give a wheel that registers the SGLang plugin and holds every module."""
+    before = build_outputs_in_checkout()
     fresh = tmp_path / "fresh"
     subprocess.run([sys.executable, "-m", "venv", str(fresh)], check=True, timeout=300)
     python = fresh / "bin" / "python"
@@ -237,7 +251,20 @@ def test_the_project_wheel_builds_with_a_fresh_machines_python(tmp_path):
         )
     modules = {p.relative_to(REPO_ROOT).as_posix() for p in (REPO_ROOT / "eaglepipe").rglob("*.py")}
     assert modules and modules <= names
-    assert not (REPO_ROOT / "build").exists()  # built from a copy, nothing left in the checkout
+    # Built from a copy: nothing made or changed in the checkout (which may hold a build/ of
+    # its own, from a `pip install .`).
+    assert build_outputs_in_checkout() == before
+
+
+def build_outputs_in_checkout() -> dict:
+    """The checkout's top-level names, and every file (size, mtime) where a setuptools build
+    writes into its source tree: build/, dist/, *.egg-info/."""
+    state: dict = {"top": sorted(p.name for p in REPO_ROOT.iterdir())}
+    for folder in [REPO_ROOT / "build", REPO_ROOT / "dist", *REPO_ROOT.glob("*.egg-info")]:
+        for path in sorted(folder.rglob("*")) if folder.is_dir() else []:
+            stat = path.lstat()
+            state[str(path.relative_to(REPO_ROOT))] = (stat.st_size, stat.st_mtime_ns)
+    return state
 
 
 # ------------------------------------------------------------------------------ SpecForge's staging
@@ -425,18 +452,115 @@ def test_the_jit_cache_returned_fits_what_the_next_call_can_carry(tmp_path, limi
 def test_the_runner_refuses_bad_arguments(tmp_path, args):
     done = run_h200(args, REPO_ROOT, tmp_path / "root")
     assert done.returncode == 2
-    assert "check, fidelity, perf, pipeline" in done.stderr or "usage" in done.stderr
+    if args[:1] == ["burn"]:
+        assert f"unknown part 'burn' ({', '.join(device_parts.BY_NAME)})" in done.stderr
+    else:  # the usage, with every part of the table
+        assert "usage" in done.stderr
+        assert all(f"  {name}: " in done.stderr for name in device_parts.BY_NAME)
+    assert not (tmp_path / "root").exists()
 
 
 def test_the_runner_stops_without_staged_wheels(tmp_path):
     repo = tmp_path / "repo"
     (repo / "tools").mkdir(parents=True)
-    shutil.copy(REPO_ROOT / "tools" / "h200.sh", repo / "tools" / "h200.sh")
+    for name in ("h200.sh", "device_parts.py"):
+        shutil.copy(REPO_ROOT / "tools" / name, repo / "tools" / name)
     out = tmp_path / "out"
     done = run_h200(["check", str(out)], repo, tmp_path / "root")
     assert done.returncode == 1
     assert "no staged wheels in" in done.stdout and "tools/stage_sglang.py" in done.stdout
     assert "no staged wheels" in (out / "h200_check.log").read_text()
+
+
+# ------------------------------------------------------------------------------ the parts' table
+
+GOLDEN_PLANS = Path(__file__).parent / "device_parts"
+
+
+def planned_lines(part, tmp_path: Path) -> str:
+    """The part's commands for a call with its whole limit and `--dry-run`, paths under
+    tmp_path written as <TMP> (the golden files' form)."""
+    call = device_parts.Call(
+        part.name, tmp_path / "out", ["--dry-run"], root=tmp_path / "root", repo=tmp_path / "repo",
+        environ={"EAGLEPIPE_SCALE_ROOT": str(tmp_path / "scale")}, cores=2,
+    )  # fmt: skip
+    return "".join(f"{line}\n" for line in device_parts.plan_lines(part, call)).replace(
+        str(tmp_path), "<TMP>"
+    )
+
+
+@pytest.mark.parametrize("part", device_parts.PARTS, ids=lambda part: part.name)
+def test_each_part_plans_the_commands_its_golden_file_pins(tmp_path, part):
+    """What each part of `bash tools/h200.sh PART OUT` runs, its arguments and deadline
+    included: a change to the table shows here, one golden file per part."""
+    golden = GOLDEN_PLANS / f"{part.name}.txt"
+    assert planned_lines(part, tmp_path) == golden.read_text(), golden
+
+
+def test_every_golden_plan_is_a_part_of_the_table():
+    assert sorted(p.stem for p in GOLDEN_PLANS.glob("*.txt")) == sorted(device_parts.BY_NAME)
+
+
+@pytest.mark.parametrize("part", device_parts.PARTS, ids=lambda part: part.name)
+def test_each_part_runs_a_module_or_script_of_the_repository(part):
+    if not part.command:
+        return
+    argv = shlex.split(part.command)
+    if "-m" in argv:
+        target = argv[argv.index("-m") + 1]
+        path = Path(*target.split(".")).with_suffix(".py")
+    else:
+        target = path = next(w for w in argv if w.endswith((".py", ".sh")))
+    assert (REPO_ROOT / path).is_file(), f"{part.name}: {target}"
+    assert part.needs[0] == ".whl-sglang"  # what tools/h200.sh installs for every part
+
+
+def test_a_part_given_too_little_time_is_not_started(tmp_path, capsys):
+    call = device_parts.Call("perf", tmp_path / "out", [], root=tmp_path, budget_s=80)
+    assert device_parts.run_part(device_parts.BY_NAME["perf"], call) == 1
+    assert "only 50s left for perf: not started" in capsys.readouterr().out
+
+
+def test_a_specforge_part_without_its_staged_wheels_names_them(tmp_path, capsys):
+    (tmp_path / ".whl-sglang").mkdir()
+    call = device_parts.Call("specforge", tmp_path / "out", [], root=tmp_path, repo=tmp_path)
+    assert device_parts.run_part(device_parts.BY_NAME["specforge"], call) == 1
+    assert "specforge needs .whl-specforge staged and carried: not started" in (
+        capsys.readouterr().out
+    )
+    assert not (tmp_path / "out").exists() and not (tmp_path / "specforge").exists()
+
+
+def test_a_part_keeps_the_tails_of_the_logs_its_run_left(tmp_path):
+    root = tmp_path / "root"
+    (root / "logs" / "server").mkdir(parents=True)
+    (root / "logs" / "server" / "capture.log").write_text("".join(f"{i}\n" for i in range(500)))
+    (root / "snakemake.log").write_text("one line\n")
+    (root / "model.bin").write_bytes(b"not a log")
+    archive = tmp_path / "tails.tgz"
+    device_parts.keep_log_tails(root, archive)
+    with tarfile.open(archive) as tar:
+        names = sorted(n for n in tar.getnames() if n.endswith(".log"))
+        server = tar.extractfile("./logs/server/capture.log").read().decode().splitlines()
+    assert names == ["./logs/server/capture.log", "./snakemake.log"]
+    assert server == [str(i) for i in range(300, 500)]
+
+
+def test_the_variants_part_keeps_its_results_without_the_weights(tmp_path):
+    variants = tmp_path / "root" / "variants"
+    (variants / "fc_norm" / "checkpoints").mkdir(parents=True)
+    (variants / "fc_norm" / "checkpoints" / "step.pt").write_bytes(b"x")
+    (variants / "fc_norm" / "model.safetensors").write_bytes(b"x")
+    (variants / "fc_norm" / "eval.json").write_text("{}")
+    (variants / "summary.json").write_text('{"results": []}')
+    (tmp_path / "out").mkdir()
+    call = device_parts.Call("variants", tmp_path / "out", [], root=tmp_path / "root")
+    device_parts.keep_variants(call, {})
+    assert (tmp_path / "out" / "variants_summary.json").read_text() == '{"results": []}'
+    with tarfile.open(tmp_path / "out" / "variants_results.tgz") as tar:
+        assert sorted(tar.getnames()) == [
+            "variants", "variants/fc_norm", "variants/fc_norm/eval.json", "variants/summary.json"
+        ]  # fmt: skip
 
 
 # ------------------------------------------------------------------------------ the drivers
@@ -466,7 +590,7 @@ def test_the_specforge_part_prints_its_commands_in_a_dry_run(tmp_path):
 
     # 1. the pipeline part's run, trained with the seed and epochs, up to its SGLang export
     pipeline = argv("pipeline@seed0-epochs3")
-    assert pipeline[1].endswith("benchmarks/sglang_pipeline_h200.sh")
+    assert pipeline[1].endswith("benchmarks/checks/sglang_pipeline_h200.sh")
     assert pipeline[pipeline.index("--overrides") + 1] == str(work / "overrides-seed0.yaml")
     assert pipeline[-2:] == ["drafter/eval.json", "drafter/export/sglang/config.json"]
     first = next(c for c in commands if c["step"] == "pipeline@seed0-epochs3")
@@ -487,7 +611,7 @@ def test_the_specforge_part_prints_its_commands_in_a_dry_run(tmp_path):
     ]:  # fmt: skip
         assert script_args[script_args.index(flag) + 1] == value, flag
     hf = argv("specforge-features:hf")
-    assert hf[1].endswith("benchmarks/specforge_hf_features.py")
+    assert hf[1:3] == ["-m", "benchmarks.studies.specforge.hf_features"]
     assert hf[hf.index("--data") + 1] == str(files / "train.jsonl")
     # 4. specforge train and export, per seed
     for seed in (0, 1):
@@ -545,7 +669,8 @@ def test_the_specforge_part_prints_its_commands_in_a_dry_run(tmp_path):
 
 def test_the_specforge_scale_part_prints_its_commands_in_a_dry_run(tmp_path):
     """`bash tools/h200.sh specforge-scale OUT --dry-run` on CPU: every command of the 8B-shape
-    comparison, in order, recorded in specforge_scale.json; nothing made in its work root."""
+    comparison, in order, recorded in specforge_scale.json; nothing made in its work
+    root."""
     out, work = tmp_path / "out", tmp_path / "scale"
     env = {
         **os.environ,
@@ -610,7 +735,7 @@ def test_the_specforge_scale_part_prints_its_commands_in_a_dry_run(tmp_path):
     assert train[-2:] == ["training.max_steps=40", "training.log_interval=1"]
     assert '"ttt_length": 7' in done.stdout and '"batch_size": 1' in done.stdout
     ours = argv("train-eaglepipe")
-    assert ours[2].endswith("benchmarks/bench_train.py")
+    assert ours[2:4] == ["-m", "benchmarks.speed.train"]
     assert ours[ours.index("--run-dir") + 1] == str(run)
     assert ours[ours.index("--model-dir") + 1] == str(work / "model")
     assert ours[ours.index("--steps") + 1] == "16"
@@ -620,13 +745,13 @@ def test_the_specforge_scale_part_prints_its_commands_in_a_dry_run(tmp_path):
 
 def test_the_specforge_drivers_pipeline_overrides_pass_the_config_schema():
     """The run's overrides (seed, epochs, the live runs' turns) over the pipeline part's, as
-    config.yaml extended by both: what sglang_pipeline_h200.sh --overrides hands snakemake."""
+    config.yaml extended by both: what benchmarks/checks/sglang_pipeline_h200.sh --overrides
+    hands snakemake."""
     import yaml
 
+    from benchmarks.studies.specforge.compare import parse_args, pipeline_overrides
     from eaglepipe.core.config import validate_config
 
-    with benchmarks_importable():
-        from bench_specforge import parse_args, pipeline_overrides
     plain = yaml.safe_load(pipeline_overrides(parse_args(["--epochs", "3"]), 2))
     assert plain == {"train": {"epochs": 3, "seed": 2}}
     args = parse_args(["--live-prompts", "8", "--live-new-tokens", "96"])
@@ -650,8 +775,8 @@ def test_the_specforge_drivers_pipeline_overrides_pass_the_config_schema():
 def test_the_extraction_benchmarks_variant_lists_refuse_bad_values(capsys, option, value, minimum):
     """Each comma list of run variants is integers at or above its minimum, or one line naming
     the option (a non-integer was a ValueError traceback before)."""
-    with benchmarks_importable():
-        from bench_sglang_extraction import parse_args
+    from benchmarks.speed.sglang_extraction import parse_args
+
     args = parse_args(["--inflight-requests", "32,64", "--chunk-writeback-mb", "64,0"])
     assert (args.inflight_variants, args.inflight_requests) == ([32, 64], 32)
     assert args.writeback_variants == [64, 0]
@@ -664,8 +789,8 @@ def test_the_extraction_benchmarks_variant_lists_refuse_bad_values(capsys, optio
 def test_the_specforge_driver_continues_where_an_earlier_call_stopped(tmp_path):
     """A later call skips the steps WORK/state.json records as done, summarises the seeds it
     has, and leaves a step it has no time for to the next call (exit 3)."""
-    with benchmarks_importable():
-        from bench_specforge import parse_args, plan_steps
+    from benchmarks.studies.specforge.compare import parse_args, plan_steps
+
     work = tmp_path / "work"
     work.mkdir()
     lengths = {("eaglepipe", 0): 2.5, ("eaglepipe", 1): 2.1, ("specforge", 0): 1.9,
@@ -680,7 +805,9 @@ def test_the_specforge_driver_continues_where_an_earlier_call_stopped(tmp_path):
 
     out = tmp_path / "sf.json"
     common = ["--work-root", str(work), "--settings", "7/1/8", "--out", str(out)]
-    done = run_script("benchmarks/bench_specforge.py", "--seeds", "0,1", *common, timeout=120)
+    done = run_script(
+        "-m", "benchmarks.studies.specforge.compare", "--seeds", "0,1", *common, timeout=120
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.count("done in an earlier call") == len(steps)
     summary = json.loads(out.read_text())["summary"]["7/1/8"]
@@ -690,7 +817,8 @@ def test_the_specforge_driver_continues_where_an_earlier_call_stopped(tmp_path):
     assert "| 7/1/8 | specforge | 1.800 |" in out.with_suffix(".md").read_text()
 
     done = run_script(
-        "benchmarks/bench_specforge.py", "--seeds", "0,1,2", "--deadline-s", "30", *common,
+        "-m", "benchmarks.studies.specforge.compare", "--seeds", "0,1,2", "--deadline-s", "30",
+        *common,
         timeout=120,
     )  # fmt: skip
     assert done.returncode == 3, done.stdout[-3000:] + done.stderr[-3000:]
@@ -712,8 +840,8 @@ def test_the_specforge_driver_runs_commands_side_by_side_and_stops_them_at_its_d
 
     import psutil
 
-    with benchmarks_importable():
-        from specforge_steps import Command, Context, Paths, run_commands
+    from benchmarks.studies.specforge.steps import Command, Context, Paths, run_commands
+
     ctx = Context(argparse.Namespace(dry_run=False), Paths(tmp_path), time.monotonic() + 25)
     child_pid = tmp_path / "child.pid"
     commands = [
@@ -744,9 +872,9 @@ def test_the_specforge_driver_runs_the_later_pipelines_while_specforge_trains(
     import threading
     import time
 
-    with benchmarks_importable():
-        import bench_specforge as bench
-        from specforge_steps import Context, Paths
+    from benchmarks.studies.specforge import compare as bench
+    from benchmarks.studies.specforge.steps import Context, Paths
+
     trainings_running, pipelines_seen = threading.Event(), []
 
     def fake_trainings(ctx, steps):
@@ -794,9 +922,9 @@ def test_the_specforge_driver_runs_live_runs_side_by_side_after_the_first(tmp_pa
     import threading
     import time
 
-    with benchmarks_importable():
-        import bench_specforge as bench
-        from specforge_steps import Context, Paths
+    from benchmarks.studies.specforge import compare as bench
+    from benchmarks.studies.specforge.steps import Context, Paths
+
     args = bench.parse_args(
         ["--seeds", "0,1", "--settings", "7/1/8", "--live-at-once", "3", "--live-stagger-s", "0"]
     )
@@ -824,8 +952,8 @@ def test_the_specforge_driver_runs_live_runs_side_by_side_after_the_first(tmp_pa
 
 
 def test_the_deterministic_live_config_adds_sglangs_flag_once(tmp_path):
-    with benchmarks_importable():
-        from bench_specforge import DETERMINISTIC_FLAG, deterministic_config
+    from benchmarks.studies.specforge.compare import DETERMINISTIC_FLAG, deterministic_config
+
     (tmp_path / ".eaglepipe").mkdir()
     config = {"server": {"sglang": {"extra_args": ["--attention-backend", "triton"]}}}
     (tmp_path / ".eaglepipe" / "config.json").write_text(json.dumps(config))
@@ -847,7 +975,7 @@ def test_the_deterministic_live_config_adds_sglangs_flag_once(tmp_path):
     ],
 )
 def test_the_specforge_driver_refuses_bad_settings_in_one_line(args, message):
-    done = run_script("benchmarks/bench_specforge.py", "--dry-run", *args, timeout=120)
+    done = run_script("-m", "benchmarks.studies.specforge.compare", "--dry-run", *args, timeout=120)
     assert done.returncode != 0
     assert message in done.stderr and "Traceback" not in done.stderr
 
@@ -865,7 +993,7 @@ def test_the_extraction_benchmark_builds_the_bare_and_pipeline_commands(
 ):
     out = tmp_path / "r.json"
     done = run_script(
-        "benchmarks/bench_sglang_extraction.py", "--dry-run", "--sglang-version", version,
+        "-m", "benchmarks.speed.sglang_extraction", "--dry-run", "--sglang-version", version,
         "--work-root", str(tmp_path), "--out", str(out), "--bare-capture",
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -903,7 +1031,7 @@ def test_the_realistic_size_runs_fit_the_lent_h200(tmp_path, preset):
     the machine's storage and a call, by the plan the dry run makes for the 8B shape."""
     out = tmp_path / "r.json"
     done = run_script(
-        "benchmarks/bench_sglang_extraction.py", "--dry-run", "--sglang-version", "0.5.14",
+        "-m", "benchmarks.speed.sglang_extraction", "--dry-run", "--sglang-version", "0.5.14",
         "--preset", preset, "--work-root", str(tmp_path), "--out", str(out),
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -923,7 +1051,7 @@ def test_the_realistic_size_runs_fit_the_lent_h200(tmp_path, preset):
 def test_the_regeneration_benchmark_builds_its_three_commands(tmp_path):
     out = tmp_path / "r.json"
     done = run_script(
-        "benchmarks/bench_sglang_regeneration.py", "--dry-run", "--sglang-version", "0.5.14",
+        "-m", "benchmarks.speed.sglang_regeneration", "--dry-run", "--sglang-version", "0.5.14",
         "--work-root", str(tmp_path), "--out", str(out),
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -950,14 +1078,14 @@ def test_the_regeneration_benchmark_builds_its_three_commands(tmp_path):
 def test_the_regeneration_sweep_runs_bench_serving_at_each_concurrency(tmp_path):
     out = tmp_path / "r.json"
     done = run_script(
-        "benchmarks/bench_sglang_regeneration.py", "--dry-run", "--sglang-version", "0.5.23",
+        "-m", "benchmarks.speed.sglang_regeneration", "--dry-run", "--sglang-version", "0.5.23",
         "--sweep", "64,128,256", "--work-root", str(tmp_path), "--out", str(out),
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     benches = json.loads(out.read_text())["bench_serving"]["argv"]
     assert [b[b.index("--max-concurrency") + 1] for b in benches] == ["64", "128", "256"]
     refused = run_script(
-        "benchmarks/bench_sglang_regeneration.py", "--dry-run", "--sglang-version", "0.5.14",
+        "-m", "benchmarks.speed.sglang_regeneration", "--dry-run", "--sglang-version", "0.5.14",
         "--jobs", "4", "--rows", "8", "--sweep", "2", "--work-root", str(tmp_path),
     )  # fmt: skip
     assert refused.returncode == 2 and "at least one row per job" in refused.stderr
@@ -969,8 +1097,8 @@ def test_the_regeneration_benchmark_uses_only_flags_bench_serving_has():
 
     version = supported()["recommended"]
     source = (sglang_source_root(version) / "bench_serving.py").read_text()
-    with benchmarks_importable():
-        from bench_sglang_regeneration import bench_serving_command, parse_args
+    from benchmarks.speed.sglang_regeneration import bench_serving_command, parse_args
+
     argv = bench_serving_command(
         "http://127.0.0.1:30000", Path("/m"), parse_args([]), 256, Path("/o")
     )
@@ -984,7 +1112,7 @@ def test_the_regeneration_benchmark_uses_only_flags_bench_serving_has():
 def test_the_fidelity_check_builds_deepseek_and_kimi_and_catches_a_shifted_layer(tmp_path):
     out = tmp_path / "fidelity.json"
     done = run_script(
-        "benchmarks/sglang_fidelity.py", "--dry-run", "--small", "--models", "kimi",
+        "-m", "benchmarks.checks.sglang_fidelity", "--dry-run", "--small", "--models", "kimi",
         "--sglang-version", "0.5.14", "--work-root", str(tmp_path), "--out", str(out),
         "--device", "cpu",
     )  # fmt: skip
@@ -1011,7 +1139,7 @@ def test_the_fidelity_check_builds_deepseek_and_kimi_and_catches_a_shifted_layer
 
 
 def test_the_fidelity_check_needs_a_version_for_its_dry_run():
-    done = run_script("benchmarks/sglang_fidelity.py", "--dry-run", timeout=120)
+    done = run_script("-m", "benchmarks.checks.sglang_fidelity", "--dry-run", timeout=120)
     assert done.returncode == 2 and "--sglang-version" in done.stderr
 
 
@@ -1026,8 +1154,8 @@ def test_the_pipeline_driver_runs_snakemake_with_the_sglang_overrides(tmp_path, 
     }
     out = tmp_path / "out"
     done = subprocess.run(
-        ["bash", str(REPO_ROOT / "benchmarks" / "sglang_pipeline_h200.sh"), str(out), *options,
-         "-n"],
+        ["bash", str(REPO_ROOT / "benchmarks" / "checks" / "sglang_pipeline_h200.sh"), str(out),
+         *options, "-n"],
         capture_output=True, text=True, env=env, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -1106,8 +1234,8 @@ def test_the_mla_probe_plans_each_shape_on_the_pipelines_own_servers(tmp_path):
 def test_the_mla_probe_keeps_the_traceback_that_names_the_failing_kernel(tmp_path):
     """A crash's first error line comes back with the traceback above it (CUDA_LAUNCH_BLOCKING
     makes that the failing kernel's launch); SGLang's harmless import notices are skipped."""
-    with benchmarks_importable():
-        from sglang_mla_probe import first_error
+    from benchmarks.checks.sglang_mla_probe import first_error
+
     log = tmp_path / "vm-20261204-185749-07dc58.log"
     log.write_text(
         "Ignore import error when loading sglang.srt.models.glm4v: No module named 'x'\n"
@@ -1128,11 +1256,11 @@ def test_the_mla_probe_keeps_the_traceback_that_names_the_failing_kernel(tmp_pat
 
 @pytest.mark.slow
 def test_the_fidelity_harness_end_to_end_on_the_reference_server(tmp_path):
-    """The live path of sglang_fidelity.py (lifecycle start, the project's client single and
-    packed, the comparison, stray-dump check, stop) with the built-in server on CPU."""
+    """The live path of benchmarks.checks.sglang_fidelity (lifecycle start, the project's client
+    single and packed, the comparison, stray-dump check, stop) with the built-in server on CPU."""
     out = tmp_path / "fidelity.json"
     done = run_script(
-        "benchmarks/sglang_fidelity.py", "--engine", "reference", "--small", "--models",
+        "-m", "benchmarks.checks.sglang_fidelity", "--engine", "reference", "--small", "--models",
         "llama", "--device", "cpu", "--work-root", str(tmp_path), "--out", str(out),
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -1145,11 +1273,11 @@ def test_the_fidelity_harness_end_to_end_on_the_reference_server(tmp_path):
 
 @pytest.mark.slow
 def test_the_regeneration_benchmark_end_to_end_on_the_reference_server(tmp_path):
-    """The pipeline half of bench_sglang_regeneration.py (its dataset and chat template, the
-    lifecycle, concurrent regenerate jobs, the summary) with the built-in server on CPU."""
+    """The pipeline half of benchmarks.speed.sglang_regeneration (its dataset and chat template,
+    the lifecycle, concurrent regenerate jobs, the summary) with the built-in server on CPU."""
     out = tmp_path / "r.json"
     done = run_script(
-        "benchmarks/bench_sglang_regeneration.py", "--engine", "reference", "--sweep", "4,8",
+        "-m", "benchmarks.speed.sglang_regeneration", "--engine", "reference", "--sweep", "4,8",
         "--work-root", str(tmp_path), "--out", str(out),
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -1169,11 +1297,11 @@ def test_the_regeneration_benchmark_end_to_end_on_the_reference_server(tmp_path)
 
 @pytest.mark.slow
 def test_the_extraction_benchmark_end_to_end_on_the_reference_server(tmp_path):
-    """The pipeline half of bench_sglang_extraction.py (lifecycle, concurrent shard jobs,
+    """The pipeline half of benchmarks/speed/sglang_extraction.py (lifecycle, concurrent shard jobs,
     chunks on tmpfs, the breakdown) with the built-in server on CPU."""
     out = tmp_path / "r.json"
     done = run_script(
-        "benchmarks/bench_sglang_extraction.py", "--engine", "reference", "--tokens", "700",
+        "-m", "benchmarks.speed.sglang_extraction", "--engine", "reference", "--tokens", "700",
         "--storages", "shm", "--parallel-shards", "2", "--verify-delete", "--inflight-gb",
         "2,auto", "--chunk-writeback-mb", "64,0", "--work-root", str(tmp_path), "--out", str(out),
     )  # fmt: skip
@@ -1214,12 +1342,11 @@ def test_a_kit_carries_the_comparison_to_a_fresh_machine_after_the_trainings(tmp
     """The machine was lost after the pipelines and trainings (H200, 2026-12-03): the kit of
     the last call restores their state and drafters on a new work root, rebuilds the toy target
     byte for byte, and leaves out what the new machine has to redo."""
-    with benchmarks_importable():
-        from bench_specforge import parse_args, plan_steps
-        from specforge_resume import restore_kit, write_kit
-        from specforge_steps import Paths
     from pipeline_run import SAMPLE, default_config
 
+    from benchmarks.studies.specforge.compare import parse_args, plan_steps
+    from benchmarks.studies.specforge.resume import restore_kit, write_kit
+    from benchmarks.studies.specforge.steps import Paths
     from eaglepipe.core.config import validate_config
     from eaglepipe.core.errors import PipelineError
 
@@ -1323,12 +1450,14 @@ def test_the_extraction_benchmark_refuses_a_run_the_machine_cannot_hold(tmp_path
     128 GiB of /dev/shm at once: refused by its dry run, naming the storage and the sizes,
     before anything is built."""
     done = run_script(
-        "benchmarks/bench_sglang_extraction.py", "--dry-run", "--sglang-version", "0.5.14",
+        "-m", "benchmarks.speed.sglang_extraction", "--dry-run", "--sglang-version", "0.5.14",
         "--preset", "scale-shm", "--inflight-gb", "auto", "--work-root", str(tmp_path),
     )  # fmt: skip
     assert done.returncode == 1
     (message,) = [line for line in done.stderr.splitlines() if line.strip()]
-    assert message.startswith("bench_sglang_extraction.py: the run does not fit the lent machine")
+    assert message.startswith(
+        "benchmarks.speed.sglang_extraction: the run does not fit the lent machine"
+    )
     assert "shm " in message and "of its 137.4 GB at once" in message
     assert list(tmp_path.iterdir()) == []  # nothing was built
 
@@ -1336,7 +1465,7 @@ def test_the_extraction_benchmark_refuses_a_run_the_machine_cannot_hold(tmp_path
 @pytest.mark.parametrize("value", ["0", "x", "inf", "2,-1"])
 def test_the_extraction_benchmark_refuses_a_dump_bound_it_cannot_use(tmp_path, value):
     done = run_script(
-        "benchmarks/bench_sglang_extraction.py", "--dry-run", "--sglang-version", "0.5.14",
+        "-m", "benchmarks.speed.sglang_extraction", "--dry-run", "--sglang-version", "0.5.14",
         "--inflight-gb", value, "--work-root", str(tmp_path),
     )  # fmt: skip
     assert done.returncode == 2

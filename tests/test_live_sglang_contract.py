@@ -131,9 +131,9 @@ def test_every_flag_the_live_launcher_passes_exists_with_its_type(src, live_argv
         assert fields[flag][1] == EXPECTED_TYPES[flag], (flag, fields[flag])
 
 
-# What benchmarks/sglang_pipeline_h200.sh adds through server.sglang.extra_args: the flags that
-# ran on the H200, and --enable-deterministic-inference for its --deterministic-live run (the
-# triton attention backend it sets is one SGLang's deterministic mode accepts).
+# What benchmarks/checks/sglang_pipeline_h200.sh adds through server.sglang.extra_args: the flags
+# that ran on the H200, and --enable-deterministic-inference for its --deterministic-live run
+# (the triton attention backend it sets is one SGLang's deterministic mode accepts).
 H200_EXTRA_ARGS = {
     "--attention-backend": "str",
     "--sampling-backend": "str",

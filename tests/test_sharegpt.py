@@ -90,7 +90,7 @@ def test_a_cut_off_array_yields_its_whole_records_and_names_the_cut_in_one_line(
 
 
 def test_the_package_file_itself_is_cut_off(files):
-    # Only its start is read here: the cut is at the end (bench_prepare reads it whole).
+    # Only its start is read here: the cut is at the end (benchmarks.speed.prepare reads it whole).
     records = SourceRecords(package_file())
     first = next(iter(records))
     assert first.row_id == 0 and json.loads(first.raw)["conversations"]

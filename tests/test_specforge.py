@@ -1,4 +1,5 @@
-"""SpecForge's inputs made from an eaglepipe run (benchmarks/specforge_data.py, issue 27), on CPU:
+"""SpecForge's inputs made from an eaglepipe run (benchmarks.studies.specforge.data, issue 27), on
+CPU:
 nothing of SpecForge runs here.
 
 - The conversion keeps held-out rows, and rows prepare skipped, out of SpecForge's JSONL.
@@ -6,10 +7,12 @@ nothing of SpecForge runs here.
   mask chat_mask.py gives, on every sample row. What is tested is the rule as written here from
   SpecForge 0.2.0's source (specforge/data/parse.py, GeneralParser): SpecForge itself is not
   installed in the suite. That this rule equals SpecForge's own parser on these rows was checked
-  once, outside the suite (docs/specforge.md); on the H200, bench_specforge.py checks SpecForge's
+  once, outside the suite (docs/specforge.md); on the H200, benchmarks.studies.specforge.compare
+  checks SpecForge's
   stored features against the prepared table as well (`compare_with_table`, tested below).
 - The target view and draft config SpecForge's loaders need.
-- The 8B-shape comparison's plumbing (benchmarks/specforge_scale.py): the rows and chat template
+- The 8B-shape comparison's plumbing (benchmarks.studies.specforge.scale_steps): the rows and
+  chat template
   both generators read; the comparison of SpecForge's feature files with the project's shards
   (equal, one layer off, bf16 noise, a pre-norm scale, a torn file); `kill -9` half-way through
   a stand-in generator and the accounting of what a "file exists" rerun and the pipeline's
@@ -31,12 +34,9 @@ import torch
 import yaml
 from conftest import REPO_ROOT, build_tiny_llama
 
-sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
-
-import specforge_scale as scale  # noqa: E402
-import specforge_scale_compare as scale_compare  # noqa: E402
-import specforge_scale_kill as scale_kill  # noqa: E402
-from specforge_data import (  # noqa: E402
+from benchmarks.studies.specforge import scale_compare, scale_kill
+from benchmarks.studies.specforge import scale_steps as scale
+from benchmarks.studies.specforge.data import (
     chat_template_spec,
     compare_with_table,
     draft_config,
@@ -47,8 +47,7 @@ from specforge_data import (  # noqa: E402
     train_conversations,
     write_specforge_jsonl,
 )
-from specforge_steps import Command, Context  # noqa: E402
-
+from benchmarks.studies.specforge.steps import Command, Context
 from eaglepipe.core.errors import PipelineError  # noqa: E402
 from eaglepipe.core.run import resolve  # noqa: E402
 from eaglepipe.data.chat_mask import tokenize_conversation  # noqa: E402
@@ -290,7 +289,8 @@ def test_the_draft_config_has_the_runs_layers_and_vocabulary(tmp_path):
 
 # ---------------------------------------------------------------- the 8B-shape rows (issue 27)
 #
-# benchmarks/specforge_scale.py, run on the H200 by bench_specforge_scale.py: the rows both
+# benchmarks.studies.specforge.scale_steps, run on the H200 by benchmarks.studies.specforge.scale:
+# the rows both
 # generators read, the kill -9 accounting, the comparison of the two feature sets, and the
 # training figures, each on small synthetic files here.
 
@@ -300,8 +300,9 @@ HIDDEN = 8
 def test_the_scale_rows_render_and_tokenize_to_their_own_ids_and_mask(tmp_path):
     """The chat template saved with the word tokenizer, rendered by transformers and masked by
     SpecForge's rule, gives each row's ids and mask: what the prepared table holds."""
-    from bench_sglang_extraction import save_word_tokenizer
     from transformers import AutoTokenizer
+
+    from benchmarks.toy_targets.word_tokenizer import save_word_tokenizer
 
     save_word_tokenizer(tmp_path, 512, scale.CHAT_TEMPLATE)
     tokenizer = AutoTokenizer.from_pretrained(tmp_path)
@@ -665,8 +666,8 @@ def test_the_driver_records_each_step_summarises_and_a_later_call_goes_on(
     """run_plan with canned steps: the state after each, the results and markdown of a whole
     comparison, a failed step retried by the next call (the done ones not run again), the
     target and features removed at the end, other settings refused, a step left for later."""
-    import bench_specforge_scale as driver
-    from specforge_steps import StepFailed
+    from benchmarks.studies.specforge import scale as driver
+    from benchmarks.studies.specforge.steps import StepFailed
 
     canned, calls = canned_results(tmp_path, feature_rows), []
 

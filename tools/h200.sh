@@ -2,69 +2,15 @@
 # One device call on the lent H200: install the staged SGLang wheels, run one part, leave its
 # results in OUT. Every part ends inside the call's 10-minute limit and still writes what it has.
 #
-#   bash tools/h200.sh check    OUT     imports, versions, plugin registration (~1 min)
-#   bash tools/h200.sh fidelity OUT     benchmarks/sglang_fidelity.py (Llama, DeepSeek, Kimi)
-#   bash tools/h200.sh perf     OUT     benchmarks/bench_sglang_extraction.py (8B shape)
-#   bash tools/h200.sh perf-scale OUT   the same at realistic sizes on /dev/shm (--preset
-#                                       scale-shm: 5 M tokens, 1.25 M per shard, each shard
-#                                       verified then deleted; ~8 min)
-#   bash tools/h200.sh perf-scale-disk OUT
-#                                       the same on disk (--preset scale-disk: 3 M tokens in
-#                                       0.5 M-token shards, dumps bounded as the pipeline does
-#                                       by default; each chunk handed to the disk every 64 MiB,
-#                                       then left to the kernel; ~7 min)
-#   bash tools/h200.sh pipeline OUT     benchmarks/sglang_pipeline_h200.sh (snakemake, engine sglang)
-#   bash tools/h200.sh pipeline-mla OUT the pipeline on a DeepSeek-V3-shaped toy target (MLA
-#                                       attention, benchmarks/deepseek_toy_target.py, pre-trained
-#                                       here on the GPU; EAGLEPIPE_MLA_TOY_SHAPE=H,Q,KV,NOPE,ROPE,V
-#                                       for other sizes), regeneration off; then `variants OUT
-#                                       --variants mla` serves the MLA draft layer (~6 min)
-#   bash tools/h200.sh mla-probe OUT [--shapes H,Q,KV,NOPE,ROPE,V;...]
-#                                       benchmarks/sglang_mla_probe.py: which MLA shapes the
-#                                       pipeline's capture and generation servers serve (a
-#                                       random toy per shape: a prefill, 32 at once, a decode;
-#                                       two server starts, ~2.5 min a shape)
-#   bash tools/h200.sh variants OUT [--variants fc_norm,norm_output] [--epochs N]
-#                                       benchmarks/bench_drafter_variants.py on the run the
-#                                       pipeline part left on this warm machine: each variant
-#                                       trained, evaluated, exported and served live through
-#                                       SGLang (~3.5 min each; a later call continues;
-#                                       EAGLEPIPE_VARIANTS_RUN=DIR: another finished run)
-#   bash tools/h200.sh live     OUT --config C --export-dir D --table T --eval E
-#                                       scripts/live_acceptance.py on a carried run's files (an
-#                                       exported drafter served by SGLang's speculative decoding)
-#   bash tools/h200.sh regen    OUT     benchmarks/bench_sglang_regeneration.py (8B shape): the
-#                                       regenerate stage vs SGLang's bench_serving, same batch
-#   bash tools/h200.sh regen-sweep OUT  the same at 64, 128, 256 requests in flight (where
-#                                       SGLang saturates; ~8 min)
-#   bash tools/h200.sh job-start OUT    benchmarks/bench_job_start.py --parts imports,read: a shard
-#                                       job's imports in fresh interpreters and its row read on
-#                                       this machine (no GPU, no server; ~30 s; runs as is
-#                                       with --dry-run too); `--parts lease --writer-gb 12`:
-#                                       the job's server lease beside two chunk writers
-#   bash tools/h200.sh ingest   OUT     benchmarks/bench_ingest.py: H = 7168 dumps to checksummed
-#                                       chunks with 1-16 workers vs raw writes, /dev/shm and disk
-#                                       (no GPU, no SGLang; ~5 min)
-#   bash tools/h200.sh regen-acceptance OUT
-#                                       benchmarks/bench_regeneration.py with SGLang: drafters
-#                                       trained on the dataset's and on the target's replies
-#                                       (two pipelines at once; a second call on the warm
-#                                       machine resumes them)
-#   bash tools/h200.sh specforge OUT [--seeds 0,1,2] [--epochs 8] [--settings 7/1/8,3/1/4]
-#                                       benchmarks/bench_specforge.py: this pipeline and
-#                                       SpecForge 0.2 on the same toy target and train rows,
-#                                       both drafters through the same live harness; a later
-#                                       call on the warm machine continues where it stopped
-#                                       (needs .whl-specforge too: tools/stage_specforge.py)
-#   bash tools/h200.sh specforge-scale OUT [--rows 96] [--row-tokens 2048]
-#                                       benchmarks/bench_specforge_scale.py on the 8B-shaped
-#                                       random Llama (bf16): SpecForge's own generator against
-#                                       this pipeline's extraction on the same rows (tokens/s,
-#                                       bytes per token, each killed with kill -9 at half its
-#                                       rows and run again), both trainers' tokens/s (TTT 7),
-#                                       the two feature sets compared; one call (~8 min; a
-#                                       later call on the warm machine finishes what is left;
-#                                       needs .whl-specforge too)
+#   bash tools/h200.sh PART OUT [args]
+#
+# The parts (check, fidelity, perf, perf-scale, perf-scale-disk, pipeline, pipeline-mla,
+# mla-probe, variants, live, regen, regen-sweep, ingest, job-start, regen-acceptance, specforge,
+# specforge-scale) are a table in tools/device_parts.py: what each runs, with which arguments,
+# its deadline within the call, what it needs staged and what it keeps in OUT.
+# `python3 tools/device_parts.py usage` lists them; `python3 tools/device_parts.py plan PART OUT`
+# prints a part's commands. This script does what needs bash: the staged wheels installed into
+# their sites, the environment, the import check, the cleanup and the JIT cache.
 #   (extra arguments after OUT go to the part's script; with --dry-run among them nothing is
 #   installed or checked, and a part whose script has a dry run prints its commands: here, on
 #   a CPU machine, `bash tools/h200.sh specforge OUT --dry-run`)
@@ -84,21 +30,24 @@
 #   jit/          TVM_FFI_CACHE_DIR and TRITON_CACHE_DIR
 set -u -o pipefail
 
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+PARTS_TABLE=$REPO/tools/device_parts.py
 if [ $# -lt 2 ]; then
-    echo "usage: bash tools/h200.sh check|fidelity|perf|perf-scale|perf-scale-disk|pipeline|pipeline-mla|mla-probe|variants|live|regen|regen-sweep|ingest|job-start|regen-acceptance|specforge|specforge-scale OUT [args...]" >&2
+    echo "usage: bash tools/h200.sh PART OUT [args...]; the parts:" >&2
+    python3 "$PARTS_TABLE" usage --prefix '  ' >&2
     exit 2
 fi
 PART=$1
 OUT=$2
 shift 2
-case "$PART" in
-check | fidelity | perf | perf-scale | perf-scale-disk | pipeline | pipeline-mla | mla-probe | variants | live | regen | regen-sweep | ingest | job-start | regen-acceptance | specforge | specforge-scale) ;;
+PARTS=$(python3 "$PARTS_TABLE" names) || exit 2
+case " $PARTS " in
+*" $PART "*) ;;
 *)
-    echo "tools/h200.sh: unknown part '$PART' (check, fidelity, perf, pipeline, pipeline-mla, mla-probe, variants, live, regen, regen-acceptance, perf-scale, perf-scale-disk, regen-sweep, ingest, job-start, specforge, specforge-scale)" >&2
+    echo "tools/h200.sh: unknown part '$PART' (${PARTS// /, })" >&2
     exit 2
     ;;
 esac
-REPO=$(cd "$(dirname "$0")/.." && pwd)
 DRY_RUN=0
 for arg in "$@"; do
     [ "$arg" = --dry-run ] && DRY_RUN=1
@@ -167,10 +116,12 @@ compile_repository() {
 }
 
 setup_env() {
-    case "$PART" in
-        specforge | specforge-scale) export PYTHONPATH="$REPO:$ROOT/site" ;;
-        *) export PYTHONPATH="$REPO:$ROOT/site-pipeline:$ROOT/site" ;;
-    esac
+    local site
+    PYTHONPATH=$REPO
+    for site in $(python3 "$PARTS_TABLE" sites "$PART"); do
+        PYTHONPATH="$PYTHONPATH:$ROOT/$site"
+    done
+    export PYTHONPATH
     export EAGLEPIPE_SGLANG_PYTHONPATH="$ROOT/site-sglang"
     export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
     export TVM_FFI_CACHE_DIR="$ROOT/jit/tvm-ffi" TRITON_CACHE_DIR="$ROOT/jit/triton"
@@ -221,196 +172,8 @@ assert recipe.capture_mechanism(version) == 'flags' or recipe.plugin_registered(
 }
 
 run_part() {
-    local left=$((BUDGET_S - SECONDS - 30))
-    if [ "$left" -lt 60 ]; then
-        say "only ${left}s left for $PART: not started"
-        return 1
-    fi
-    say "$PART: start (limit ${left}s)"
-    (
-        export EAGLEPIPE_H200_CALL=$CALL_MARK
-        case "$PART" in
-        check) exit 0 ;;
-        fidelity)
-            timeout --signal=TERM --kill-after=20 "$left" python3 -u \
-                benchmarks/sglang_fidelity.py --out "$OUT/fidelity.json" \
-                --deadline-s $((left - 25)) --work-root "$ROOT" --keep "$@"
-            ;;
-        perf)
-            timeout --signal=TERM --kill-after=20 "$left" python3 -u \
-                benchmarks/bench_sglang_extraction.py --out "$OUT/sglang_extraction.json" \
-                --deadline-s $((left - 25)) --work-root /tmp "$@"
-            ;;
-        perf-scale | perf-scale-disk)
-            preset=scale-shm
-            [ "$PART" = perf-scale-disk ] && preset=scale-disk
-            timeout --signal=TERM --kill-after=20 "$left" python3 -u \
-                benchmarks/bench_sglang_extraction.py --preset "$preset" \
-                --out "$OUT/sglang_extraction_$preset.json" \
-                --deadline-s $((left - 25)) --work-root /tmp "$@"
-            ;;
-        pipeline)
-            EAGLEPIPE_PIPELINE_LIMIT_S=$((left - 20)) timeout --signal=TERM --kill-after=20 \
-                "$left" bash benchmarks/sglang_pipeline_h200.sh "$OUT" "$@"
-            ;;
-        pipeline-mla)
-            # An MLA draft layer needs a target with MLA attention: the DeepSeek-V3-shaped toy,
-            # pre-trained on the GPU, then the pipeline on it in the pipeline part's run
-            # directory (so `variants --variants mla` finds it). Regeneration stays off: the
-            # toy's own replies are not what this run measures, and it saves a server start.
-            # EAGLEPIPE_MLA_TOY_SHAPE=H,Q,KV,NOPE,ROPE,V picks the toy's sizes (deepseek_toy_target.py
-            # --shape; a shape mla-probe served); a toy of other sizes left here is rebuilt.
-            toy="$ROOT/deepseek-toy"
-            shape=${EAGLEPIPE_MLA_TOY_SHAPE:-default}
-            toy_cmd=(python3 -u benchmarks/deepseek_toy_target.py
-                --corpus data/sample/conversations.jsonl --out "$toy" --device cuda)
-            [ "$shape" = default ] || toy_cmd+=(--shape "$shape")
-            if [ "$(cat "$toy/shape.txt" 2>/dev/null)" != "$shape" ]; then
-                rm -rf "$toy" "$ROOT/pipeline-run"
-            fi
-            if [ "$DRY_RUN" = 1 ]; then
-                # A real checkpoint of the same shape (2 steps, CPU), so the dry run checks
-                # the pipeline's plan against it.
-                say "(dry run) ${toy_cmd[*]}; here with --device cpu --steps 2"
-                "${toy_cmd[@]}" --device cpu --steps 2 >/dev/null || exit 1
-                echo "$shape" >"$toy/shape.txt"
-            elif [ ! -f "$toy/config.json" ]; then
-                say "building the DeepSeek-V3-shaped toy target ($shape) into $toy"
-                timeout --signal=TERM --kill-after=20 $((left - 200)) "${toy_cmd[@]}" || exit 1
-                echo "$shape" >"$toy/shape.txt"
-            fi
-            overrides="$ROOT/mla-overrides.yaml"
-            printf 'model:\n  path: %s\ndataset:\n  regenerate:\n    enabled: false\n' \
-                "$toy" >"$overrides"
-            left=$((BUDGET_S - SECONDS - 30))
-            EAGLEPIPE_PIPELINE_LIMIT_S=$((left - 20)) timeout --signal=TERM --kill-after=20 \
-                "$left" bash benchmarks/sglang_pipeline_h200.sh "$OUT" --overrides "$overrides" "$@"
-            ;;
-        mla-probe)
-            timeout --signal=TERM --kill-after=20 "$left" python3 -u \
-                benchmarks/sglang_mla_probe.py --out "$OUT/mla_probe.json" \
-                --deadline-s $((left - 25)) --work-root "$ROOT" "$@"
-            rc=$?
-            keep_log_tails "$ROOT" "$OUT/mla_probe_logs.tgz"
-            exit $rc
-            ;;
-        variants)
-            # The plain variant is the pipeline run's own drafter (same seed and data): its
-            # figures are in that run's eval.json and live.json. EAGLEPIPE_VARIANTS_RUN names
-            # another finished run on this machine (the specforge part's, for one).
-            run=${EAGLEPIPE_VARIANTS_RUN:-$ROOT/pipeline-run}
-            if [ ! -f "$run/drafter/eval.json" ]; then
-                say "variants: no finished pipeline run in $run: run the pipeline part first, on the same warm machine"
-                exit 1
-            fi
-            timeout --signal=TERM --kill-after=20 "$left" python3 -u \
-                benchmarks/bench_drafter_variants.py --run-dir "$run" \
-                --variants fc_norm,norm_output --out "$ROOT/variants" "$@"
-            rc=$?
-            cp "$ROOT/variants/summary.json" "$OUT/variants_summary.json" 2>/dev/null
-            tar -czf "$OUT/variants_results.tgz" -C "$ROOT" --exclude='*.safetensors' \
-                --exclude=checkpoints variants
-            exit $rc
-            ;;
-        live)
-            timeout --signal=TERM --kill-after=20 "$left" python3 -u \
-                scripts/live_acceptance.py --out "$OUT/live.json" "$@"
-            ;;
-        regen)
-            timeout --signal=TERM --kill-after=20 "$left" python3 -u \
-                benchmarks/bench_sglang_regeneration.py --out "$OUT/sglang_regeneration.json" \
-                --deadline-s $((left - 25)) --work-root /tmp "$@"
-            ;;
-        regen-sweep)
-            timeout --signal=TERM --kill-after=20 "$left" python3 -u \
-                benchmarks/bench_sglang_regeneration.py --sweep 64,128,256 \
-                --out "$OUT/sglang_regeneration_sweep.json" \
-                --deadline-s $((left - 25)) --work-root /tmp "$@"
-            ;;
-        job-start)
-            # The device's extraction jobs entered the library at 0.67-0.94 s against 0.24 s
-            # on the 2-core VM: this says where (interpreter, each import, the tokenizer, the
-            # row read) in the jobs' own environment. It needs neither GPU nor server, so a dry
-            # run runs it as is (without --dry-run, which the script does not take).
-            local args=()
-            for arg in "$@"; do
-                [ "$arg" = --dry-run ] || args+=("$arg")
-            done
-            timeout --signal=TERM --kill-after=20 "$left" python3 -u \
-                benchmarks/bench_job_start.py --parts imports,read --dir /tmp \
-                --out "$OUT/job_start.json" "${args[@]+"${args[@]}"}"
-            ;;
-        ingest)
-            timeout --signal=TERM --kill-after=20 "$left" python3 -u \
-                benchmarks/bench_ingest.py --hidden-size 7168 --gb-per-worker 2 \
-                --workers 1,2,4,8,16 --storages shm,disk --out-dir /tmp \
-                --out "$OUT/ingest.json" --deadline-s $((left - 25)) "$@"
-            ;;
-        regen-acceptance)
-            # --scheduler greedy: the ilp scheduler needs pulp, which is not staged.
-            timeout --signal=TERM --kill-after=20 "$left" python3 -u \
-                benchmarks/bench_regeneration.py --overrides benchmarks/h200_regeneration.yaml \
-                --work-root "$ROOT/regen-acceptance" --cores "$(nproc)" --parallel \
-                --cross-live 0 --deadline-s $((left - 45)) --snakemake-arg=--scheduler \
-                --snakemake-arg=greedy --out "$OUT/regen_acceptance.json" "$@"
-            rc=$?
-            keep_log_tails "$ROOT/regen-acceptance" "$OUT/regen_acceptance_logs.tgz"
-            exit $rc
-            ;;
-        specforge)
-            # A kit carried from an earlier call (.specforge-resume/, see
-            # benchmarks/specforge_resume.py) lets a fresh machine go on where a lost one stopped.
-            resume=()
-            kit=$REPO/.specforge-resume/specforge_resume.tgz
-            [ -f "$kit" ] && resume=(--resume-kit "$kit")
-            timeout --signal=TERM --kill-after=20 "$left" python3 -u \
-                benchmarks/bench_specforge.py --out "$OUT/specforge.json" \
-                --work-root "$ROOT/specforge" --deadline-s $((left - 25)) \
-                --kit-out "$OUT/specforge_resume.tgz" "${resume[@]}" "$@"
-            rc=$?
-            keep_specforge_results "$ROOT/specforge" "$OUT"
-            exit $rc
-            ;;
-        specforge-scale)
-            # Its work root is on /dev/shm (the 16 GB target and both feature sets:
-            # EAGLEPIPE_SCALE_ROOT to move it); it stays for a later call on the warm machine
-            # until every step is done, then only its logs and state are left.
-            scale=${EAGLEPIPE_SCALE_ROOT:-/dev/shm/eaglepipe-specforge-scale}
-            [ -w "$(dirname "$scale")" ] || scale=$ROOT/specforge-scale
-            timeout --signal=TERM --kill-after=20 "$left" python3 -u \
-                benchmarks/bench_specforge_scale.py --out "$OUT/specforge_scale.json" \
-                --work-root "$scale" --deadline-s $((left - 25)) "$@"
-            rc=$?
-            [ -d "$scale" ] && keep_log_tails "$scale" "$OUT/specforge_scale_logs.tgz"
-            exit $rc
-            ;;
-        esac
-    )
-}
-
-keep_log_tails() {
-    # The last 200 lines of every log under $1 (snakemake's, the rules', the servers') into $2.
-    local root=$1 archive=$2 tails
-    tails=$(mktemp -d)
-    find "$root" -name '*.log' -type f 2>/dev/null | while read -r f; do
-        mkdir -p "$tails/$(dirname "${f#"$root"/}")"
-        tail -n 200 "$f" >"$tails/${f#"$root"/}"
-    done
-    tar -czf "$archive" -C "$tails" . && rm -rf "$tails"
-}
-
-keep_specforge_results() {
-    # Log tails, and each seed's drafters (both exports, eval.json, live-*.json: a toy's are
-    # small) when they fit a returned file.
-    local work=$1 out=$2
-    [ -d "$work" ] || return 0
-    keep_log_tails "$work" "$out/specforge_logs.tgz"
-    [ -d "$work/seeds" ] || return 0
-    tar -czf "$out/specforge_drafters.tgz" --exclude='*.tgz' -C "$work" seeds
-    if [ "$(stat -c %s "$out/specforge_drafters.tgz")" -gt $((15 * 1024 * 1024)) ]; then
-        say "the drafters are too large to return: left in $work/seeds"
-        rm -f "$out/specforge_drafters.tgz"
-    fi
+    EAGLEPIPE_H200_CALL=$CALL_MARK python3 -u "$PARTS_TABLE" run --root "$ROOT" \
+        --budget-s "$BUDGET_S" --elapsed-s "$SECONDS" "$PART" "$OUT" -- "$@"
 }
 
 stop_leftovers() {

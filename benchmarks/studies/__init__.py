@@ -1,0 +1,2 @@
+"""Quality experiments: drafter variants, acceptance spread, regeneration's effect on
+acceptance, and the SpecForge comparison (specforge/)."""
