@@ -3,7 +3,8 @@
 
 For each model: build a small random checkpoint, compute transformers references of the same
 weights (fp32 and bf16, every hidden state), start SGLang through the project's own launcher
-(`eaglepipe.server.lifecycle.shared_server.start_server`, engine sglang: the recipe under test), send the rows
+(`eaglepipe.server.lifecycle.shared_server.start_server`, engine sglang: the recipe under
+test), send the rows
 through the project's ExtractionClient one at a time and then all in flight at once (SGLang
 packs them into shared prefill batches; the server log says how many), and compare each layer:
 

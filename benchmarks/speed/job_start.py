@@ -16,7 +16,8 @@ every running job is starting or finishing at once (BENCHMARKS.md, "job turnover
   `first_request_s` where it records one;
 - read: a shard's rows from a prepared table of `--rows` rows (its own parquet row group,
   `eaglepipe.extract.shard.load_shard_rows`) against the whole table read and then sliced;
-- lease: the server lease a job takes before its first request (`eaglepipe.server.lifecycle.leases.Lease`)
+- lease: the server lease a job takes before its first request
+  (`eaglepipe.server.lifecycle.leases.Lease`)
   idle and beside `--writers` threads writing `--writer-gb` GB each into the same filesystem as
   shard jobs write their chunks (bench_ingest's raw writes), against the same file fsynced.
 

