@@ -1,5 +1,6 @@
 """benchmarks/studies/specforge/parser.py: the ShareGPT array read as a stream with its cut
-named, the pipeline's side and the counting on real files, the command line; SpecForge's own GeneralParser
+named, the pipeline's side and the counting on real files, the command line; SpecForge's own
+GeneralParser
 only where SpecForge is installed (the suite never downloads it)."""
 
 from __future__ import annotations
