@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from ..core.atomic import atomic_write_bytes, atomic_write_json, fsync_dir
 from ..core.errors import PipelineError
 from ..core.fingerprint import hash_bytes, hash_file
+from ..core.hidden_store import BF16_STORE, HiddenStore
 from ..core.jsonio import read_json_object, read_json_object_bytes
 from .chunk_file import CHUNK_PATTERN, FORMAT_VERSION, ChunkRecord, chunk_file_name, open_chunk
 
@@ -160,7 +161,10 @@ def build_manifest(
     records: Sequence[ChunkRecord],
     provenance: dict,
     timing: dict,
+    store: HiddenStore = BF16_STORE,
 ) -> dict:
+    """`dtype` is what readers get (bf16 values, dequantized from an FP8 store);
+    `stored_dtypes` what the chunks hold, per hidden-state tensor."""
     return {
         "format_version": FORMAT_VERSION,
         "shard": shard,
@@ -170,6 +174,7 @@ def build_manifest(
         "num_aux_layers": len(aux_layer_ids),
         "aux_layer_ids": list(aux_layer_ids),
         "dtype": "bfloat16",
+        "stored_dtypes": store.manifest_dtypes(),
         "num_rows": sum(len(r.row_ids) for r in records),
         "num_tokens": sum(r.num_tokens for r in records),
         "num_bytes": sum(r.bytes for r in records),

@@ -149,7 +149,7 @@ def print_space_plan(run: RunSpec) -> None:
         return
     summary = json.loads(PREPARED_SUMMARY.read_text())
     tokens = [s["tokens"] for s in summary.get("shards", []) if s["shard"] in remaining]
-    needed = plan_bytes(tokens, run.model.hidden_size)
+    needed = plan_bytes(tokens, run.model.hidden_size, store=run.extract.store)
     print(
         f"eaglepipe {__version__}: {len(remaining)} shard(s) to extract, {sum(tokens):,} tokens; "
         + space_summary(needed, HIDDEN_STATES_DIR),
