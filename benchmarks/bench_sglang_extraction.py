@@ -42,6 +42,12 @@ against the machine here before a device call.
         --parallel-shards 2 --storages shm --verify-delete --out $OUT/scale.json        # H200
     python3 -u benchmarks/bench_sglang_extraction.py --dry-run --sglang-version 0.5.14 \\
         --out /tmp/sglang_extraction.json                                  # CPU: no server
+
+`--store-dtypes bf16,fp8,fp8aux` runs the pipeline once per stored dtype (extract.store: fp8 is
+aux and final in e4m3, fp8aux the aux states only; each on its own server, the hook quantizing on
+the GPU), against the same bare prefill: variants after the first store are named `shm/fp8`,
+`disk/fp8aux`, ... The bytes per token of each store (8B shape and Kimi-K2.5's, from the chunk
+file's own byte function) are printed and recorded (`bytes_per_token`), in --dry-run too.
 """
 
 from __future__ import annotations
@@ -71,8 +77,11 @@ from common import (  # noqa: E402
     BREAKDOWN_KEYS,
     REPO_ROOT,
     SGLANG_EXTRA_ARGS,
+    STORE_VARIANTS,
     GpuUtilisation,
     add_engine_options,
+    bytes_per_token,
+    bytes_per_token_lines,
     chunk_storage,
     command_line,
     first_request_summary,
@@ -88,6 +97,7 @@ from common import (  # noqa: E402
     seeded_rows,
     shard_jobs_in_parallel,
     split_by_jobs_alive,
+    store_variants,
     verify_and_delete,
     working_directory,
     write_prepared,
@@ -198,6 +208,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="also the bare run's rows through SGLang with the capture but without the hook: "
         "what the capture alone costs the prefill, apart from the hook, dumps and client",
     )  # fmt: skip
+    parser.add_argument(
+        "--store-dtypes", default="bf16",
+        help="stored dtypes (extract.store), a comma list of bf16, fp8, fp8aux: the pipeline runs "
+        "once per store (its own server), after the same bare prefill",
+    )  # fmt: skip
     parser.add_argument("--mem-fraction-static", type=float, default=0.8)
     parser.add_argument("--storages", default="shm,disk", help="where chunks go, in order")
     parser.add_argument("--raw-gb", type=float, default=4.0, help="raw write test size")
@@ -226,6 +241,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         except ValueError:
             parser.error(f"--inflight-gb: {value!r} is neither a positive number nor auto")
     args.writeback_variants = int_list(parser, "--chunk-writeback-mb", args.chunk_writeback_mb, 0)
+    args.store_variants = store_variants(parser, "--store-dtypes", args.store_dtypes)
     if not set(args.storages) <= {"shm", "disk"}:
         parser.error("--storages: shm and/or disk")
     if args.dry_run and not args.sglang_version:
@@ -320,9 +336,13 @@ def dump_bytes_in_flight(gb: str, jobs: int) -> int:
     return jobs * per_job
 
 
-def token_bytes(shape: dict) -> int:
-    """Chunk bytes per token: aux (3 layers) and final hidden states in bf16, ids, mask."""
-    return 4 * shape["hidden"] * 2 + 5
+def token_bytes(shape: dict, store: str = "bf16") -> int:
+    """Chunk bytes per token (the chunk file's own function): aux (3 layers) and final hidden
+    states as `store` keeps them, ids, mask."""
+    from eaglepipe.core.hidden_store import HiddenStore
+    from eaglepipe.extract.chunk_file import token_bytes as chunk_token_bytes
+
+    return chunk_token_bytes(shape["hidden"], 3, HiddenStore(**STORE_VARIANTS[store]))
 
 
 def model_bytes(shape: dict) -> int:
@@ -332,6 +352,7 @@ def model_bytes(shape: dict) -> int:
 
 
 def shard_token_bound(args, shape: dict) -> int:
+    # --shard-gb counts bf16 bytes: every store then extracts the same shards.
     return args.shard_tokens or int(args.shard_gb * 1e9 / token_bytes(shape))
 
 
@@ -340,7 +361,7 @@ def storage_plan(args) -> dict:
     H200's storage, and how long it takes at `--assume-bare-tok-s`."""
     shape = SHAPES["8b"]
     tokens = args.full["tokens"]
-    per_token = token_bytes(shape)
+    per_token = max(token_bytes(shape, store) for store in args.store_variants)
     shard_tokens = min(shard_token_bound(args, shape), tokens)
     shards = -(-tokens // shard_tokens)
     shard_bytes = shard_tokens * per_token
@@ -367,7 +388,8 @@ def storage_plan(args) -> dict:
         MODEL_BUILD_S
         + (1 + bare_runs) * SERVER_START_S
         + bare_runs * args.bare_fraction * bare_s
-        + len(variant_settings(args)) * bare_s / 0.95
+        + len(args.store_variants) * len(variant_settings(args)) * bare_s / 0.95
+        + (len(args.store_variants) - 1) * SERVER_START_S
     )
     return {
         "shape": "8b",
@@ -429,8 +451,27 @@ def pipeline_config(
         max_inflight_requests=args.inflight_requests,
         max_inflight_bytes=max_inflight_bytes(args.inflight_gb_variants[0]),
         chunk_writeback_mb=args.writeback_variants[0],
+        store=STORE_VARIANTS[args.store_variants[0]],
     )
     return validate_config(config)
+
+
+def with_store(config: dict, store: str) -> dict:
+    """The validated config with another extract.store."""
+    changed = json.loads(json.dumps(config))
+    changed["extract"]["store"] = dict(STORE_VARIANTS[store])
+    return changed
+
+
+def merge_store_run(results: dict, store: str, run: dict) -> None:
+    """A later store's pipeline run into results["pipeline"]: its variants as `<name>/<store>`,
+    its server's facts under `stores`."""
+    pipeline = results["pipeline"]
+    for name, entry in run.get("variants", {}).items():
+        pipeline["variants"][f"{name}/{store}"] = {**entry, "store": store}
+    pipeline.setdefault("stores", {})[store] = {
+        k: v for k, v in run.items() if k not in ("variants", "server_log_tail")
+    }
 
 
 def bare_command(
@@ -795,6 +836,7 @@ def summarise(results: dict) -> None:
     ceiling = (
         min(v for v in (bare, disk_tokens_per_s) if v) if (bare or disk_tokens_per_s) else None
     )
+    shape = {"hidden": results["setup"]["hidden"]}
     results["ratios"] = {
         "bare_capture_vs_bare": ratio(results.get("bare_capture", {}).get("tokens_per_s"), bare),
         "shm_vs_bare": ratio(shm, bare),
@@ -807,6 +849,12 @@ def summarise(results: dict) -> None:
         results["ratios"][f"{name}_jobs_span_vs_bare"] = ratio(
             entry.get("jobs_span_tokens_per_s"), bare
         )
+        if entry.get("storage") == "disk" and raw_disk:
+            # The disk's raw rate in this store's tokens: an FP8 store writes fewer bytes.
+            store_tokens_per_s = raw_disk * 1e9 / token_bytes(shape, entry.get("store", "bf16"))
+            results["ratios"][f"{name}_vs_ceiling"] = ratio(
+                entry.get("tokens_per_s"), min(v for v in (bare, store_tokens_per_s) if v)
+            )
         parallel = str(results["setup"]["parallel_shards"])
         steady = (entry.get("by_jobs_alive") or {}).get(parallel)
         if steady and steady["prefill_tokens"]:
@@ -866,7 +914,8 @@ def report(results: dict) -> str:
         rows.append([
             f"pipeline: hook + {results['setup']['parallel_shards']} shard jobs x "
             f"{entry.get('inflight_per_job')} in flight (dumps {inflight_gb_label(entry)}), "
-            f"chunks on {entry.get('storage', name)} ({writeback_label(entry)})",
+            f"chunks on {entry.get('storage', name)} ({writeback_label(entry)}), "
+            f"store {entry.get('store', results['setup'].get('store_dtypes', ['bf16'])[0])}",
             entry.get("tokens"), entry.get("seconds"), entry.get("tokens_per_s"),
             ratio(entry.get("tokens_per_s"), bare.get("tokens_per_s")),
             entry.get("gpu_util_mean_pct"), (entry.get("prefill") or {}).get("tokens_per_batch"),
@@ -1005,9 +1054,13 @@ def main(argv=None) -> int:
             "shard_tokens": args.shard_tokens,
             "verify_delete": args.verify_delete,
             "bare_fraction": args.bare_fraction,
+            "store_dtypes": args.store_variants,
         },  # fmt: skip
         "plan": storage_plan(args),
+        "bytes_per_token": bytes_per_token(args.store_variants),
     }
+    for line in bytes_per_token_lines(results["bytes_per_token"]):
+        log(line)
     plan = results["plan"]
     log(
         f"plan: {plan['shards']} shards of {plan['shard_gb']} GB, peak {plan['peak_gb']} GB "
@@ -1077,6 +1130,21 @@ def main(argv=None) -> int:
             results["pipeline"] = {"argv": argv, "env": {k: v for k, v in env.items()
                                                          if k != "PYTHONPATH"},
                                    "shards": len(names), "variants": {}}  # fmt: skip
+            # What each store's server is told: the hook's config quantizes on the GPU.
+            results["pipeline"]["stores"] = {}
+            for store in args.store_variants:
+                argv, _ = launch_command(
+                    resolve(with_store(config, store)), host="127.0.0.1",
+                    port=config["server"]["port"],
+                    dump_dir=Path(config["server"]["dump_root"]) / "x", instance_id="dry-run",
+                    sglang_version=args.sglang_version,
+                )  # fmt: skip
+                hook = json.loads(argv[argv.index("--forward-hooks") + 1])[0]["config"]
+                results["pipeline"]["stores"][store] = {
+                    "extract.store": STORE_VARIANTS[store],
+                    "hook_config_store": hook.get("store", "absent: bf16"),
+                }
+                log(f"store {store}: the hook's config store {hook.get('store', 'absent: bf16')}")
         else:
             try:
                 if args.engine == "sglang":
@@ -1100,12 +1168,20 @@ def main(argv=None) -> int:
                     results["bare_capture"] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
                     code = 1
             write_results(args.out, results)
-            try:
-                results["pipeline"] = run_pipeline(run_dir, config, rows, warmup, args, deadline)
-            except Exception as exc:
-                traceback.print_exc()
-                results["pipeline"] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
-                code = 1
+            for index, store in enumerate(args.store_variants):
+                try:
+                    run = run_pipeline(
+                        run_dir, with_store(config, store), rows, warmup, args, deadline
+                    )
+                except Exception as exc:
+                    traceback.print_exc()
+                    run = {"error": f"{type(exc).__name__}: {exc}"[:2000], "variants": {}}
+                    code = 1
+                if index == 0:
+                    results["pipeline"] = run
+                else:
+                    merge_store_run(results, store, run)
+                write_results(args.out, results)
             if any("error" in v for v in results["pipeline"].get("variants", {}).values()):
                 code = 1
     finally:

@@ -4,6 +4,8 @@ chunk file that holds it, on real files (the chunk writer and the one chunk read
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -194,3 +196,46 @@ def test_the_one_reader_names_a_broken_chunk(tmp_path):
     torn.write_bytes(np.zeros(20, np.uint8).tobytes())
     with pytest.raises(PipelineError, match="is not a readable safetensors file"):
         ChunkReader(torn)
+
+
+def test_the_store_is_part_of_a_shards_identity_and_a_bf16_one_is_as_before(
+    tiny_llama_dir, tmp_path
+):
+    """Changing extract.store changes the shard's provenance stamp (it is extracted again), the
+    key its journalled chunks are kept under and the server's fingerprint (the server
+    quantizes); the default bf16 store adds nothing, so existing bf16 shards stay fresh."""
+    from conftest import REPO_ROOT
+    from tokenizers import Tokenizer, models
+
+    from eaglepipe.core.config import validate_config
+    from eaglepipe.core.config_files import load_config
+    from eaglepipe.core.run import resolve
+    from eaglepipe.plan.provenance import _shard_provenance_inputs, shard_provenance
+    from eaglepipe.server.identity import chunk_reuse_key, server_identity
+    from eaglepipe.server.launch import engine_command, server_fingerprint
+
+    target = tmp_path / "target"  # with a tokenizer: the model's fingerprint reads it
+    shutil.copytree(tiny_llama_dir, target)
+    vocabulary = models.WordLevel({"[UNK]": 0}, unk_token="[UNK]")
+    Tokenizer(vocabulary).save(str(target / "tokenizer.json"))
+
+    def run_with(store: HiddenStore):
+        config = load_config(REPO_ROOT / "config.yaml")
+        config["model"]["path"] = str(target)
+        config["dataset"]["path"] = str(REPO_ROOT / config["dataset"]["path"])
+        config["extract"]["store"] = store.as_dict()
+        return resolve(validate_config(config))
+
+    bf16, fp8, aux_only = run_with(BF16_STORE), run_with(FP8), run_with(AUX_ONLY)
+    assert bf16.extract.store == BF16_STORE and fp8.extract.store == FP8
+    stamps = {shard_provenance(run, "rows_0-64") for run in (bf16, fp8, aux_only)}
+    assert len(stamps) == 3
+    assert "store" not in _shard_provenance_inputs(bf16)[0]
+    assert _shard_provenance_inputs(fp8)[0]["store"] == FP8.as_dict()
+    keys = [chunk_reuse_key(run, shard_inputs_hash="h", engine={}) for run in (bf16, fp8)]
+    assert keys[0]["stored_dtype"] == "bfloat16" and keys[1]["stored_dtype"] == FP8.as_dict()
+    assert "store" not in server_identity(bf16)
+    assert server_fingerprint(bf16) != server_fingerprint(fp8)
+    argv, _ = engine_command(fp8, host="127.0.0.1", port=1, dump_dir=Path("/d"), instance_id="i")
+    assert argv[argv.index("--store-aux") + 1] == "fp8_e4m3"
+    assert argv[argv.index("--store-final") + 1] == "fp8_e4m3"

@@ -366,6 +366,11 @@ def train(
         raise PipelineError(
             f"shards have hidden_size {facts['hidden_size']}, the target {head.lm_head.shape[1]}"
         )
+    if facts["stored_dtypes"] != run.extract.store.manifest_dtypes():
+        raise PipelineError(
+            f"shards store {facts['stored_dtypes']}, the config's extract.store is "
+            f"{run.extract.store.label()}: re-extract or fix extract.store"
+        )
 
     model = build_drafter(run, vocab, head, tc.seed).to(device)
     lm_head = head.lm_head.to(device=device, dtype=dtype)
