@@ -9,6 +9,10 @@ positional inputs: (input_ids, hidden_states, lm_head, forward_batch, aux_hidden
 captured layers, either one packed [T, K*H] tensor (DeepSeek family) or a list of K [T, H]
 tensors (Llama family). Every name used here is checked against the source of both ends of the
 supported SGLang range (patch/sglang.toml) by tests/test_sglang_contract.py.
+
+With an FP8 store (the config's `store`, from extract.store) the writer quantizes the batch to
+e4m3 with per-token, per-layer scales on the GPU, in the forward thread, before the copy to the
+host: the copy, the pinned buffers and the dumps hold half the bytes.
 """
 
 from __future__ import annotations
