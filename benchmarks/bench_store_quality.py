@@ -24,7 +24,8 @@ passes a figure when its mean lies within the bf16 seeds' [min, max].
 
 `--quick`: 40 rows, 10 per shard, a 20-step toy, 2 epochs, 2 live prompts of 8 tokens, no
 regeneration (a check that the benchmark runs, not a measurement). A finished run directory is
-reused (snakemake finds nothing to do), so an interrupted benchmark resumes.
+reused (snakemake finds nothing to do) and a seed whose figures are kept (`<store>/seed<N>/`)
+is not trained again, so an interrupted benchmark resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -176,6 +177,9 @@ def main() -> int:
     parser.add_argument("--cores", type=int, default=2)
     parser.add_argument("--deadline-s", type=float, default=None, help="whole-run budget")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--snakemake-arg", action="append", default=[], help="passed on (repeatable)"
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     stores = store_variants(parser, "--store-dtypes", args.store_dtypes)
@@ -205,22 +209,26 @@ def main() -> int:
         run_dir.mkdir(exist_ok=True)
         results["runs"][store] = {}
         for seed in seeds:
+            kept = run_dir / f"seed{seed}"
+            if (kept / "figures.json").exists():  # done by an earlier, interrupted call
+                results["runs"][store][str(seed)] = json.loads((kept / "figures.json").read_text())
+                continue
             (run_dir / "config.yaml").write_text(
                 yaml.safe_dump(run_config(config, run_dir, store, seed), sort_keys=False)
             )
             left = None if deadline is None else max(1.0, deadline - time.monotonic())
             log(f"{store}, seed {seed}: snakemake --cores {args.cores} in {run_dir}")
             seconds = run_workflow(
-                run_dir, args.cores, run_dir / "snakemake.log", "drafter/live.json",
-                timeout_s=left,
+                run_dir, args.cores, run_dir / "snakemake.log", *args.snakemake_arg,
+                "drafter/live.json", timeout_s=left,
             )  # fmt: skip
-            figures = seed_figures(run_dir, live_settings, ttt)
-            kept = run_dir / f"seed{seed}"
+            figures = {"seconds": round(seconds, 1), **seed_figures(run_dir, live_settings, ttt)}
             kept.mkdir(exist_ok=True)
             for name in ("eval.json", "live.json"):
                 if (run_dir / "drafter" / name).exists():
                     shutil.copy2(run_dir / "drafter" / name, kept / name)
-            results["runs"][store][str(seed)] = {"seconds": round(seconds, 1), **figures}
+            (kept / "figures.json").write_text(json.dumps(figures))
+            results["runs"][store][str(seed)] = figures
             log(f"{store}, seed {seed}: {figures}")
             write_results(args.out, results)
     summary = {
