@@ -831,12 +831,14 @@ def summarise(results: dict) -> None:
     shm = variants.get("shm", {}).get("tokens_per_s")
     disk = variants.get("disk", {}).get("tokens_per_s")
     raw_disk = results.get("raw_write", {}).get("disk", {}).get("gb_per_s")
-    token_bytes = 4 * results["setup"]["hidden"] * 2
-    disk_tokens_per_s = raw_disk * 1e9 / token_bytes if raw_disk else None
+    # The disk's raw rate in tokens of the first store (the one `disk` ran with).
+    shape = {"hidden": results["setup"]["hidden"]}
+    first_store = results["setup"].get("store_dtypes", ["bf16"])[0]
+    per_token = token_bytes(shape, first_store)
+    disk_tokens_per_s = raw_disk * 1e9 / per_token if raw_disk else None
     ceiling = (
         min(v for v in (bare, disk_tokens_per_s) if v) if (bare or disk_tokens_per_s) else None
     )
-    shape = {"hidden": results["setup"]["hidden"]}
     results["ratios"] = {
         "bare_capture_vs_bare": ratio(results.get("bare_capture", {}).get("tokens_per_s"), bare),
         "shm_vs_bare": ratio(shm, bare),
@@ -851,7 +853,8 @@ def summarise(results: dict) -> None:
         )
         if entry.get("storage") == "disk" and raw_disk:
             # The disk's raw rate in this store's tokens: an FP8 store writes fewer bytes.
-            store_tokens_per_s = raw_disk * 1e9 / token_bytes(shape, entry.get("store", "bf16"))
+            store = entry.get("store", first_store)
+            store_tokens_per_s = raw_disk * 1e9 / token_bytes(shape, store)
             results["ratios"][f"{name}_vs_ceiling"] = ratio(
                 entry.get("tokens_per_s"), min(v for v in (bare, store_tokens_per_s) if v)
             )
