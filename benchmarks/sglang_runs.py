@@ -18,6 +18,7 @@ from datetime import datetime
 from pathlib import Path
 
 from benchmarks.common import REPO_ROOT, free_port
+from benchmarks.stores import STORE_VARIANTS
 
 
 def planned_sglang_commands(config: dict, sglang_version: str) -> dict:
@@ -148,6 +149,7 @@ def pipeline_config(
         max_inflight_requests=args.inflight_requests,
         max_inflight_bytes=max_inflight_bytes(args.inflight_gb_variants[0]),
         chunk_writeback_mb=args.writeback_variants[0],
+        store=STORE_VARIANTS[args.store_variants[0]],
     )
     return validate_config(config)
 

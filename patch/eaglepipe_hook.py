@@ -9,6 +9,10 @@ positional inputs: (input_ids, hidden_states, lm_head, forward_batch, aux_hidden
 captured layers, either one packed [T, K*H] tensor (DeepSeek family) or a list of K [T, H]
 tensors (Llama family). Every name used here is checked against the source of both ends of the
 supported SGLang range (patch/sglang.toml) by tests/test_sglang_contract.py.
+
+With an FP8 store (the config's `store`, from extract.store) the writer quantizes the batch to
+e4m3 with per-token, per-layer scales on the GPU, in the forward thread, before the copy to the
+host: the copy, the pinned buffers and the dumps hold half the bytes.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from eaglepipe.core.hidden_store import HiddenStore
 from eaglepipe.server.handoff.dump_writer import DumpWriter
 from eaglepipe.server.handoff.dumps import concat_aux, prepare_dump_dir
 
@@ -73,15 +78,18 @@ def make_dump_hook(config: dict):
         dump_dir=Path(config["dump_dir"]),
         request_prefix=str(config["request_prefix"]),
         aux_layer_ids=[int(i) for i in config["aux_layer_ids"]],
+        # An FP8 store is quantized here, on the GPU, before the copy to the host.
+        store=HiddenStore(**(config.get("store") or {})),
         stats_every=int(os.environ.get(STATS_EVERY_ENV) or DEFAULT_STATS_EVERY),
     )
     atexit.register(hook.close)
     logger.info(
-        "eaglepipe dump hook: instance %s writes %s-* dumps of aux layers %s to %s",
+        "eaglepipe dump hook: instance %s writes %s-* dumps of aux layers %s to %s (store %s)",
         config.get("instance_id", "?"),
         hook.request_prefix,
         hook.aux_layer_ids,
         hook.dump_dir,
+        hook.writer.store.label(),
     )
     return hook
 
@@ -122,12 +130,15 @@ class LogitsDumpHook:
         dump_dir: Path,
         request_prefix: str,
         aux_layer_ids: list[int],
+        store: HiddenStore | None = None,
         stats_every: int = DEFAULT_STATS_EVERY,
     ):
         self.dump_dir = prepare_dump_dir(dump_dir)
         self.request_prefix = request_prefix
         self.aux_layer_ids = aux_layer_ids
-        self.writer = DumpWriter(self.dump_dir, request_prefix, aux_layer_ids=aux_layer_ids)
+        self.writer = DumpWriter(
+            self.dump_dir, request_prefix, aux_layer_ids=aux_layer_ids, store=store or HiddenStore()
+        )
         self.stats = HookStats(stats_every)
         self._module_id: int | None = None
 

@@ -270,6 +270,28 @@ def test_ingest_quick_check_measures_each_worker_count_against_raw_writes(tmp_pa
     assert list(scratch.iterdir()) == []
 
 
+def test_ingest_quick_check_compares_the_stores_on_the_same_rows(tmp_path):
+    """`--store-dtypes bf16,fp8`: the same rows as e4m3 dumps (with their scales) through the
+    same ingest, half the chunk bytes."""
+    out = tmp_path / "ingest.json"
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    run_benchmark(
+        "benchmarks.speed.ingest", "--dry-run", "--storages", "disk", "--out-dir", str(scratch),
+        "--handoff-dir", str(scratch), "--store-dtypes", "bf16,fp8", "--out", str(out),
+    )  # fmt: skip
+    results = json.loads(out.read_text())
+    entries = results["runs"]["disk"]
+    assert [(e["store"], e["workers"]) for e in entries] == [
+        ("bf16", 1), ("bf16", 2), ("fp8", 1), ("fp8", 2),
+    ]  # fmt: skip
+    bf16, fp8 = entries[0], entries[2]
+    assert 0.45 * bf16["gb"] < fp8["gb"] < 0.55 * bf16["gb"]
+    assert fp8["ingest_gb_per_s"] > 0 and fp8["raw_write_gb_per_s"] > 0
+    assert results["bytes_per_token"]["fp8"]["8b"]["vs_bf16"] <= 0.52
+    assert "| disk | fp8 |" in out.with_suffix(".md").read_text()
+
+
 def test_acceptance_spread_pools_turns_as_the_harnesses_do(tmp_path):
     """Four live turns with hand-set tokens and rounds: every draw of all four pools to the
     exact figures, the evenly spaced pair is the live stage's choice, and a turn the offline

@@ -182,6 +182,20 @@ def test_a_plan_that_cannot_fit_is_named_with_its_stage_directory_and_remedy(pre
     assert f"on the file system of {workdir}, which has" in message
     assert "capture fewer aux layers (aux_layer_ids: 3 now)" in message
     assert "or run the workflow in a directory on a larger disk" in message
+    assert "store the states in FP8 at about half the bytes" in message
+
+
+def test_an_fp8_store_plans_about_half_the_hidden_state_bytes(prepared):
+    """The plan counts the configured store's bytes (values and per-token scales), and an FP8
+    plan no longer offers FP8 as the way to fit."""
+    workdir, config = prepared
+    bf16 = stage(planned_disk(resolve(config), workdir), "hidden_states")
+    fp8_config = copy.deepcopy(config)
+    fp8_config["extract"]["store"] = {"aux": "fp8_e4m3", "final": "fp8_e4m3"}
+    fp8_run = resolve(fp8_config)
+    fp8 = stage(planned_disk(fp8_run, workdir), "hidden_states")
+    assert 0.45 * bf16.planned_bytes < fp8.planned_bytes < 0.55 * bf16.planned_bytes
+    assert "FP8" not in disk_plan._remedy(fp8_run, [fp8])
 
 
 def test_the_workflow_refuses_a_plan_that_cannot_fit_before_any_job(prepared, tmp_path):

@@ -378,7 +378,11 @@ def test_batches_stream_the_right_rows_within_the_token_budget(tmp_path):
     require_intact(chunks, log=print)
     refs = index_rows(chunks, train_ids)
     assert sorted(r.row_id for r in refs) == [0, 1, 2, 3, 4, 5]
-    assert facts == {"hidden_size": 4, "aux_layer_ids": [1, 3, 4]}
+    assert facts == {
+        "hidden_size": 4,
+        "aux_layer_ids": [1, 3, 4],
+        "stored_dtypes": {"aux_hidden_states": "bfloat16", "final_hidden_states": "bfloat16"},
+    }
 
     plan = plan_batches(refs, batch_tokens=24, max_len=10, seed=3, epoch=0)
     assert sorted(r.row_id for b in plan for r in b) == [0, 1, 2, 3, 4, 5]

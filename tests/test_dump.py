@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 
 import eaglepipe.server.handoff.dump_writer as dump_module
 from eaglepipe.core.errors import PipelineError
+from eaglepipe.core.hidden_store import BF16_STORE
 from eaglepipe.server.handoff.dump_writer import DumpWriter, _HostBufferPool
 from eaglepipe.server.handoff.dumps import (
     AUX_KEY,
@@ -297,6 +298,7 @@ def test_writer_splits_batch_per_request_and_filters_prefix(tmp_path):
             # the whole forward pass: every request in it, ours or not, and its real tokens
             "batch_requests": 4,
             "batch_tokens": 11,
+            "store": BF16_STORE,  # what its dtypes make (the writer's default store)
         }
         assert torch.equal(got_aux, aux[start:end].to(torch.bfloat16))
         assert torch.equal(got_final, final[start:end].to(torch.bfloat16))

@@ -1024,6 +1024,28 @@ def test_the_extraction_benchmark_builds_the_bare_and_pipeline_commands(
     assert list(tmp_path.glob("eaglepipe-bench-sglang-*")) == []  # the scratch dir is removed
 
 
+def test_the_extraction_benchmark_compares_stores_and_prints_their_bytes(tmp_path):
+    """`--store-dtypes`: each store's server is told its store in the hook's config (the hook
+    quantizes on the GPU); the bytes per token of each, at the 8B shape and Kimi-K2.5's, come
+    from the chunk file's own function, FP8's at most 0.52x bf16's."""
+    out = tmp_path / "r.json"
+    done = run_script(
+        "-m", "benchmarks.speed.sglang_extraction", "--dry-run", "--sglang-version", "0.5.14",
+        "--store-dtypes", "bf16,fp8,fp8aux", "--work-root", str(tmp_path), "--out", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads(out.read_text())
+    stores = results["pipeline"]["stores"]
+    assert stores["bf16"]["hook_config_store"] == "absent: bf16"
+    assert stores["fp8"]["hook_config_store"] == {"aux": "fp8_e4m3", "final": "fp8_e4m3"}
+    assert stores["fp8aux"]["hook_config_store"] == {"aux": "fp8_e4m3", "final": "bf16"}
+    sizes = results["bytes_per_token"]
+    assert sizes["bf16"]["8b"]["bytes_per_token"] == 32773
+    assert sizes["fp8"]["8b"]["vs_bf16"] <= 0.52 and sizes["fp8"]["kimi_k2.5"]["vs_bf16"] <= 0.52
+    assert "bytes per token, fp8: 8b 16,405" in done.stderr + done.stdout
+    assert results["setup"]["store_dtypes"] == ["bf16", "fp8", "fp8aux"]
+
+
 @pytest.mark.parametrize("preset", ["scale-shm", "scale-disk"])
 def test_the_realistic_size_runs_fit_the_lent_h200(tmp_path, preset):
     """The presets tools/h200.sh runs (issue 28, item 1): >= 5 M tokens on /dev/shm in shards of

@@ -16,9 +16,12 @@ import pytest
 import torch
 from torch import nn
 
-from eaglepipe.server.handoff.dumps import read_dump
+from eaglepipe.core.errors import PipelineError
+from eaglepipe.core.hidden_store import BF16_STORE, FP8_REL_L2, HiddenStore, dequantize, quantize
+from eaglepipe.server.handoff.dumps import read_dump, read_dump_raw
 from eaglepipe.server.handoff.request_ids import make_rid
 from eaglepipe.server.sglang import recipe
+from eaglepipe.validate.spot_rule import rel_l2
 
 PATCH_DIR = Path(__file__).resolve().parent.parent / "patch"
 HIDDEN = 16
@@ -68,9 +71,13 @@ def hook_module(monkeypatch):
     sys.modules.pop("eaglepipe_hook", None)
 
 
-def make_hook(hook_module, dump_dir: Path):
+def make_hook(hook_module, dump_dir: Path, store: HiddenStore = BF16_STORE):
     spec = recipe.hook_spec(
-        dump_dir=dump_dir, request_prefix="eaglepipe", aux_layer_ids=AUX_IDS, instance_id="t"
+        dump_dir=dump_dir,
+        request_prefix="eaglepipe",
+        aux_layer_ids=AUX_IDS,
+        instance_id="t",
+        store=store,
     )
     return hook_module.make_dump_hook(spec["config"])
 
@@ -156,6 +163,46 @@ def test_each_prefixed_request_gets_its_own_slice(hook_module, tmp_path, layout)
         assert torch.equal(final, want_final)
         # Layer order inside the row: the first H columns are the lowest aux layer.
         assert torch.equal(aux[:, :HIDDEN], batch.captures[0][batch.offsets[index] :][: len(aux)])
+
+
+@pytest.mark.parametrize("layout", ["list", "packed"])
+@pytest.mark.parametrize("store", ["fp8_e4m3", "fp8_aux_only"])
+def test_an_fp8_store_is_quantized_in_the_hook(hook_module, tmp_path, layout, store):
+    """The hook hands the writer SGLang's bf16 captures; what lands in the handoff is e4m3 with
+    per-token, per-layer float32 scales (the quantization runs where the batch is: the GPU in
+    SGLang, torch on the CPU here), equal to quantizing each request's slice by itself."""
+    wanted = HiddenStore("fp8_e4m3", "bf16" if store == "fp8_aux_only" else "fp8_e4m3")
+    spec = recipe.hook_spec(
+        dump_dir=tmp_path, request_prefix="eaglepipe", aux_layer_ids=AUX_IDS, instance_id="t",
+        store=wanted,
+    )  # fmt: skip
+    assert spec["config"]["store"] == wanted.as_dict()
+    hook = make_hook(hook_module, tmp_path, wanted)
+    processor = attach(hook)
+    batch = Batch([(rid(10), 5), ("HEALTH_CHECK_1f2e3d", 1), (rid(11), 7)])
+    run_forward(processor, batch, batch.forward_batch(), batch.aux(layout))
+    hook.close()
+    for index in (0, 2):
+        path = tmp_path / f"{batch.rids[index]}.safetensors"
+        tensors, meta = read_dump_raw(path, wanted)
+        assert meta["store"] == wanted
+        assert tensors["aux_hidden_states"].dtype == "F8_E4M3"
+        assert tensors["aux_hidden_states_scale"].shape == (batch.lens[index], 3)
+        want_aux, want_final = batch.expected(index)
+        q, scale = quantize(want_aux, 3)
+        stored = tensors["aux_hidden_states"].to_torch()
+        assert torch.equal(stored.view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(tensors["aux_hidden_states_scale"].to_torch(), scale)
+        aux, final, _ = read_dump(path)  # dequantized
+        assert rel_l2(aux, want_aux.float()) < 1.2 * FP8_REL_L2
+        if wanted.quantized("final_hidden_states"):
+            assert torch.equal(final, dequantize(*quantize(want_final, 1), torch.float32))
+        else:
+            assert "final_hidden_states_scale" not in tensors
+            assert torch.equal(final, want_final)
+        # The client, configured for bf16, refuses it in one line.
+        with pytest.raises(PipelineError, match="the config's extract.store is bf16"):
+            read_dump_raw(path, BF16_STORE)
 
 
 def test_device_extend_lengths_are_used_when_host_lists_are_absent(hook_module, tmp_path):

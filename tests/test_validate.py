@@ -28,8 +28,9 @@ from conftest import PYTHON, REPO_ROOT, build_tiny_deepseek_v3, free_port
 from eaglepipe.core.config_files import load_config
 from eaglepipe.core.errors import PipelineError
 from eaglepipe.core.fingerprint import hash_bytes
+from eaglepipe.core.hidden_store import BF16_STORE, FP8_REL_L2, HiddenStore, quantize
 from eaglepipe.core.run import resolve
-from eaglepipe.extract.chunk_file import RowTensors, write_chunk
+from eaglepipe.extract.chunk_file import RowTensors, token_bytes, write_chunk
 from eaglepipe.extract.shard import extract_shard
 from eaglepipe.extract.shard_files import build_manifest, write_manifest
 from eaglepipe.server.lifecycle.shared_server import stop_server
@@ -42,6 +43,7 @@ from eaglepipe.validate import (
     judge_layers,
     read_stored_rows,
     reextract_rows,
+    rel_l2,
     validate_shard,
     verify_all,
 )
@@ -129,6 +131,15 @@ def workspace(tmp_path, monkeypatch, tiny_llama_dir) -> Workspace:
     return Workspace(tmp_path, config, input_ids, loss_masks)
 
 
+PROVENANCE_EXTRA = {
+    "shard_inputs_hash": "0" * 32,
+    "engine": "reference",
+    "engine_version": "test",
+    "project_version": "0.1.0",
+    "workflow": "workflow-stamp",
+}
+
+
 def synthetic_row(ws: Workspace, row: int, scale: float = 1.0) -> RowTensors:
     generator = torch.Generator().manual_seed(row)
     tokens = len(ws.input_ids[row])
@@ -145,6 +156,16 @@ def synthetic_row(ws: Workspace, row: int, scale: float = 1.0) -> RowTensors:
     )
 
 
+def stored_as(row: RowTensors, store: HiddenStore) -> RowTensors:
+    """The row as an FP8 `store` keeps it (what the server's dump writer hands over)."""
+    for name in store.scaled_keys:
+        values = getattr(row, name)
+        q, scale = quantize(values.float(), values.shape[1] // HIDDEN)
+        setattr(row, name, q)
+        row.scales[f"{name}_scale"] = scale
+    return row
+
+
 def write_shard(
     ws: Workspace,
     shard: str = SHARD,
@@ -152,8 +173,13 @@ def write_shard(
     tweak=None,
     scale: float = 1.0,
     provenance: dict | None = None,
+    store: HiddenStore = BF16_STORE,
+    chunk_stores: dict[int, HiddenStore] | None = None,
+    tweak_stored=None,
 ) -> Path:
-    """A shard written with the real chunk writer; `tweak(row_tensors)` damages rows first."""
+    """A shard written with the real chunk writer; `tweak(row_tensors)` damages rows first.
+    Its chunks hold `store` (chunk i: `chunk_stores[i]` where given), its manifest says `store`;
+    `tweak_stored` damages the rows as stored (e4m3 and scales)."""
     start, end = (int(x) for x in shard.removeprefix("rows_").split("-"))
     shard_dir = ws.shard_dir(shard)
     shard_dir.mkdir(parents=True)
@@ -163,13 +189,17 @@ def write_shard(
         if tweak:
             for row_tensors in tensors:
                 tweak(row_tensors)
-        records.append(write_chunk(shard_dir, index, tensors, hidden_size=HIDDEN))
+        chunk_store = (chunk_stores or {}).get(index, store)
+        tensors = [stored_as(row_tensors, chunk_store) for row_tensors in tensors]
+        for row_tensors in tensors if tweak_stored else ():
+            tweak_stored(row_tensors)
+        records.append(
+            write_chunk(shard_dir, index, tensors, hidden_size=HIDDEN, store=chunk_store)
+        )
     provenance = provenance or {
         **expected_provenance(resolve(ws.config)),
+        **PROVENANCE_EXTRA,
         "shard_inputs_hash": shard.ljust(32, "0"),
-        "engine": "reference",
-        "engine_version": "test",
-        "project_version": "0.1.0",
         # Per shard, as extraction records it: the hash of the shard's own source rows.
         "workflow": f"workflow-stamp-of-{shard}",
     }
@@ -182,6 +212,7 @@ def write_shard(
         records=records,
         provenance=provenance,
         timing={"seconds": 1.0},
+        store=store,
     )
     write_manifest(shard_dir, manifest)
     return shard_dir
@@ -502,6 +533,84 @@ def test_shard_of_another_model_fails_provenance(workspace):
     assert "field model_config_hash" in str(failure)
 
 
+# --- an FP8 store --------------------------------------------------------------------------
+
+FP8 = HiddenStore("fp8_e4m3", "fp8_e4m3")
+FP8_AUX = HiddenStore("fp8_e4m3", "bf16")
+
+
+def configure_store(ws: Workspace, store: HiddenStore) -> None:
+    ws.config["extract"]["store"] = store.as_dict()
+
+
+@pytest.mark.parametrize("store", [FP8, FP8_AUX], ids=["fp8", "fp8_aux_only"])
+def test_an_fp8_shard_of_the_configured_store_passes(workspace, store):
+    configure_store(workspace, store)
+    write_shard(workspace, store=store)
+    report = validate_shard(resolve(workspace.config), SHARD, progress=False)
+    assert "stored_dtypes" in report["checks"]["provenance"]["fields"]
+    assert report["provenance"]["stored_dtypes"] == store.manifest_dtypes()
+    # Dequantized randn rows: norms as in bf16 (~sqrt(H)); compared only with this store.
+    assert all(4.0 < v < 7.5 for v in report["layer_norms"].values())
+    assert report["norm_comparable_on"]["store"] == store.as_dict()
+
+
+def test_a_shard_of_another_store_than_the_configured_one_fails_provenance(workspace):
+    configure_store(workspace, FP8)
+    provenance = expected_provenance(resolve(workspace.config))
+    configure_store(workspace, BF16_STORE)
+    write_shard(workspace, store=FP8, provenance={**provenance, **PROVENANCE_EXTRA})
+    failure = expect_failure(workspace, "provenance")
+    assert "never mixes stores" in str(failure) and "float8_e4m3fn" in str(failure)
+    assert "extract.store" in str(failure)
+
+
+def test_a_manifest_that_mislabels_its_chunks_fails_schema(workspace):
+    """FP8 chunks under a manifest (and provenance) that say bf16: the chunks' own dtypes tell."""
+    write_shard(workspace, store=BF16_STORE, chunk_stores={0: FP8, 1: FP8, 2: FP8})
+    failure = expect_failure(workspace, "schema")
+    assert failure.chunk == "chunk-00000.safetensors"
+    assert "aux_hidden_states_scale" in str(failure) and "bf16 store" in str(failure)
+
+
+def test_a_shard_mixing_stores_fails_schema_naming_the_chunk(workspace):
+    configure_store(workspace, FP8_AUX)
+    write_shard(workspace, store=FP8_AUX, chunk_stores={1: BF16_STORE})
+    failure = expect_failure(workspace, "schema")
+    assert failure.chunk == "chunk-00001.safetensors" and failure.row == 6
+    assert "aux_hidden_states_scale" in str(failure)
+
+
+def test_a_manifest_whose_store_disagrees_with_its_provenance_fails(workspace):
+    configure_store(workspace, FP8)
+    shard_dir = write_shard(workspace, store=FP8)
+    update_manifest(shard_dir, lambda m: m["provenance"].update(stored_dtypes=None))
+    failure = expect_failure(workspace, "provenance")
+    assert "disagree with its provenance.stored_dtypes" in str(failure)
+
+
+def test_non_finite_values_and_bad_scales_of_an_fp8_shard_fail_values(workspace):
+    configure_store(workspace, FP8)
+
+    def poison(row: RowTensors) -> None:
+        if row.row_id == 2:
+            row.aux_hidden_states = row.aux_hidden_states.clone()
+            row.aux_hidden_states[1, 5] = float("nan")
+
+    write_shard(workspace, store=FP8, tweak=poison)
+    failure = expect_failure(workspace, "values")
+    assert failure.row == 2 and "non-finite" in str(failure) and "token 1" in str(failure)
+    shutil.rmtree(workspace.shard_dir())
+
+    def negative(row: RowTensors) -> None:
+        if row.row_id == 9:
+            row.scales["final_hidden_states_scale"][2] = -1.0
+
+    write_shard(workspace, store=FP8, tweak_stored=negative)
+    failure = expect_failure(workspace, "values")
+    assert failure.row == 9 and "scale -1.0" in str(failure) and "final (post-norm)" in str(failure)
+
+
 # --- verify -------------------------------------------------------------------------------
 
 
@@ -650,6 +759,75 @@ def test_layer_shift_in_batched_requests_fails_with_the_default_bounds(served, m
     failure = expect_failure(served, "spot_check")
     assert "independent transformers fp32 forwards on CPU" in str(failure)
     assert "neighbour bound" in str(failure) and "aux_0" in str(failure)
+
+
+def loaded_states(shard_dir: Path, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """Every row of the shard through the training data loader, dequantized on `device`."""
+    from eaglepipe.drafter.chunks import list_chunks
+    from eaglepipe.drafter.data import ChunkCache, index_rows, load_batch
+    from eaglepipe.drafter.train import to_device
+
+    chunks, _ = list_chunks([shard_dir / "manifest.json"])
+    refs = sorted(index_rows(chunks), key=lambda r: r.row_id)
+    batch = load_batch(refs, 4096, ChunkCache())
+    return {**to_device(batch, torch.device(device), torch.float32), "raw": batch}
+
+
+def test_an_fp8_store_round_trips_through_the_server_the_gate_and_the_loader(served, tmp_path):
+    """Extracted through the reference server as e4m3 (the server quantizes), validated with
+    its spot check, read by the training loader (dequantized on the device): within e4m3's
+    error of the same shard stored in bf16."""
+    served.config["extract"]["store"] = FP8.as_dict()
+    manifest = extract_shard(resolve(served.config), SHARD, log=lambda line: None)
+    assert manifest["stored_dtypes"] == FP8.manifest_dtypes()
+    assert manifest["provenance"]["stored_dtypes"] == FP8.manifest_dtypes()
+    report = validate_shard(resolve(served.config), SHARD, progress=False)
+    spot = report["checks"]["spot_check"]
+    for layers, roundings in ((spot["independent_forward"]["layers"], 1), (spot["reextract"], 2)):
+        for verdict in layers.values():
+            assert verdict["ok"] and verdict["fp8_roundings"] == roundings, verdict
+            assert verdict["noise_floor"] > verdict["floor_before_fp8"]
+    for verdict in spot["independent_forward"]["layers"].values():
+        assert 0.5 * FP8_REL_L2 < verdict["rel_l2"] < 2 * FP8_REL_L2, verdict
+    fp8 = loaded_states(served.shard_dir())
+    assert fp8["raw"]["aux_hidden_states"].dtype == torch.float8_e4m3fn
+    assert fp8["raw"]["final_hidden_states_scale"].dtype == torch.float32
+    assert fp8["aux_hidden_states"].dtype == torch.float32
+    assert "aux_hidden_states_scale" not in fp8
+
+    served.config["extract"]["store"] = BF16_STORE.as_dict()
+    bf16_dir = tmp_path / "bf16"
+    bf16_manifest = extract_shard(
+        resolve(served.config), SHARD, hidden_states_dir=bf16_dir, log=lambda line: None
+    )
+    assert bf16_manifest["stored_dtypes"] == BF16_STORE.manifest_dtypes()
+    # What the chunks' byte function says (states, scales, ids), plus each chunk's header.
+    for store, written in ((FP8, manifest), (BF16_STORE, bf16_manifest)):
+        expected = written["num_tokens"] * token_bytes(HIDDEN, 3, store)
+        assert expected < written["num_bytes"] < expected + 1500 * len(written["chunks"])
+    bf16 = loaded_states(bf16_dir / SHARD)
+    mask = bf16["loss_mask"] >= 0  # every real token; padding is zero in both
+    for name in ("aux_hidden_states", "final_hidden_states"):
+        error = rel_l2(fp8[name][mask], bf16[name][mask])
+        assert 0.3 * FP8_REL_L2 < error < 1.5 * FP8_REL_L2, (name, error)
+
+
+def test_a_layer_shift_is_caught_on_fp8_data(served, monkeypatch):
+    """The FP8 floor leaves a shifted layer failing: by the server comparison alone, and with
+    the default bounds."""
+    monkeypatch.setenv("EAGLEPIPE_FAULT", "shift_layer_batched")
+    served.config["extract"]["store"] = FP8.as_dict()
+    served.config["validate"]["independent_forward"] = False
+    served.config["validate"]["server_noise_floor"] = 0.01
+    extract_shard(resolve(served.config), SHARD, log=lambda line: None)
+    failure = expect_failure(served, "spot_check")
+    assert "re-extraction of the row alone through the server" in str(failure)
+    assert "aux_0 (decoder layer 1 output)" in str(failure) and "noise bound" in str(failure)
+    served.config["validate"]["independent_forward"] = True
+    served.config["validate"]["server_noise_floor"] = 0.05
+    failure = expect_failure(served, "spot_check")
+    assert "independent transformers fp32 forwards on CPU" in str(failure)
+    assert "neighbour bound" in str(failure)
 
 
 def split_rows(rows: list[StoredRow], slots: dict[str, torch.Tensor]) -> None:

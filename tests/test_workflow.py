@@ -703,6 +703,15 @@ def test_changed_layer_ids_make_every_shard_stale(run_copy):
     assert ".eaglepipe/provenance/rows_0-10.json" in result.stdout
 
 
+def test_a_changed_store_makes_every_shard_stale(run_copy):
+    config = yaml.safe_load((run_copy / "config.yaml").read_text())
+    config.setdefault("extract", {})["store"] = {"aux": "fp8_e4m3", "final": "bf16"}
+    write_config(run_copy, config)
+    result = run_snakemake(run_copy, "-n", *VALIDATED)
+    assert dry_run_jobs(run_copy, *VALIDATED)["extract"] == 4
+    assert ".eaglepipe/provenance/rows_0-10.json" in result.stdout
+
+
 def test_editing_one_row_makes_only_its_shard_stale(run_copy):
     dataset = run_copy / "conversations.jsonl"
     lines = dataset.read_text().splitlines(keepends=True)

@@ -18,6 +18,10 @@ Kimi-K2.5 node makes about 57 KB per token (H = 7168) at tens of thousands of to
     python -u -m benchmarks.speed.ingest --hidden-size 7168 --gb-per-worker 2 \\
         --workers 1,2,4,8,16 --storages shm,disk --out-dir /tmp --out $OUT/ingest.json   # H200
     python -u -m benchmarks.speed.ingest --dry-run --out /tmp/ingest.json             # CPU check
+
+`--store-dtypes bf16,fp8` runs every measurement once per stored dtype (extract.store: dumps of
+e4m3 with their scales, written by the same DumpWriter, passed through to the chunks), the same
+rows each: ingest of either store against the raw write of its own bytes.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from benchmarks.stores import STORE_VARIANTS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -70,6 +76,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     )  # fmt: skip
     parser.add_argument("--deadline-s", type=float, default=540.0, help="whole-run budget")
     parser.add_argument(
+        "--store-dtypes", default="bf16",
+        help="stored dtypes to measure, a comma list of bf16, fp8 (aux and final in e4m3), "
+        "fp8aux (aux only); the same rows each",
+    )  # fmt: skip
+    parser.add_argument(
         "--dry-run", action="store_true", help="tiny sizes (H 256, 1-2 workers): a CPU check"
     )
     parser.add_argument("--out", default=None, help="results JSON (markdown beside it)")
@@ -86,7 +97,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.storages = [s.strip() for s in args.storages.split(",") if s.strip()]
     if not set(args.storages) <= {"shm", "disk"}:
         parser.error("--storages: shm and/or disk")
-    token_bytes = 4 * args.hidden_size * 2
+    from benchmarks.stores import store_variants
+
+    args.stores = store_variants(parser, "--store-dtypes", args.store_dtypes)
+    token_bytes = 4 * args.hidden_size * 2  # the rows: --gb-per-worker of bf16 dumps
     if args.rows is None:
         args.rows = max(1, int(args.gb_per_worker * 1e9 / (token_bytes * args.tokens)))
     return args
@@ -95,7 +109,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ----------------------------------------------------------------------------- a worker
 
 
-def make_dumps(handoff: Path, rows: int, tokens: int, hidden: int) -> None:
+def make_dumps(handoff: Path, rows: int, tokens: int, hidden: int, store) -> None:
     """`rows` dumps of the server's format; the values are one random block, reused."""
     import torch
 
@@ -105,7 +119,7 @@ def make_dumps(handoff: Path, rows: int, tokens: int, hidden: int) -> None:
     generator = torch.Generator().manual_seed(0)
     aux = torch.randn(tokens, 3 * hidden, generator=generator).to(torch.bfloat16)
     final = torch.randn(tokens, hidden, generator=generator).to(torch.bfloat16)
-    with DumpWriter(handoff, PREFIX, aux_layer_ids=[1, 3, 4]) as writer:
+    with DumpWriter(handoff, PREFIX, aux_layer_ids=[1, 3, 4], store=store) as writer:
         for row_id in range(rows):
             writer.submit([make_rid(PREFIX, NONCE, row_id, 0)], [tokens], aux, final)
 
@@ -118,6 +132,7 @@ def ingest(
     hidden: int,
     chunk_bytes: int,
     writeback_bytes: int,
+    store,
 ):
     """The job's per-row path (no torch): returns (chunk bytes written, chunk file sizes);
     `writeback_bytes` as `extract.chunk_writeback_mb` sets it (0: the kernel's timing)."""
@@ -129,11 +144,13 @@ def ingest(
     from eaglepipe.server.handoff.dumps import dump_path, read_dump_raw
     from eaglepipe.server.handoff.request_ids import make_rid
 
-    settings = ClientSettings(PREFIX, 1, 1 << 40, 0, 60.0, hidden)
+    settings = ClientSettings(PREFIX, 1, 1 << 40, 0, 60.0, hidden, store=store)
     ids = np.arange(tokens, dtype=np.int32)
     mask = np.ones(tokens, dtype=np.uint8)
     requests = {r: RowRequest(r, ids) for r in range(rows)}
-    chunks = plan_chunks(list(requests), [tokens] * rows, hidden, max_chunk_bytes=chunk_bytes)
+    chunks = plan_chunks(
+        list(requests), [tokens] * rows, hidden, max_chunk_bytes=chunk_bytes, store=store
+    )
     digest = plan_digest(chunks, {"bench": True})
     written, sizes = 0, []
     for index, members in enumerate(chunks):
@@ -141,13 +158,15 @@ def ingest(
         for row_id in members:
             rid = make_rid(PREFIX, NONCE, row_id, 0)
             path = dump_path(handoff, rid)
-            aux, final, _ = read_dump_raw(path)
+            tensors, _ = read_dump_raw(path, store)
+            aux, final = tensors.pop("aux_hidden_states"), tensors.pop("final_hidden_states")
             check_dump(aux, final, requests[row_id], rid, settings)
             path.unlink()
-            chunk_rows.append(RowTensors(row_id, ids, mask, aux, final))
+            chunk_rows.append(RowTensors(row_id, ids, mask, aux, final, scales=tensors))
         record = write_chunk(
-            out, index, chunk_rows, hidden_size=hidden, writeback_bytes=writeback_bytes
-        )
+            out, index, chunk_rows, hidden_size=hidden, writeback_bytes=writeback_bytes,
+            store=store,
+        )  # fmt: skip
         append_journal(out, record, digest)
         written += record.bytes
         sizes.append(record.bytes)
@@ -156,8 +175,11 @@ def ingest(
 
 def worker_main(spec: dict) -> int:
     """One worker process: make its dumps, say ready, wait for the go file, ingest, report."""
+    from eaglepipe.core.hidden_store import HiddenStore
+
     handoff, out, go = Path(spec["handoff"]), Path(spec["out"]), Path(spec["go"])
-    make_dumps(handoff, spec["rows"], spec["tokens"], spec["hidden"])
+    store = HiddenStore(**spec["store"])
+    make_dumps(handoff, spec["rows"], spec["tokens"], spec["hidden"], store)
     # Imports before the clock starts (ingest's own are then lookups).
     import numpy  # noqa: F401
 
@@ -172,7 +194,7 @@ def worker_main(spec: dict) -> int:
         time.sleep(0.001)
     written, sizes = ingest(
         handoff, out, spec["rows"], spec["tokens"], spec["hidden"], spec["chunk_bytes"],
-        WRITEBACK_STEP if spec["writeback"] else 0,
+        WRITEBACK_STEP if spec["writeback"] else 0, store,
     )  # fmt: skip
     print(json.dumps({"done_at": time.time(), "bytes": written, "sizes": sizes}), flush=True)
     return 0
@@ -182,7 +204,7 @@ def worker_main(spec: dict) -> int:
 
 
 def run_workers(
-    count: int, storage_dir: Path, handoff_root: Path, args, *, writeback: bool
+    count: int, storage_dir: Path, handoff_root: Path, args, *, writeback: bool, store: str
 ) -> dict:
     """`count` workers at once; the aggregate rate from the go signal to the last one done."""
     scratch = Path(tempfile.mkdtemp(prefix="bench-ingest-", dir=storage_dir))
@@ -200,6 +222,7 @@ def run_workers(
                 "hidden": args.hidden_size,
                 "chunk_bytes": int(args.chunk_mb * 1e6),
                 "writeback": writeback,
+                "store": STORE_VARIANTS[store],
             }
             Path(spec["handoff"]).mkdir(mode=0o700)
             Path(spec["out"]).mkdir()
@@ -258,8 +281,17 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
         return worker_main(json.loads(args.worker))
-    from benchmarks.common import command_line, log, machine_info, markdown_table, write_results
+    from benchmarks.common import (
+        command_line,
+        log,
+        machine_info,
+        markdown_table,
+        write_results,
+    )
     from benchmarks.speed.storage import raw_write
+    from benchmarks.stores import bytes_per_token, bytes_per_token_lines
+    from eaglepipe.core.hidden_store import HiddenStore
+    from eaglepipe.extract.chunk_file import expected_bytes
 
     deadline = time.monotonic() + args.deadline_s
     handoff_root = Path(args.handoff_dir or (SHM if os.access(SHM, os.W_OK) else "/tmp"))
@@ -277,23 +309,32 @@ def main(argv=None) -> int:
             "handoff": str(handoff_root),
             "repeat": args.repeat,
             "writeback": args.writeback,
+            "store_dtypes": args.stores,
             "cpus": os.cpu_count(),
         },
+        "bytes_per_token": bytes_per_token(args.stores),
         "runs": {},
     }
+    for line in bytes_per_token_lines(results["bytes_per_token"]):
+        log(line)
     for storage, directory in storage_dirs(args).items():
         entries = results["runs"][storage] = []
-        for count, writeback in [(c, w) for c in args.workers for w in args.writeback]:
+        runs = [(c, w, st) for st in args.stores for c in args.workers for w in args.writeback]
+        for count, writeback, store in runs:
             if time.monotonic() > deadline - 30:
                 skipped = "the run's budget is spent"
-                entries.append({"workers": count, "writeback": writeback, "skipped": skipped})
+                entries.append(
+                    {"workers": count, "writeback": writeback, "store": store, "skipped": skipped}
+                )
                 continue
             best_ingest = best_raw = None
             for _ in range(args.repeat):
                 # Alternating the two and keeping each one's best: other I/O on the machine then
                 # distorts the ratio less.
                 paced = writeback == "on"
-                done = run_workers(count, directory, handoff_root, args, writeback=paced)
+                done = run_workers(
+                    count, directory, handoff_root, args, writeback=paced, store=store
+                )
                 raw = raw_write(directory, done["file_sizes"], count, writeback=paced)
                 if best_ingest is None or done["seconds"] < best_ingest["seconds"]:
                     best_ingest = done
@@ -301,23 +342,28 @@ def main(argv=None) -> int:
                     best_raw = raw
             ingest_gbs = best_ingest["bytes"] / best_ingest["seconds"] / 1e9
             raw_gbs = best_raw["bytes"] / best_raw["seconds"] / 1e9
+            token_bytes = expected_bytes(
+                1, args.hidden_size, 3, HiddenStore(**STORE_VARIANTS[store])
+            )
             entry = {
                 "workers": count,
                 "writeback": writeback,
+                "store": store,
                 "gb": round(best_ingest["bytes"] / 1e9, 3),
                 "chunks": len(best_ingest["file_sizes"]),
                 "ingest_gb_per_s": round(ingest_gbs, 3),
                 "raw_write_gb_per_s": round(raw_gbs, 3),
                 "ingest_vs_raw": round(ingest_gbs / raw_gbs, 3),
-                "tokens_per_s_at_h": round(ingest_gbs * 1e9 / (4 * args.hidden_size * 2)),
+                "tokens_per_s_at_h": round(ingest_gbs * 1e9 / token_bytes),
             }
             entries.append(entry)
-            log(f"{storage}, {count} worker(s), writeback {writeback}: ingest "
+            log(f"{storage}, {store}, {count} worker(s), writeback {writeback}: ingest "
                 f"{entry['ingest_gb_per_s']} GB/s, raw {entry['raw_write_gb_per_s']} GB/s, "
                 f"ratio {entry['ingest_vs_raw']}")  # fmt: skip
             write_results(args.out, results)
     rows = [
-        [storage, e["workers"], e.get("writeback", "off"), e.get("ingest_gb_per_s"),
+        [storage, e.get("store", "bf16"), e["workers"], e.get("writeback", "off"),
+         e.get("ingest_gb_per_s"),
          e.get("raw_write_gb_per_s"), e.get("ingest_vs_raw"), e.get("tokens_per_s_at_h"),
          e.get("skipped", "")]
         for storage, entries in results["runs"].items()
@@ -330,6 +376,7 @@ def main(argv=None) -> int:
         + markdown_table(
             [
                 "storage",
+                "stored dtype",
                 "workers",
                 "writeback every 64 MiB",
                 "ingest GB/s",

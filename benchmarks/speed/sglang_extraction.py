@@ -42,6 +42,12 @@ against the machine here before a device call.
         --parallel-shards 2 --storages shm --verify-delete --out $OUT/scale.json        # H200
     python3 -u -m benchmarks.speed.sglang_extraction --dry-run --sglang-version 0.5.14 \\
         --out /tmp/sglang_extraction.json                                  # CPU: no server
+
+`--store-dtypes bf16,fp8,fp8aux` runs the pipeline once per stored dtype (extract.store: fp8 is
+aux and final in e4m3, fp8aux the aux states only; each on its own server, the hook quantizing on
+the GPU), against the same bare prefill: variants after the first store are named `shm/fp8`,
+`disk/fp8aux`, ... The bytes per token of each store (8B shape and Kimi-K2.5's, from the chunk
+file's own byte function) are printed and recorded (`bytes_per_token`), in --dry-run too.
 """
 
 from __future__ import annotations
@@ -90,6 +96,7 @@ from benchmarks.sglang_runs import (
 )
 from benchmarks.speed.shard_runs import BREAKDOWN_KEYS, GpuUtilisation, shard_jobs_in_parallel
 from benchmarks.speed.storage import chunk_storage
+from benchmarks.stores import STORE_VARIANTS, bytes_per_token, bytes_per_token_lines, store_variants
 from benchmarks.toy_targets.llama import SHAPES, random_llama
 from benchmarks.toy_targets.rows import seeded_rows, write_prepared
 from benchmarks.toy_targets.word_tokenizer import save_word_tokenizer
@@ -189,6 +196,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="also the bare run's rows through SGLang with the capture but without the hook: "
         "what the capture alone costs the prefill, apart from the hook, dumps and client",
     )  # fmt: skip
+    parser.add_argument(
+        "--store-dtypes", default="bf16",
+        help="stored dtypes (extract.store), a comma list of bf16, fp8, fp8aux: the pipeline runs "
+        "once per store (its own server), after the same bare prefill",
+    )  # fmt: skip
     parser.add_argument("--mem-fraction-static", type=float, default=0.8)
     parser.add_argument("--storages", default="shm,disk", help="where chunks go, in order")
     parser.add_argument("--raw-gb", type=float, default=4.0, help="raw write test size")
@@ -217,6 +229,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         except ValueError:
             parser.error(f"--inflight-gb: {value!r} is neither a positive number nor auto")
     args.writeback_variants = int_list(parser, "--chunk-writeback-mb", args.chunk_writeback_mb, 0)
+    args.store_variants = store_variants(parser, "--store-dtypes", args.store_dtypes)
     if not set(args.storages) <= {"shm", "disk"}:
         parser.error("--storages: shm and/or disk")
     if args.dry_run and not args.sglang_version:
@@ -398,9 +411,13 @@ def dump_bytes_in_flight(gb: str, jobs: int) -> int:
     return jobs * per_job
 
 
-def token_bytes(shape: dict) -> int:
-    """Chunk bytes per token: aux (3 layers) and final hidden states in bf16, ids, mask."""
-    return 4 * shape["hidden"] * 2 + 5
+def token_bytes(shape: dict, store: str = "bf16") -> int:
+    """Chunk bytes per token (the chunk file's own function): aux (3 layers) and final hidden
+    states as `store` keeps them, ids, mask."""
+    from eaglepipe.core.hidden_store import HiddenStore
+    from eaglepipe.extract.chunk_file import token_bytes as chunk_token_bytes
+
+    return chunk_token_bytes(shape["hidden"], 3, HiddenStore(**STORE_VARIANTS[store]))
 
 
 def model_bytes(shape: dict) -> int:
@@ -410,6 +427,7 @@ def model_bytes(shape: dict) -> int:
 
 
 def shard_token_bound(args, shape: dict) -> int:
+    # --shard-gb counts bf16 bytes: every store then extracts the same shards.
     return args.shard_tokens or int(args.shard_gb * 1e9 / token_bytes(shape))
 
 
@@ -418,7 +436,7 @@ def storage_plan(args) -> dict:
     H200's storage, and how long it takes at `--assume-bare-tok-s`."""
     shape = SHAPES["8b"]
     tokens = args.full["tokens"]
-    per_token = token_bytes(shape)
+    per_token = max(token_bytes(shape, store) for store in args.store_variants)
     shard_tokens = min(shard_token_bound(args, shape), tokens)
     shards = -(-tokens // shard_tokens)
     shard_bytes = shard_tokens * per_token
@@ -445,7 +463,8 @@ def storage_plan(args) -> dict:
         MODEL_BUILD_S
         + (1 + bare_runs) * SERVER_START_S
         + bare_runs * args.bare_fraction * bare_s
-        + len(variant_settings(args)) * bare_s / 0.95
+        + len(args.store_variants) * len(variant_settings(args)) * bare_s / 0.95
+        + (len(args.store_variants) - 1) * SERVER_START_S
     )
     return {
         "shape": "8b",
@@ -472,6 +491,24 @@ def rows_per_shard_for(rows, args, shape) -> int:
         return max(1, len(rows) // 4)
     row_tokens = sum(len(r) for r in rows) / len(rows)
     return max(1, min(len(rows), -(-shard_token_bound(args, shape) // int(row_tokens))))
+
+
+def with_store(config: dict, store: str) -> dict:
+    """The validated config with another extract.store."""
+    changed = json.loads(json.dumps(config))
+    changed["extract"]["store"] = dict(STORE_VARIANTS[store])
+    return changed
+
+
+def merge_store_run(results: dict, store: str, run: dict) -> None:
+    """A later store's pipeline run into results["pipeline"]: its variants as `<name>/<store>`,
+    its server's facts under `stores`."""
+    pipeline = results["pipeline"]
+    for name, entry in run.get("variants", {}).items():
+        pipeline["variants"][f"{name}/{store}"] = {**entry, "store": store}
+    pipeline.setdefault("stores", {})[store] = {
+        k: v for k, v in run.items() if k not in ("variants", "server_log_tail")
+    }
 
 
 # ----------------------------------------------------------------------------- bare SGLang
@@ -744,8 +781,11 @@ def summarise(results: dict) -> None:
     shm = variants.get("shm", {}).get("tokens_per_s")
     disk = variants.get("disk", {}).get("tokens_per_s")
     raw_disk = results.get("raw_write", {}).get("disk", {}).get("gb_per_s")
-    token_bytes = 4 * results["setup"]["hidden"] * 2
-    disk_tokens_per_s = raw_disk * 1e9 / token_bytes if raw_disk else None
+    # The disk's raw rate in tokens of the first store (the one `disk` ran with).
+    shape = {"hidden": results["setup"]["hidden"]}
+    first_store = results["setup"].get("store_dtypes", ["bf16"])[0]
+    per_token = token_bytes(shape, first_store)
+    disk_tokens_per_s = raw_disk * 1e9 / per_token if raw_disk else None
     ceiling = (
         min(v for v in (bare, disk_tokens_per_s) if v) if (bare or disk_tokens_per_s) else None
     )
@@ -761,6 +801,13 @@ def summarise(results: dict) -> None:
         results["ratios"][f"{name}_jobs_span_vs_bare"] = ratio(
             entry.get("jobs_span_tokens_per_s"), bare
         )
+        if entry.get("storage") == "disk" and raw_disk:
+            # The disk's raw rate in this store's tokens: an FP8 store writes fewer bytes.
+            store = entry.get("store", first_store)
+            store_tokens_per_s = raw_disk * 1e9 / token_bytes(shape, store)
+            results["ratios"][f"{name}_vs_ceiling"] = ratio(
+                entry.get("tokens_per_s"), min(v for v in (bare, store_tokens_per_s) if v)
+            )
         parallel = str(results["setup"]["parallel_shards"])
         steady = (entry.get("by_jobs_alive") or {}).get(parallel)
         if steady and steady["prefill_tokens"]:
@@ -820,7 +867,8 @@ def report(results: dict) -> str:
         rows.append([
             f"pipeline: hook + {results['setup']['parallel_shards']} shard jobs x "
             f"{entry.get('inflight_per_job')} in flight (dumps {inflight_gb_label(entry)}), "
-            f"chunks on {entry.get('storage', name)} ({writeback_label(entry)})",
+            f"chunks on {entry.get('storage', name)} ({writeback_label(entry)}), "
+            f"store {entry.get('store', results['setup'].get('store_dtypes', ['bf16'])[0])}",
             entry.get("tokens"), entry.get("seconds"), entry.get("tokens_per_s"),
             ratio(entry.get("tokens_per_s"), bare.get("tokens_per_s")),
             entry.get("gpu_util_mean_pct"), (entry.get("prefill") or {}).get("tokens_per_batch"),
@@ -959,9 +1007,13 @@ def main(argv=None) -> int:
             "shard_tokens": args.shard_tokens,
             "verify_delete": args.verify_delete,
             "bare_fraction": args.bare_fraction,
+            "store_dtypes": args.store_variants,
         },  # fmt: skip
         "plan": storage_plan(args),
+        "bytes_per_token": bytes_per_token(args.store_variants),
     }
+    for line in bytes_per_token_lines(results["bytes_per_token"]):
+        log(line)
     plan = results["plan"]
     log(
         f"plan: {plan['shards']} shards of {plan['shard_gb']} GB, peak {plan['peak_gb']} GB "
@@ -1031,6 +1083,21 @@ def main(argv=None) -> int:
             results["pipeline"] = {"argv": argv, "env": {k: v for k, v in env.items()
                                                          if k != "PYTHONPATH"},
                                    "shards": len(names), "variants": {}}  # fmt: skip
+            # What each store's server is told: the hook's config quantizes on the GPU.
+            results["pipeline"]["stores"] = {}
+            for store in args.store_variants:
+                argv, _ = launch_command(
+                    resolve(with_store(config, store)), host="127.0.0.1",
+                    port=config["server"]["port"],
+                    dump_dir=Path(config["server"]["dump_root"]) / "x", instance_id="dry-run",
+                    sglang_version=args.sglang_version,
+                )  # fmt: skip
+                hook = json.loads(argv[argv.index("--forward-hooks") + 1])[0]["config"]
+                results["pipeline"]["stores"][store] = {
+                    "extract.store": STORE_VARIANTS[store],
+                    "hook_config_store": hook.get("store", "absent: bf16"),
+                }
+                log(f"store {store}: the hook's config store {hook.get('store', 'absent: bf16')}")
         else:
             try:
                 if args.engine == "sglang":
@@ -1054,12 +1121,20 @@ def main(argv=None) -> int:
                     results["bare_capture"] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
                     code = 1
             write_results(args.out, results)
-            try:
-                results["pipeline"] = run_pipeline(run_dir, config, rows, warmup, args, deadline)
-            except Exception as exc:
-                traceback.print_exc()
-                results["pipeline"] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
-                code = 1
+            for index, store in enumerate(args.store_variants):
+                try:
+                    run = run_pipeline(
+                        run_dir, with_store(config, store), rows, warmup, args, deadline
+                    )
+                except Exception as exc:
+                    traceback.print_exc()
+                    run = {"error": f"{type(exc).__name__}: {exc}"[:2000], "variants": {}}
+                    code = 1
+                if index == 0:
+                    results["pipeline"] = run
+                else:
+                    merge_store_run(results, store, run)
+                write_results(args.out, results)
             if any("error" in v for v in results["pipeline"].get("variants", {}).values()):
                 code = 1
     finally:

@@ -37,8 +37,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -57,9 +55,10 @@ from benchmarks.common import (
     markdown_table,
     write_results,
 )
-from eaglepipe.core.config import merge_config  # noqa: E402
+from benchmarks.studies.whole_runs import run_workflow as snakemake
+from benchmarks.studies.whole_runs import workflow_env as _env
+from eaglepipe.core.config import merge_config
 
-SNAKEMAKE = [sys.executable, "-m", "snakemake"]  # also where snakemake has no script on PATH
 SAMPLE = REPO_ROOT / "data" / "sample" / "conversations.jsonl"
 VARIANTS = ("original", "regenerated")  # dataset.regenerate.enabled: false, true
 
@@ -91,51 +90,6 @@ def run_config(config: dict, run_dir: Path, regenerate: bool) -> dict:
     config["server"]["port"] = free_port()
     config["server"]["dump_root"] = str(run_dir / "dumps")
     return config
-
-
-def snakemake(
-    run_dir: Path, cores: int, log_path: Path, *extra: str, timeout_s: float | None = None
-) -> float:
-    """One snakemake run to the end; past `timeout_s` it is stopped as Ctrl-C stops it (its
-    jobs end, its lock goes), so the next call with the same work root resumes it."""
-    argv = [
-        *SNAKEMAKE,
-        "--snakefile",
-        str(REPO_ROOT / "Snakefile"),
-        "--directory",
-        str(run_dir),
-        "--configfile",
-        str(run_dir / "config.yaml"),
-        "--cores",
-        str(cores),
-        "--rerun-incomplete",
-        *extra,
-    ]
-    started = time.monotonic()
-    with open(log_path, "a") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=_env())
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            raise SystemExit(
-                f"snakemake in {run_dir} stopped after {timeout_s:.0f}s (--deadline-s); "
-                f"rerun with the same --work-root to resume; log: {log_path}"
-            ) from None
-    if proc.returncode != 0:
-        raise SystemExit(f"snakemake failed in {run_dir}; log: {log_path}")
-    return time.monotonic() - started
-
-
-def _env() -> dict:
-    env = dict(os.environ)
-    env.pop("EAGLEPIPE_RUN_TOKEN", None)  # each run is its own (it stops its own server)
-    return env
 
 
 def script(name: str, cwd: Path, *args: str) -> None:

@@ -42,6 +42,7 @@ from .fingerprint import (
     tokenizer_fingerprint,
     weights_fingerprint,
 )
+from .hidden_store import HiddenStore
 
 RUN_FACTS = cfg.STATE_DIR / "run.json"
 # Requests in flight per job when `extract.max_inflight_requests` is null, by what the job does
@@ -210,6 +211,7 @@ class ExtractSettings(Section):
     max_inflight_bytes: int | None
     lookahead_bytes: int | None
     chunk_writeback_mb: int  # 0: the kernel times the chunks' disk writes
+    store: HiddenStore  # the stored dtype of the aux and the final states
     retries: int
     request_timeout_s: float
 
@@ -533,6 +535,8 @@ def resolve(config: dict) -> RunSpec:
     server = dict(config["server"])
     server["sglang"] = _build(SGLangSettings, server["sglang"])
     ids = config.get("aux_layer_ids")
+    extract = dict(config["extract"])
+    extract["store"] = HiddenStore(**extract["store"])
     train = dict(config["train"])
     drafter = drafter_options(train["drafter"])  # its defaults, and options that contradict
     drafter["mla"] = _build(MLASettings, {k: drafter["mla"].get(k) for k in MLA_DIMS})
@@ -548,7 +552,7 @@ def resolve(config: dict) -> RunSpec:
         shards=_build(ShardSettings, config["shards"]),
         aux_layer_ids_setting=tuple(ids) if ids else None,
         server=_build(ServerSettings, server),
-        extract=_build(ExtractSettings, config["extract"]),
+        extract=_build(ExtractSettings, extract),
         validate=_build(ValidateSettings, config["validate"]),
         train=_build(TrainSettings, train),
         evaluate=_build(EvaluateSettings, config["evaluate"]),

@@ -3,7 +3,8 @@
 An extraction job reads the server's dumps and writes checksummed chunks; it never computes
 with the values, and importing torch alone takes seconds of a job's start-up (issue 28). So
 the client and the chunk writer handle tensors as `RawTensor`s: a numpy view of the bytes plus
-the safetensors dtype name (bf16 has no numpy dtype; its bytes are viewed as uint16).
+the safetensors dtype name (bf16 has no numpy dtype; its bytes are viewed as uint16, and
+float8 e4m3's as uint8).
 `read_safetensors` maps a file's tensors as RawTensors (mapped, not copied). The helpers below
 (`dtype_name`, `torch_dtype_text`, `byte_view`, `nbytes`) accept a RawTensor, a numpy array or
 a torch tensor alike, so callers that do hold torch tensors keep passing them.
@@ -22,6 +23,7 @@ import numpy as np
 # safetensors dtype name -> the numpy dtype its bytes are viewed as, and torch's name for it.
 _DTYPES = {
     "BF16": (np.uint16, "bfloat16"),
+    "F8_E4M3": (np.uint8, "float8_e4m3fn"),
     "F16": (np.float16, "float16"),
     "F32": (np.float32, "float32"),
     "F64": (np.float64, "float64"),
@@ -34,7 +36,7 @@ _DTYPES = {
 }
 _BY_TORCH_NAME = {torch_name: name for name, (_, torch_name) in _DTYPES.items()}
 # numpy dtypes that name their safetensors dtype unambiguously (uint16 could be bf16: it is not
-# listed, so a plain uint16 array never passes for bf16).
+# listed, so a plain uint16 array never passes for bf16; uint8 is U8, never float8).
 _BY_NUMPY = {
     np.dtype(np.float16): "F16",
     np.dtype(np.float32): "F32",
@@ -55,7 +57,7 @@ class RawTensor:
     """A tensor's bytes as a numpy array of the element's size, and its safetensors dtype."""
 
     data: np.ndarray  # shaped like the tensor (bf16 as uint16)
-    dtype: str  # safetensors name: BF16, F32, I32, U8, ...
+    dtype: str  # safetensors name: BF16, F8_E4M3, F32, I32, U8, ...
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -64,6 +66,10 @@ class RawTensor:
     @property
     def nbytes(self) -> int:
         return int(self.data.nbytes)
+
+    def rows(self, start: int, end: int) -> RawTensor:
+        """Rows `start:end` of the first dimension (a view)."""
+        return RawTensor(self.data[start:end], self.dtype)
 
     def to_torch(self):
         """The same bytes as a torch tensor of the same dtype (a view, not a copy)."""

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from ..core.errors import PipelineError
 from ..core.fingerprint import hash_file
+from ..core.hidden_store import HiddenStore
 from ..core.manifest import read_manifest
 from ..core.space import format_bytes
 from ..extract.shard_files import HIDDEN_STATES_MANIFEST
@@ -47,18 +48,23 @@ def list_chunks(
     manifest_paths: Sequence[str | os.PathLike], row_ids: set[int] | None = None
 ) -> tuple[list[Chunk], dict]:
     """Chunks of the listed shards holding any of `row_ids` (all when None), and the facts the
-    shards must share (`hidden_size`, `aux_layer_ids`)."""
+    shards must share (`hidden_size`, `aux_layer_ids`, `stored_dtypes`)."""
     chunks: list[Chunk] = []
     facts: dict | None = None
     for manifest_path in manifest_paths:
         manifest, _ = read_manifest(manifest_path, HIDDEN_STATES_MANIFEST)
-        these = {"hidden_size": manifest["hidden_size"], "aux_layer_ids": manifest["aux_layer_ids"]}
+        these = {
+            "hidden_size": manifest["hidden_size"],
+            "aux_layer_ids": manifest["aux_layer_ids"],
+            # One store for every shard read (the gate accepts only the configured one).
+            "stored_dtypes": HiddenStore.from_manifest(manifest).manifest_dtypes(),
+        }
         if facts is None:
             facts = these
         elif these != facts:
             raise PipelineError(
-                f"shard manifest {manifest_path} has hidden_size/aux_layer_ids {these}, "
-                f"other shards have {facts}"
+                f"shard manifest {manifest_path} has hidden_size/aux_layer_ids/stored_dtypes "
+                f"{these}, other shards have {facts}"
             )
         shard_dir = Path(manifest_path).parent
         for entry in manifest["chunks"]:

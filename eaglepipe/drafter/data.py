@@ -2,7 +2,9 @@
 
 Nothing is loaded whole: an index of (chunk, row, token range) is built from each chunk's
 small `row_ids`/`offsets` tensors (chunks already checked against their manifests: chunks.py),
-and a batch reads only its rows' slices through safetensors' memory map. Batches are planned
+and a batch reads only its rows' slices through the chunk's memory map (`ChunkReader`). The
+hidden states stay as stored: an FP8 store's e4m3 bytes and float32 scales go to the device as
+they are, where `train.to_device` dequantizes them. Batches are planned
 per epoch from a seed (shuffle, then length-sorted windows so padding stays small, then a
 shuffled batch order), each holding at most `batch_tokens` padded tokens; a background thread
 reads the next batches while the GPU trains on the current one.
@@ -20,9 +22,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from safetensors import safe_open
 
 from ..core.errors import PipelineError
+from ..core.hidden_store import AUX_KEY, FINAL_KEY, HIDDEN_KEYS, scale_key
+from ..extract.chunk_file import ChunkReader
 from ..prepare.table import load_prepared
 from .chunks import Chunk
 
@@ -48,23 +51,12 @@ def split_row_ids(table_path: str | os.PathLike, split: str) -> set[int]:
     return set(table.loc[table["split"] == split, "row_id"].astype(int).tolist())
 
 
-def open_chunk(path: str):
-    """A memory-mapped chunk; a file that vanished or fails to parse ends in one clear line."""
-    try:
-        return safe_open(path, framework="pt")
-    except FileNotFoundError:
-        raise PipelineError(f"chunk {path} is missing") from None
-    except Exception as exc:  # safetensors raises its own error types for damaged files
-        raise PipelineError(f"chunk {path} is not a readable safetensors file: {exc}") from None
-
-
 def index_rows(chunks: Sequence[Chunk], row_ids: set[int] | None = None) -> list[RowRef]:
     """Every row of the chunks (restricted to `row_ids`); check the chunks first (chunks.py)."""
     refs: list[RowRef] = []
     for chunk in chunks:
-        f = open_chunk(chunk.path)
-        ids = f.get_tensor("row_ids").tolist()
-        offsets = f.get_tensor("offsets").tolist()
+        with ChunkReader(chunk.path) as f:
+            ids, offsets = f.row_ids, f.offsets
         for i, row_id in enumerate(ids):
             if row_ids is None or row_id in row_ids:
                 refs.append(RowRef(row_id, chunk.path, offsets[i], offsets[i + 1]))
@@ -98,12 +90,12 @@ class ChunkCache:
 
     def __init__(self, capacity: int = OPEN_CHUNKS):
         self.capacity = capacity
-        self._open: OrderedDict[str, object] = OrderedDict()
+        self._open: OrderedDict[str, ChunkReader] = OrderedDict()
 
-    def get(self, path: str):
+    def get(self, path: str) -> ChunkReader:
         handle = self._open.pop(path, None)
         if handle is None:
-            handle = open_chunk(path)
+            handle = ChunkReader(path)
             if len(self._open) >= self.capacity:
                 self._open.popitem(last=False)
         self._open[path] = handle
@@ -111,26 +103,41 @@ class ChunkCache:
 
 
 def load_batch(refs: Sequence[RowRef], max_len: int, cache: ChunkCache) -> dict:
-    """Right-padded tensors of one batch; rows longer than `max_len` keep their first tokens."""
+    """Right-padded tensors of one batch; rows longer than `max_len` keep their first tokens.
+
+    The hidden states as stored (bf16, or e4m3 with `<name>_scale` [B, S, k] float32 beside;
+    padding is zero either way), for `train.to_device` to dequantize on the device."""
     lengths = [min(r.length, max_len) for r in refs]
     width = max(lengths)
     first = cache.get(refs[0].chunk)
-    aux_width = first.get_slice("aux_hidden_states").get_shape()[1]
-    hidden = first.get_slice("final_hidden_states").get_shape()[1]
+    store = first.store
     b = len(refs)
     batch = {
         "input_ids": torch.zeros(b, width, dtype=torch.int64),
         "loss_mask": torch.zeros(b, width, dtype=torch.uint8),
-        "aux_hidden_states": torch.zeros(b, width, aux_width, dtype=torch.bfloat16),
-        "final_hidden_states": torch.zeros(b, width, hidden, dtype=torch.bfloat16),
         "lengths": torch.tensor(lengths, dtype=torch.int64),
         "row_ids": torch.tensor([r.row_id for r in refs], dtype=torch.int64),
     }
+    for name in HIDDEN_KEYS:
+        values, scale = first.stored(name, 0, 0)
+        batch[name] = torch.zeros(b, width, values.shape[1], dtype=values.dtype)
+        if scale is not None:
+            batch[scale_key(name)] = torch.zeros(b, width, scale.shape[1], dtype=scale.dtype)
     for i, (ref, n) in enumerate(zip(refs, lengths, strict=True)):
         f = cache.get(ref.chunk)
+        if f.store != store:
+            raise PipelineError(
+                f"chunk {ref.chunk} holds a {f.store.label()} store, chunk {refs[0].chunk} a "
+                f"{store.label()} one: one training run reads one store"
+            )
         start, end = ref.start, ref.start + n
-        for name in ("input_ids", "loss_mask", "aux_hidden_states", "final_hidden_states"):
-            batch[name][i, :n] = f.get_slice(name)[start:end]
+        for name in ("input_ids", "loss_mask"):
+            batch[name][i, :n] = f.raw(name).rows(start, end).to_torch()
+        for name in (AUX_KEY, FINAL_KEY):
+            values, scale = f.stored(name, start, end)
+            batch[name][i, :n] = values
+            if scale is not None:
+                batch[scale_key(name)][i, :n] = scale
     return batch
 
 

@@ -25,6 +25,7 @@ from safetensors.torch import save
 from ..core.atomic import atomic_write_bytes
 from ..core.errors import PipelineError
 from ..core.fingerprint import hash_bytes, hash_file, hash_json
+from ..core.hidden_store import HIDDEN_KEYS, dequantize, scale_key
 from ..core.jsonio import read_json_object
 from ..core.run import RunSpec, TrainSettings
 from ..core.sealed import seal, seal_metadata
@@ -170,9 +171,12 @@ def verify_chunks(chunks: list[Chunk], dist: Distributed, device: torch.device, 
 
 
 def to_device(batch: dict, device: torch.device, dtype: torch.dtype) -> dict:
+    """The batch on `device`, hidden states as `dtype`: an FP8 store's e4m3 bytes and scales
+    are moved as they are and dequantized there (half the bytes cross to the GPU)."""
     out = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-    for name in ("aux_hidden_states", "final_hidden_states"):
-        out[name] = out[name].to(dtype)
+    for name in HIDDEN_KEYS:
+        scale = out.pop(scale_key(name), None)
+        out[name] = out[name].to(dtype) if scale is None else dequantize(out[name], scale, dtype)
     return out
 
 
@@ -361,6 +365,11 @@ def train(
     if facts["hidden_size"] != head.lm_head.shape[1]:
         raise PipelineError(
             f"shards have hidden_size {facts['hidden_size']}, the target {head.lm_head.shape[1]}"
+        )
+    if facts["stored_dtypes"] != run.extract.store.manifest_dtypes():
+        raise PipelineError(
+            f"shards store {facts['stored_dtypes']}, the config's extract.store is "
+            f"{run.extract.store.label()}: re-extract or fix extract.store"
         )
 
     model = build_drafter(run, vocab, head, tc.seed).to(device)

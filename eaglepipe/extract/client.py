@@ -4,7 +4,8 @@ Many requests are kept in flight so the server can batch them. Each row's reques
 `<prefix>-<nonce>-<row_id>-<attempt>` with a fresh nonce per client process, so a retry, a
 re-extraction and a request left queued by a dead client never share a dump name. For every
 answered request the client reads `<dump_dir>/<rid>.safetensors`, checks it against the
-request, deletes it and hands the tensors to the caller.
+request, deletes it and hands the tensors to the caller: as the server stored them (bf16, or
+e4m3 with their scales under an FP8 `extract.store`), never converted.
 
 Two bounds: `max_inflight_requests` requests at the server (sent and not yet answered), and
 `max_inflight_bytes` of dumps requested but not yet read and deleted, which keeps the handoff
@@ -31,10 +32,11 @@ from typing import TYPE_CHECKING
 import aiohttp
 
 from ..core.errors import PipelineError, ServerLost
+from ..core.hidden_store import AUX_KEY, BF16_STORE, FINAL_KEY, HiddenStore
 from ..core.run import RunSpec
 from ..core.shard_job import process_age_s
 from ..core.space import format_bytes, free_bytes
-from ..core.tensor_bytes import RawTensor, dtype_name, dtype_text
+from ..core.tensor_bytes import RawTensor
 from ..server.handoff.dumps import (
     DUMP_SUFFIX,
     DUMP_WAIT_S,
@@ -69,9 +71,11 @@ class ExtractedRow:
     only moves them); `RawTensor.to_torch()` views them as torch tensors."""
 
     row_id: int
-    aux_hidden_states: RawTensor | torch.Tensor  # bf16 [T, 3H]
-    final_hidden_states: RawTensor | torch.Tensor  # bf16 [T, H]
+    aux_hidden_states: RawTensor | torch.Tensor  # bf16 or e4m3 [T, 3H]
+    final_hidden_states: RawTensor | torch.Tensor  # bf16 or e4m3 [T, H]
     dump_bytes: int
+    # The float32 scales [T, k] of the e4m3 ones, by tensor name (core/hidden_store.py).
+    scales: dict[str, RawTensor | torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,7 @@ class ClientSettings:
     request_timeout_s: float
     hidden_size: int
     num_aux_layers: int = 3
+    store: HiddenStore = BF16_STORE
 
     @classmethod
     def from_run(
@@ -99,7 +104,11 @@ class ClientSettings:
             retries=int(extract.retries),
             request_timeout_s=float(extract.request_timeout_s),
             hidden_size=hidden_size,
+            store=extract.store,
         )
+
+    def dump_bytes(self, num_tokens: int) -> int:
+        return expected_dump_bytes(num_tokens, self.hidden_size, self.num_aux_layers, self.store)
 
 
 @dataclass
@@ -130,11 +139,18 @@ class ClientStats:
         }
 
 
-def expected_dump_bytes(num_tokens: int, hidden_size: int, num_aux_layers: int = 3) -> int:
-    return num_tokens * (num_aux_layers + 1) * hidden_size * 2
+def expected_dump_bytes(
+    num_tokens: int, hidden_size: int, num_aux_layers: int = 3, store: HiddenStore = BF16_STORE
+) -> int:
+    return num_tokens * store.token_bytes(hidden_size, num_aux_layers)
 
 
-def require_handoff_room(dump_dir: Path, requests: Sequence[RowRequest], hidden_size: int) -> None:
+def require_handoff_room(
+    dump_dir: Path,
+    requests: Sequence[RowRequest],
+    hidden_size: int,
+    store: HiddenStore = BF16_STORE,
+) -> None:
     """Refuse, before any request, a shard whose longest row's dump is larger than the whole
     file system of the handoff (a container's 64 MB /dev/shm against a large target): it could
     never be written, and each attempt would only end in the writer's ENOSPC. Space that is
@@ -142,7 +158,7 @@ def require_handoff_room(dump_dir: Path, requests: Sequence[RowRequest], hidden_
     if not requests:
         return
     longest = max(requests, key=lambda r: len(r.input_ids))
-    need = expected_dump_bytes(len(longest.input_ids), hidden_size)
+    need = expected_dump_bytes(len(longest.input_ids), hidden_size, store=store)
     total = shutil.disk_usage(dump_dir).total
     if need > total:
         raise PipelineError(
@@ -219,8 +235,9 @@ def sweep_stale_dumps(dump_dir: Path, prefix: str, nonce: str, row_ids: set[int]
 
 
 def check_dump(aux, final, row: RowRequest, rid: str, settings: ClientSettings) -> None:
-    """The dump must answer exactly this request: token count, layer widths, dtype (the
-    tensors are RawTensors or torch tensors)."""
+    """The dump must answer exactly this request: token count and layer widths (the tensors
+    are RawTensors or torch tensors; `read_dump_raw` has checked their dtypes against the
+    configured store)."""
     t = len(row.input_ids)
     h = settings.hidden_size
     where = f"row {row.row_id} (request {rid})"
@@ -235,10 +252,6 @@ def check_dump(aux, final, row: RowRequest, rid: str, settings: ClientSettings) 
         )
     if final.shape[1] != h:
         raise PipelineError(f"{where}: final_hidden_states width {final.shape[1]}, expected {h}")
-    if dtype_name(aux) != "BF16" or dtype_name(final) != "BF16":
-        raise PipelineError(
-            f"{where}: dump dtype {dtype_text(aux)}/{dtype_text(final)}, expected bfloat16"
-        )
 
 
 class ExtractionClient:
@@ -292,7 +305,7 @@ class ExtractionClient:
                         if may_send is not None:
                             await may_send(row.row_id)
                         await self._yield_to_exclusive_user()
-                        size = expected_dump_bytes(len(row.input_ids), s.hidden_size)
+                        size = s.dump_bytes(len(row.input_ids))
                         waiting_since = time.monotonic()
                         await budget.acquire(size)
                         self.stats.bytes_wait_s += time.monotonic() - waiting_since
@@ -403,8 +416,9 @@ class ExtractionClient:
             self.stats.dump_wait_s += time.monotonic() - answered
         try:
             reading_since = time.monotonic()
-            aux, final, _meta = await asyncio.to_thread(read_dump_raw, path)
+            tensors, _meta = await asyncio.to_thread(read_dump_raw, path, self.settings.store)
             self.stats.read_dump_s += time.monotonic() - reading_since
+            aux, final = tensors.pop(AUX_KEY), tensors.pop(FINAL_KEY)
             check_dump(aux, final, row, rid, self.settings)
         except PipelineError as exc:
             message = str(exc)
@@ -413,13 +427,14 @@ class ExtractionClient:
             raise PipelineError(message) from None
         finally:
             path.unlink(missing_ok=True)
-        size = expected_dump_bytes(len(row.input_ids), self.settings.hidden_size)
+        size = self.settings.dump_bytes(len(row.input_ids))
         self.stats.dump_bytes_ingested += size
         return ExtractedRow(
             row_id=row.row_id,
             aux_hidden_states=aux,
             final_hidden_states=final,
             dump_bytes=size,
+            scales=tensors,
         )
 
     async def _watchdog(self) -> None:

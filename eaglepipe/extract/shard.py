@@ -31,6 +31,7 @@ import xxhash
 from .. import __version__
 from ..core.config import HIDDEN_STATES_DIR, PREPARED_SUMMARY, PREPARED_TABLE
 from ..core.errors import PipelineError
+from ..core.hidden_store import BF16_STORE, HiddenStore
 from ..core.jsonio import read_json_object
 from ..core.layers import CONVENTION, FINAL_CONVENTION
 from ..core.progress import Progress
@@ -115,8 +116,11 @@ def _tokenizer_fingerprint(run: RunSpec, summary: dict) -> str:
     return recorded if recorded else run.model.tokenizer_fingerprint
 
 
-def check_server_info(info: dict, aux_ids: list[int], hidden_size: int, url: str) -> None:
-    """The server must capture the configured layers of a model of this width."""
+def check_server_info(
+    info: dict, aux_ids: list[int], hidden_size: int, url: str, store: HiddenStore = BF16_STORE
+) -> None:
+    """The server must capture the configured layers of a model of this width, and write the
+    configured store."""
     if info.get("capture") is False:
         raise PipelineError(
             f"the server at {url} is a generation-only server (no capture): stop it "
@@ -133,6 +137,13 @@ def check_server_info(info: dict, aux_ids: list[int], hidden_size: int, url: str
         raise PipelineError(
             f"the server at {url} serves hidden size {served_hidden}, the model in the config "
             f"has {hidden_size}: it is serving another model"
+        )
+    served_store = HiddenStore(**(info.get("store") or {}))
+    if served_store != store:
+        raise PipelineError(
+            f"the server at {url} writes a {served_store.label()} store, the config's "
+            f"extract.store is {store.label()}: stop that server (eaglepipe server stop) so one "
+            "with this store starts"
         )
 
 
@@ -163,8 +174,10 @@ class ChunkAssembler:
         log: Callable[[str], None],
         lookahead_bytes: int,
         writeback_bytes: int,
+        store: HiddenStore = BF16_STORE,
     ):
         self.engine = engine
+        self.store = store
         self.lookahead_bytes = lookahead_bytes
         self.writeback_bytes = writeback_bytes
         self.shard_dir = shard_dir
@@ -181,7 +194,7 @@ class ChunkAssembler:
             for r, ids, mask in zip(rows.row_ids, rows.input_ids, rows.loss_masks, strict=True)
         }
         self.row_bytes = {
-            r: expected_dump_bytes(len(ids), hidden_size)
+            r: expected_dump_bytes(len(ids), hidden_size, store=store)
             for r, ids in zip(rows.row_ids, rows.input_ids, strict=True)
         }
         self.outstanding_bytes = 0  # rows requested whose chunk is not written yet
@@ -234,6 +247,7 @@ class ChunkAssembler:
             rows,
             hidden_size=self.hidden_size,
             writeback_bytes=self.writeback_bytes,
+            store=self.store,
         )
         append_journal(self.shard_dir, record, self.digest, extra=self.engine)
         self.log(
@@ -250,6 +264,7 @@ class ChunkAssembler:
             loss_mask=mask,
             aux_hidden_states=row.aux_hidden_states,
             final_hidden_states=row.final_hidden_states,
+            scales=row.scales,
         )
 
 
@@ -279,9 +294,10 @@ def _extract_chunks(
     with server_lease(run) as handle:
         leased_s = process_age_s()
         info = dict(handle.info)
-        check_server_info(info, aux_ids, hidden_size, handle.url)
+        store = run.extract.store
+        check_server_info(info, aux_ids, hidden_size, handle.url, store)
         check_server_engine(info, engine, handle.url)
-        require_handoff_room(Path(handle.dump_dir), requests, hidden_size)
+        require_handoff_room(Path(handle.dump_dir), requests, hidden_size, store)
         settings = ClientSettings.from_run(run, hidden_size, Path(handle.dump_dir), info)
         log(
             f"{progress.label}: requesting {len(requests)} rows from {handle.url} "
@@ -300,6 +316,7 @@ def _extract_chunks(
             shard_dir, chunks, todo, rows, digest, hidden_size, engine, progress, log,
             lookahead_bytes=lookahead,
             writeback_bytes=run.extract.chunk_writeback_mb << 20,
+            store=store,
         )  # fmt: skip
         client = ExtractionClient(
             handle.url,
@@ -358,16 +375,19 @@ def extract_shard(
     model_hash = run.model.config_hash
     engine = engine_identity(run)
     content_key = chunk_reuse_key(run, shard_inputs_hash=inputs_hash, engine=engine)
+    store = run.extract.store
     chunks = plan_chunks(
         rows.row_ids,
         rows.num_tokens,
         hidden_size,
         max_chunk_bytes=run.shards.chunk_max_bytes,
+        store=store,
     )
     digest = plan_digest(chunks, content_key)
     tokens_of = dict(zip(rows.row_ids, rows.num_tokens, strict=True))
     planned_bytes = sum(
-        estimated_chunk_bytes([tokens_of[r] for r in ids], hidden_size) for ids in chunks
+        estimated_chunk_bytes([tokens_of[r] for r in ids], hidden_size, store=store)
+        for ids in chunks
     )
     needed = max(0, planned_bytes - journalled_bytes(shard_dir, chunks, digest))
     check_free_space(needed, shard_dir, f"shard {shard_name}")
@@ -422,6 +442,7 @@ def extract_shard(
             row_end=shard.end,
             hidden_size=hidden_size,
             aux_layer_ids=aux_ids,
+            store=store,
             records=[records[i] for i in range(len(chunks))],
             provenance={
                 "model_config_hash": model_hash,
@@ -436,6 +457,9 @@ def extract_shard(
                 "engine_version": engine["engine_version"],
                 # Device, dtype and layout too: what makes two shards' values comparable.
                 "engine_identity": engine,
+                # The stored dtypes: part of the shard's identity (the gate accepts only the
+                # configured store).
+                "stored_dtypes": store.manifest_dtypes(),
                 "project_version": __version__,
                 # What the workflow's rerun decision compares (eaglepipe.plan).
                 "workflow": workflow_stamp,

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from ..core.atomic import atomic_write_bytes, atomic_write_json, fsync_dir
 from ..core.errors import PipelineError
 from ..core.fingerprint import hash_file
+from ..core.hidden_store import BF16_STORE, HiddenStore
 from ..core.journal import append_journal_line, journal_line
 from ..core.jsonio import read_json_object
 from ..core.manifest import MANIFEST_NAME, ManifestShape, read_manifest
@@ -162,7 +163,10 @@ def build_manifest(
     records: Sequence[ChunkRecord],
     provenance: dict,
     timing: dict,
+    store: HiddenStore = BF16_STORE,
 ) -> dict:
+    """`dtype` is what readers get (bf16 values, dequantized from an FP8 store);
+    `stored_dtypes` what the chunks hold, per hidden-state tensor."""
     return {
         "format_version": FORMAT_VERSION,
         "shard": shard,
@@ -172,6 +176,7 @@ def build_manifest(
         "num_aux_layers": len(aux_layer_ids),
         "aux_layer_ids": list(aux_layer_ids),
         "dtype": "bfloat16",
+        "stored_dtypes": store.manifest_dtypes(),
         "num_rows": sum(len(r.row_ids) for r in records),
         "num_tokens": sum(r.num_tokens for r in records),
         "num_bytes": sum(r.bytes for r in records),

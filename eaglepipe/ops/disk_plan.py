@@ -30,6 +30,7 @@ from ..core.config import (
     REGENERATED_DIR,
 )
 from ..core.errors import PipelineError
+from ..core.hidden_store import FP8, HiddenStore
 from ..core.jsonio import read_json_object
 from ..core.run import RunSpec
 from ..core.space import existing_ancestor, format_bytes, free_bytes
@@ -137,6 +138,13 @@ def _remedy(run: RunSpec, stages: list[StageSpace]) -> str:
     """What would make these stages fit, for the refusal's one line."""
     names = {s.stage for s in stages}
     ways = ["free space there"]
+    if (HIDDEN_STATES in names or DUMP_ROOT in names) and run.extract.store != HiddenStore(
+        aux=FP8, final=FP8
+    ):
+        ways.append(
+            "store the states in FP8 at about half the bytes "
+            "(extract.store: {aux: fp8_e4m3, final: fp8_e4m3})"
+        )
     if HIDDEN_STATES in names or DUMP_ROOT in names:
         ways.append(f"capture fewer aux layers (aux_layer_ids: {len(run.aux_layer_ids)} now)")
     if DUMP_ROOT in names:
@@ -156,7 +164,7 @@ def _dir_bytes(directory: str) -> int:
 
 
 def _hidden_state_bytes(
-    num_tokens: np.ndarray, *, hidden_size: int, aux_layers: int
+    num_tokens: np.ndarray, *, hidden_size: int, aux_layers: int, store: HiddenStore
 ) -> tuple[int, int]:
     """(bytes of one shard's chunks, bytes of its longest row's dump in the handoff): the one
     place this module calls the chunk format's estimates. The shard's rows are estimated as one
@@ -165,10 +173,16 @@ def _hidden_state_bytes(
     if len(num_tokens) == 0:
         return 0, 0
     stored = estimated_chunk_bytes(
-        num_tokens=num_tokens.tolist(), hidden_size=hidden_size, num_aux_layers=aux_layers
+        num_tokens=num_tokens.tolist(),
+        hidden_size=hidden_size,
+        num_aux_layers=aux_layers,
+        store=store,
     )
     longest = expected_bytes(
-        num_tokens=int(num_tokens.max()), hidden_size=hidden_size, num_aux_layers=aux_layers
+        num_tokens=int(num_tokens.max()),
+        hidden_size=hidden_size,
+        num_aux_layers=aux_layers,
+        store=store,
     )
     return stored, longest
 
@@ -226,7 +240,7 @@ def disk_plan(
         shard = parse_shard_name(name)
         _, num_tokens = prepared.of_rows(shard.start, shard.end)
         stored, dump = _hidden_state_bytes(
-            num_tokens, hidden_size=hidden_size, aux_layers=aux_layers
+            num_tokens, hidden_size=hidden_size, aux_layers=aux_layers, store=run.extract.store
         )
         planned += stored
         if name in to_extract:

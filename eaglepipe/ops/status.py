@@ -38,6 +38,7 @@ import psutil
 
 from ..core.config import HIDDEN_STATES_DIR, PREPARED_DIR, PREPARED_TABLE, REGENERATED_DIR
 from ..core.errors import PipelineError
+from ..core.hidden_store import BF16_STORE, HiddenStore
 from ..core.jsonio import read_json_object
 from ..core.progress import human_duration
 from ..core.run import RunSpec
@@ -247,6 +248,7 @@ def fill_plan(
     *,
     hidden_size: int | None = None,
     chunk_max_bytes: int | None = None,
+    store: HiddenStore = BF16_STORE,
 ) -> dict[str, int]:
     """Planned tokens of every shard; planned chunk counts of unfinished shards with progress.
 
@@ -260,7 +262,9 @@ def fill_plan(
         unfinished = shard.state in (RUNNING, PARTIAL, FAILED) and shard.chunks_done
         if unfinished and hidden_size and chunk_max_bytes:
             shard.chunks_planned = len(
-                plan_chunks(row_ids, num_tokens, hidden_size, max_chunk_bytes=chunk_max_bytes)
+                plan_chunks(
+                    row_ids, num_tokens, hidden_size, max_chunk_bytes=chunk_max_bytes, store=store
+                )
             )
     return planned_tokens
 
@@ -349,6 +353,7 @@ def shard_status(
     *,
     hidden_size: int | None = None,
     chunk_max_bytes: int | None = None,
+    store: HiddenStore = BF16_STORE,
     now: float | None = None,
     window_s: float = RECENT_WINDOW_S,
     stale: Iterable[str] = (),
@@ -372,14 +377,16 @@ def shard_status(
             shard.state = STALE
     prepared = PreparedRows.read(workdir / PREPARED_TABLE)
     planned = (
-        fill_plan(shards, prepared, hidden_size=hidden_size, chunk_max_bytes=chunk_max_bytes)
+        fill_plan(
+            shards, prepared, hidden_size=hidden_size, chunk_max_bytes=chunk_max_bytes, store=store
+        )
         if prepared is not None
         else None
     )
     summary = summarize(shards, planned_tokens=planned, now=now, window_s=window_s)
     summary.unplanned = unplanned_shard_dirs(workdir / HIDDEN_STATES_DIR, plan)
     if hidden_size and summary.remaining_tokens is not None:
-        summary.remaining_bytes = plan_bytes([summary.remaining_tokens], hidden_size)
+        summary.remaining_bytes = plan_bytes([summary.remaining_tokens], hidden_size, store=store)
     return summary
 
 
@@ -565,6 +572,7 @@ def print_status(
         names,
         hidden_size=_hidden_size(run),
         chunk_max_bytes=run.shards.chunk_max_bytes,
+        store=run.extract.store,
         stale=found.hidden_states,
     )
     text = format_status(summary, list_all=list_all)

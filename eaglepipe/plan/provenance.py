@@ -4,11 +4,12 @@ Rerun policy. Snakemake's mtime trigger would re-extract every shard whenever th
 table is rewritten or the dataset file is touched; for multi-terabyte runs that is not
 acceptable. Instead each data stage has a *provenance stamp*: a small JSON file under
 `.eaglepipe/provenance/` holding everything its output depends on (model and tokenizer
-fingerprints, aux layer ids, tokenization settings, the shard's own source rows), rewritten at
-parse time only when that content changes. Outputs record the provenance hash they were built
-from. A stage whose recorded hash equals the current one is *fresh*: its inputs are wired as
-`ancient()`, so nothing upstream can trigger it. A stale stage gets plain inputs, so it reruns
-(the dry run names its stamp as the updated input), and so does anything downstream of it.
+fingerprints, aux layer ids, tokenization settings, the stored dtypes, the shard's own source
+rows), rewritten at parse time only when that content changes. Outputs record the provenance
+hash they were built from. A stage whose recorded hash equals the current one is *fresh*: its
+inputs are wired as `ancient()`, so nothing upstream can trigger it. A stale stage gets plain
+inputs, so it reruns (the dry run names its stamp as the updated input), and so does anything
+downstream of it.
 
 With `dataset.regenerate.enabled`, each regenerated shard has a stamp of its own (the model,
 the regeneration settings and the shard's source rows), and the hidden states of a shard
@@ -196,6 +197,10 @@ def _shard_provenance_inputs(run: RunSpec) -> tuple[dict, dict[str, str]]:
             "tokenization": _tokenization_settings(run),
             "chunk_max_bytes": run.shards.chunk_max_bytes,
         }
+        if not run.extract.store.is_default:
+            # What the shard stores (changing it re-extracts); absent for bf16, so a bf16
+            # shard stays as fresh as it was before stores could differ.
+            shared["store"] = run.extract.store.as_dict()
         _PROVENANCE_MEMO[config_key] = (shared, digests)
     return _PROVENANCE_MEMO[config_key]
 

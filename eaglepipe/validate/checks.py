@@ -8,6 +8,7 @@ from ..core.errors import PipelineError
 CHECKS = ("integrity", "schema", "coverage", "values", "provenance", "spot_check")
 LAYER_NAMES = ("aux_0", "aux_1", "aux_2", "final")
 CHUNK_GLOB = "chunk-*.safetensors"
+# An all-bf16 chunk's tensors; an FP8 store's dtypes and scales are the manifest's (schema.py).
 CHUNK_TENSORS = {
     "row_ids": "I64",
     "offsets": "I64",
@@ -16,6 +17,7 @@ CHUNK_TENSORS = {
     "aux_hidden_states": "BF16",
     "final_hidden_states": "BF16",
 }
+# A manifest's `dtype`: what readers get (an FP8 store's values dequantized to bf16).
 HIDDEN_DTYPES = {"bfloat16": "BF16"}
 # The dataset file's hash is not among them: a shard depends on its own rows only (the coverage
 # check compares them with the prepared table), as the rerun policy decides per shard; an

@@ -104,9 +104,7 @@ def validate_shard(
             with open_chunk(shard_dir, shard, entry) as reader:
                 layout = check_chunk_schema(reader, shard, entry, manifest)
                 check_chunk_tokens(reader, shard, layout, prepared)
-            check_chunk_values(
-                shard_dir / entry["file"], shard, layout, stats, manifest["aux_layer_ids"]
-            )
+                check_chunk_values(reader, shard, layout, stats, manifest["aux_layer_ids"])
             bar.update(entry["bytes"])
     checks["integrity"] = {
         "ok": True,

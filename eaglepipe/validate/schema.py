@@ -1,5 +1,6 @@
 """schema: tensor names, dtypes and shapes agree with the offsets, the manifest's row ids, hidden
-size and layer count."""
+size, layer count and store (every chunk of the store its manifest records: bf16, or e4m3 with
+its scales), so a chunk of another store, or a manifest mislabelling its chunks, fails here."""
 
 from __future__ import annotations
 
@@ -8,26 +9,32 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from safetensors import safe_open
 
+from ..core.errors import PipelineError
+from ..core.hidden_store import SCALE_DTYPE, HiddenStore, scale_key
+from ..extract.chunk_file import ChunkReader
 from ..plan.shard_plan import parse_shard_name
 from .checks import CHUNK_TENSORS, HIDDEN_DTYPES, LAYER_NAMES, ValidationFailure
 
 
 @contextlib.contextmanager
 def open_chunk(shard_dir: Path, shard: str, entry: dict):
-    """The chunk opened memory-mapped; a file safetensors cannot parse fails `schema`."""
+    """The chunk mapped (`extract.chunk_file.ChunkReader`); a file that cannot be parsed as
+    safetensors fails `schema`."""
     try:
-        reader = safe_open(shard_dir / entry["file"], framework="pt")
-    except Exception as exc:  # safetensors raises its own error types for corrupt headers
-        raise ValidationFailure.in_chunk(
-            shard,
-            "schema",
-            f"{shard_dir / entry['file']} is not a readable safetensors file: {exc}",
-            entry,
-        ) from None
+        reader = ChunkReader(shard_dir / entry["file"])
+    except PipelineError as exc:
+        raise ValidationFailure.in_chunk(shard, "schema", str(exc), entry) from None
     with reader:
         yield reader
+
+
+def manifest_store(shard: str, manifest: dict) -> HiddenStore:
+    """The store the manifest records; one it cannot name fails `schema`."""
+    try:
+        return HiddenStore.from_manifest(manifest)
+    except ValueError as exc:
+        raise ValidationFailure(shard, "schema", f"manifest.json: {exc}") from None
 
 
 @dataclass
@@ -72,6 +79,7 @@ def check_manifest_schema(shard: str, manifest: dict) -> None:
         fail(f"num_aux_layers is {manifest['num_aux_layers']}, EAGLE-3 uses 3")
     if manifest["dtype"] not in HIDDEN_DTYPES:
         fail(f"dtype {manifest['dtype']!r} is not one of {sorted(HIDDEN_DTYPES)}")
+    manifest_store(shard, manifest)
     totals = {
         "num_rows": sum(len(entry["row_ids"]) for entry in chunks),
         "num_tokens": sum(entry["num_tokens"] for entry in chunks),
@@ -90,22 +98,28 @@ def check_chunk_schema(reader, shard: str, entry: dict, manifest: dict) -> Chunk
     def fail(detail: str, row: int | None = first_row) -> None:
         raise ValidationFailure(shard, "schema", detail, chunk=chunk, row=row)
 
-    names = set(reader.keys())
-    if names != set(CHUNK_TENSORS):
-        fail(
-            f"tensors {sorted(names)}; expected {sorted(CHUNK_TENSORS)} "
-            f"(missing {sorted(set(CHUNK_TENSORS) - names)}, "
-            f"extra {sorted(names - set(CHUNK_TENSORS))})"
-        )
+    store = manifest_store(shard, manifest)
     expected_dtypes = dict(CHUNK_TENSORS)
-    hidden_dtype = HIDDEN_DTYPES[manifest["dtype"]]
-    expected_dtypes["aux_hidden_states"] = expected_dtypes["final_hidden_states"] = hidden_dtype
+    for name in ("aux_hidden_states", "final_hidden_states"):
+        expected_dtypes[name] = store.dtype(name)
+    for name in store.scaled_keys:
+        expected_dtypes[scale_key(name)] = SCALE_DTYPE
+    names = reader.names()
+    if names != set(expected_dtypes):
+        fail(
+            f"tensors {sorted(names)}; expected {sorted(expected_dtypes)} for a "
+            f"{store.label()} store (missing {sorted(set(expected_dtypes) - names)}, "
+            f"extra {sorted(names - set(expected_dtypes))})"
+        )
     shapes = {}
     for name, dtype in expected_dtypes.items():
-        tensor_slice = reader.get_slice(name)
-        if tensor_slice.get_dtype() != dtype:
-            fail(f"tensor {name} has dtype {tensor_slice.get_dtype()}, expected {dtype}")
-        shapes[name] = list(tensor_slice.get_shape())
+        tensor = reader.raw(name)
+        if tensor.dtype != dtype:
+            fail(
+                f"tensor {name} has dtype {tensor.dtype}, expected {dtype} (the manifest records "
+                f"a {store.label()} store)"
+            )
+        shapes[name] = list(tensor.shape)
 
     num_rows = len(entry["row_ids"])
     hidden = manifest["hidden_size"]
@@ -114,7 +128,7 @@ def check_chunk_schema(reader, shard: str, entry: dict, manifest: dict) -> Chunk
         fail(f"row_ids has shape {shapes['row_ids']}, the manifest lists {num_rows} rows")
     if shapes["offsets"] != [num_rows + 1]:
         fail(f"offsets has shape {shapes['offsets']}, expected [{num_rows + 1}]")
-    row_ids = reader.get_tensor("row_ids").numpy()
+    row_ids = reader.raw("row_ids").data
     if row_ids.tolist() != list(entry["row_ids"]):
         position = next(
             (
@@ -129,7 +143,7 @@ def check_chunk_schema(reader, shard: str, entry: dict, manifest: dict) -> Chunk
             f"the manifest lists row {entry['row_ids'][position]}",
             row=int(entry["row_ids"][position]),
         )
-    offsets = reader.get_tensor("offsets").numpy()
+    offsets = reader.raw("offsets").data
     if offsets[0] != 0:
         fail(f"offsets start at {int(offsets[0])}, not 0")
     lengths = np.diff(offsets)
@@ -148,6 +162,9 @@ def check_chunk_schema(reader, shard: str, entry: dict, manifest: dict) -> Chunk
         "aux_hidden_states": [tokens, aux_width],
         "final_hidden_states": [tokens, hidden],
     }
+    for name in store.scaled_keys:
+        layers = manifest["num_aux_layers"] if name == "aux_hidden_states" else 1
+        expected_shapes[scale_key(name)] = [tokens, layers]
     for name, shape in expected_shapes.items():
         if shapes[name] != shape:
             fail(

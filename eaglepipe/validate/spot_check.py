@@ -17,15 +17,22 @@ from pathlib import Path
 import numpy as np
 import psutil
 import torch
-from safetensors import safe_open
 
 from ..core.errors import PipelineError
+from ..core.hidden_store import AUX_KEY, BF16_STORE, FINAL_KEY, HiddenStore
 from ..core.run import RunSpec, TargetModel, ValidateSettings
 from ..core.space import format_bytes
+from ..extract.chunk_file import ChunkReader
 from ..server.handoff.dumps import dump_path, read_dump, wait_for_dump
 from ..server.handoff.request_ids import make_rid
 from .checks import LAYER_NAMES, ValidationFailure
-from .spot_rule import LayerReference, hf_layer_references, rel_l2, spot_check_verdict
+from .spot_rule import (
+    LayerReference,
+    fp8_floor,
+    hf_layer_references,
+    rel_l2,
+    spot_check_verdict,
+)
 from .values import layer_label
 
 # Re-extractions of one row when the server batched it with a foreign request (e.g. SGLang's own
@@ -38,7 +45,7 @@ class StoredRow:
     row_id: int
     chunk: str
     input_ids: list[int]
-    aux: torch.Tensor  # [T, 3H] float32
+    aux: torch.Tensor  # [T, 3H] float32 (an FP8 store's dequantized)
     final: torch.Tensor  # [T, H] float32
 
 
@@ -55,11 +62,9 @@ def read_stored_rows(shard_dir: Path, manifest: dict, rows: list[int]) -> list[S
         hits = [i for i, row in enumerate(entry["row_ids"]) if row in wanted]
         if not hits:
             continue
-        with safe_open(shard_dir / entry["file"], framework="pt") as reader:
-            offsets = reader.get_tensor("offsets").tolist()
-            ids = reader.get_slice("input_ids")
-            aux = reader.get_slice("aux_hidden_states")
-            final = reader.get_slice("final_hidden_states")
+        with ChunkReader(shard_dir / entry["file"]) as reader:
+            offsets = reader.offsets
+            ids = reader.raw("input_ids").data
             for i in hits:
                 a, b = offsets[i], offsets[i + 1]
                 found.append(
@@ -67,8 +72,8 @@ def read_stored_rows(shard_dir: Path, manifest: dict, rows: list[int]) -> list[S
                         entry["row_ids"][i],
                         entry["file"],
                         ids[a:b].tolist(),
-                        aux[a:b].float(),
-                        final[a:b].float(),
+                        reader.hidden(AUX_KEY, a, b, torch.float32),
+                        reader.hidden(FINAL_KEY, a, b, torch.float32),
                     )
                 )
     return found
@@ -91,22 +96,33 @@ def judge_layers(
     hidden: int,
     aux_layer_ids: list[int],
     settings: ValidateSettings,
+    store: HiddenStore = BF16_STORE,
+    reference_quantized: bool = False,
 ) -> dict:
     """Every slot's verdict over the spot-check rows; the first failing slot fails the check,
-    naming the row that disagrees most."""
+    naming the row that disagrees most. A slot `store` keeps in e4m3 is judged against the
+    floor raised by its roundings (`fp8_floor`: the stored one, and the reference's own when
+    `reference_quantized`, a re-extraction through the same server)."""
     per_layer: dict[str, dict] = {}
     for index, name in enumerate(LAYER_NAMES):
         reference = references[name]
         stored = _stored_slot(stored_rows, index, hidden)
+        quantized = store.quantized(AUX_KEY if index < len(LAYER_NAMES) - 1 else FINAL_KEY)
+        roundings = (1 + int(reference_quantized)) if quantized else 0
+        floor = reference.floor
+        if roundings and floor is not None:
+            floor = fp8_floor(floor, roundings)
         verdict = spot_check_verdict(
             stored,
             reference.values,
             reference.neighbours,
-            reference.floor,
+            floor,
             noise_margin=settings.noise_margin,
             neighbour_fraction=settings.neighbour_fraction,
         )
         per_layer[name] = {**verdict.as_dict(), "floor_source": reference.floor_source}
+        if roundings:
+            per_layer[name] |= {"fp8_roundings": roundings, "floor_before_fp8": reference.floor}
         if verdict.ok:
             continue
         bounds = np.cumsum([0] + [len(r.input_ids) for r in stored_rows])
@@ -229,12 +245,26 @@ def reextract_through(
 
 
 def reextract_rows(
-    run: RunSpec, shard: str, stored_rows: list[StoredRow], hidden: int, aux_layer_ids: list[int]
+    run: RunSpec,
+    shard: str,
+    stored_rows: list[StoredRow],
+    hidden: int,
+    aux_layer_ids: list[int],
+    store: HiddenStore = BF16_STORE,
 ) -> tuple[dict[int, tuple[torch.Tensor, torch.Tensor]], dict]:
-    """The rows re-extracted one at a time under an exclusive lease of the pipeline's server."""
+    """The rows re-extracted one at a time under an exclusive lease of the pipeline's server,
+    which must write the shard's store."""
     from ..server.lifecycle.shared_server import server_lease
 
     with server_lease(run, exclusive=True) as handle:
+        served_store = HiddenStore(**(handle.info.get("store") or {}))
+        if served_store != store:
+            raise ValidationFailure(
+                shard,
+                "spot_check",
+                f"the server at {handle.url} writes a {served_store.label()} store, the shard "
+                f"holds a {store.label()} one",
+            )
         served = (handle.info.get("aux_layer_ids"), handle.info.get("hidden_size"))
         if served != (aux_layer_ids, hidden):
             raise ValidationFailure(
@@ -362,6 +392,7 @@ def check_spot(run: RunSpec, shard: str, shard_dir: Path, manifest: dict, log) -
     if not rows:
         return {"ok": True, "rows": [], "note": "validate.spot_check_rows is 0: nothing checked"}
     hidden, aux_ids = manifest["hidden_size"], manifest["aux_layer_ids"]
+    store = HiddenStore.from_manifest(manifest)
     stored_rows = read_stored_rows(shard_dir, manifest, rows)
     # Before the exclusive lease: the CPU forwards need no server and must not hold it up.
     independent, independent_report = _run_independent_forward(run, stored_rows, aux_ids, log)
@@ -374,9 +405,10 @@ def check_spot(run: RunSpec, shard: str, shard_dir: Path, manifest: dict, log) -
             hidden,
             aux_ids,
             settings,
+            store,
         )
     log(f"spot check: re-extracting rows {rows} one at a time through the server")
-    fresh, server = reextract_rows(run, shard, stored_rows, hidden, aux_ids)
+    fresh, server = reextract_rows(run, shard, stored_rows, hidden, aux_ids, store)
     references = _server_references(
         stored_rows, fresh, hidden, independent, settings.server_noise_floor
     )
@@ -393,6 +425,8 @@ def check_spot(run: RunSpec, shard: str, shard_dir: Path, manifest: dict, log) -
             hidden,
             aux_ids,
             settings,
+            store,
+            reference_quantized=True,
         ),
         "independent_forward": independent_report,
     }

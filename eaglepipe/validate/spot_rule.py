@@ -5,12 +5,14 @@ the GPU fidelity scripts alike."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from ..core.hidden_store import FP8_REL_L2
 from ..core.layers import hf_hidden_state_index
 from .checks import LAYER_NAMES
 
@@ -27,6 +29,13 @@ from .checks import LAYER_NAMES
 
 DEFAULT_NOISE_MARGIN = 3.0
 DEFAULT_NEIGHBOUR_FRACTION = 0.5
+
+
+def fp8_floor(floor: float, roundings: int) -> float:
+    """The noise floor of a layer compared after `roundings` e4m3 roundings (the stored one,
+    and a re-extraction's own): each adds an independent error of relative L2 `FP8_REL_L2`
+    (2^-3 / sqrt(12 E[m^2]), about 0.0245: core/hidden_store.py), so the variances add."""
+    return math.sqrt(floor**2 + roundings * FP8_REL_L2**2)
 
 
 def rel_l2(values: torch.Tensor, reference: torch.Tensor) -> float:

@@ -5,13 +5,14 @@
 from __future__ import annotations
 
 import json
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from ..core.hidden_store import HiddenStore, dequantize, scale_key
+from ..extract.chunk_file import ChunkReader
 from .checks import LAYER_NAMES, ValidationFailure
 from .schema import ChunkLayout
 
@@ -43,27 +44,15 @@ def layer_label(index: int, aux_layer_ids: list[int]) -> str:
     return "final (post-norm)"
 
 
-def map_hidden_states(path: Path) -> dict[str, np.ndarray]:
-    """Zero-copy views of a chunk's hidden states as raw bf16 bit patterns (int16), mmapped.
-
-    `safe_open(...).get_slice` copies into freshly allocated memory, and faulting in fresh pages
-    costs more than the reductions themselves; a copy-on-write map reads straight from the page
-    cache. The header layout is the safetensors format's (little-endian u64 length, JSON);
-    `check_chunk_schema` has already checked names, dtypes and shapes through safetensors.
-    """
-    with open(path, "rb") as f:
-        header_len = struct.unpack("<Q", f.read(8))[0]
-        header = json.loads(f.read(header_len))
-    data_start = 8 + header_len
-    views = {}
-    for name in ("aux_hidden_states", "final_hidden_states"):
-        begin, end = header[name]["data_offsets"]
-        shape = tuple(header[name]["shape"])
-        if end == begin:
-            views[name] = np.empty(shape, np.int16)
-            continue
-        views[name] = np.memmap(path, np.int16, mode="c", offset=data_start + begin, shape=shape)
-    return views
+def _bf16_bits(reader: ChunkReader, name: str, start: int, end: int, layers: int) -> np.ndarray:
+    """Tokens start:end of hidden-state tensor `name` as raw bf16 bit patterns (int16),
+    [tokens, layers, H]: a bf16 store's mapped bytes themselves (no copy: the map reads straight
+    from the page cache, where a copy would fault in fresh pages), an e4m3 one dequantized."""
+    values, scale = reader.stored(name, start, end)
+    if scale is not None:
+        values = dequantize(values, scale, torch.bfloat16)
+    bits = values.view(torch.int16).numpy()
+    return bits.reshape(end - start, layers, -1)
 
 
 _BF16_EXPONENT = 0x7F80
@@ -73,13 +62,14 @@ def _bf16_value(bits: int) -> float:
     return torch.tensor([bits], dtype=torch.int16).view(torch.bfloat16).item()
 
 
-def _token_reductions(path: Path, layout: ChunkLayout, stats: ValueStats):
+def _token_reductions(reader: ChunkReader, layout: ChunkLayout, stats: ValueStats):
     """Per token and layer: min and max bit pattern, and the L2 norm, in bounded token blocks.
 
     Equal min and max bit patterns mean equal values, so integer reductions (several GB/s in
     numpy) decide constancy; the norm runs on bf16 directly (torch accumulates in fp32) since
     converting to fp32 first would cost more than everything else together. A NaN or inf
-    makes the norm non-finite, so the norm also screens for non-finite values.
+    makes the norm non-finite, so the norm also screens for non-finite values. An FP8 store is
+    judged by its dequantized values, block by block.
     """
     hidden, aux_layers = stats.hidden_size, stats.num_aux_layers
     tokens = layout.num_tokens
@@ -88,28 +78,39 @@ def _token_reductions(path: Path, layout: ChunkLayout, stats: ValueStats):
     token_min = np.empty((tokens, layers), np.int16)
     token_max = np.empty((tokens, layers), np.int16)
     token_norm = np.empty((tokens, layers), np.float32)
-    mapped = map_hidden_states(path)
-    aux_all = mapped["aux_hidden_states"].reshape(tokens, aux_layers, hidden)
-    final_all = mapped["final_hidden_states"].reshape(tokens, 1, hidden)
     for a in range(0, tokens, block):
         b = min(tokens, a + block)
-        for bits, cols in (
-            (aux_all[a:b], slice(0, aux_layers)),
-            (final_all[a:b], slice(aux_layers, layers)),
+        for name, count, cols in (
+            ("aux_hidden_states", aux_layers, slice(0, aux_layers)),
+            ("final_hidden_states", 1, slice(aux_layers, layers)),
         ):
+            bits = _bf16_bits(reader, name, a, b, count)
             token_min[a:b, cols] = bits.min(-1)
             token_max[a:b, cols] = bits.max(-1)
             values = torch.from_numpy(bits).view(torch.bfloat16)
             token_norm[a:b, cols] = torch.linalg.vector_norm(values, dim=-1).float().numpy()
-    return token_min, token_max, token_norm, aux_all, final_all
+    return token_min, token_max, token_norm
+
+
+def _layer_bits(reader: ChunkReader, token: int, layer: int, aux_layers: int) -> np.ndarray:
+    """One token's layer as bf16 bit patterns."""
+    if layer < aux_layers:
+        return _bf16_bits(reader, "aux_hidden_states", token, token + 1, aux_layers)[0, layer]
+    return _bf16_bits(reader, "final_hidden_states", token, token + 1, 1)[0, 0]
 
 
 def check_chunk_values(
-    path: Path, shard: str, layout: ChunkLayout, stats: ValueStats, aux_layer_ids: list[int]
+    reader: ChunkReader,
+    shard: str,
+    layout: ChunkLayout,
+    stats: ValueStats,
+    aux_layer_ids: list[int],
 ) -> None:
-    """All finite; no row's slice of any layer all zero or constant; accumulate norms."""
-    token_min, token_max, token_norm, aux_bits, final_bits = _token_reductions(path, layout, stats)
+    """All finite; no row's slice of any layer all zero or constant; e4m3 scales positive;
+    accumulate norms."""
+    token_min, token_max, token_norm = _token_reductions(reader, layout, stats)
     row_start = dict(zip(layout.row_ids.tolist(), layout.offsets[:-1].tolist(), strict=True))
+    aux_layers = len(aux_layer_ids)
 
     def fail(detail: str, token: int, layer: int) -> None:
         row = layout.row_of_token(token)
@@ -124,10 +125,22 @@ def check_chunk_values(
     overflow = ~np.isfinite(token_norm)
     if overflow.any():
         token, layer = (int(i) for i in np.argwhere(overflow)[0])
-        bits = aux_bits[token, layer] if layer < len(aux_layer_ids) else final_bits[token, 0]
+        bits = _layer_bits(reader, token, layer, aux_layers)
         if ((bits & _BF16_EXPONENT) == _BF16_EXPONENT).any():
             fail("non-finite hidden state (NaN or inf)", token, layer)
         fail("hidden state too large (its L2 norm overflows fp32)", token, layer)
+    for name in reader.store.scaled_keys:
+        scales = reader.raw(scale_key(name)).data
+        bad = ~(scales > 0) | ~np.isfinite(scales)
+        if bad.any():
+            token, column = (int(i) for i in np.argwhere(bad)[0])
+            layer = column if name == "aux_hidden_states" else aux_layers
+            fail(
+                f"scale {float(scales[token, column])!r} of the e4m3 values (must be positive "
+                "and finite)",
+                token,
+                layer,
+            )
 
     starts = layout.offsets[:-1]
     row_min = np.minimum.reduceat(token_min, starts, axis=0)
@@ -174,12 +187,17 @@ def norm_comparable_on(manifest: dict) -> dict:
     provenance = manifest["provenance"]
     key = {name: provenance.get(name) for name in NORM_COMPARABLE_PROVENANCE}
     compute_dtype = (provenance.get("engine_identity") or {}).get("dtype")
-    return {
+    comparable = {
         **key,
         "compute_dtype": compute_dtype,
         "dtype": manifest["dtype"],
         "hidden_size": manifest["hidden_size"],
     }
+    store = HiddenStore.from_manifest(manifest)
+    if not store.is_default:
+        # Only then: a bf16 shard keeps the references it had before stores could differ.
+        comparable["store"] = store.as_dict()
+    return comparable
 
 
 def find_norm_reference(validated_dir: Path, shard: str, comparable_on: dict) -> dict | None:

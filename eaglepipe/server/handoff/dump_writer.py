@@ -3,7 +3,9 @@
 The forward thread hands it a whole batch (real tokens only, packed in request order); on CUDA it
 starts one asynchronous device-to-host copy into a reusable pinned buffer and returns, and a
 background thread waits for the copy and writes the files (a few threads in parallel), so the
-forward pass never waits on the disk. The pinned memory it holds is bounded; `submit` blocks
+forward pass never waits on the disk. With an FP8 store (`extract.store`) the batch is quantized
+on its device before the copy (core/hidden_store.py), so the copy, the pinned memory and the
+files all hold half the bytes. The pinned memory it holds is bounded; `submit` blocks
 (backpressure) when the writer thread falls behind by more than that bound. The file format and
 the temp-name-then-rename handoff are `dumps.py`'s.
 """
@@ -23,7 +25,8 @@ import torch
 from safetensors.torch import save_file
 
 from ...core.errors import PipelineError
-from .dumps import AUX_KEY, FINAL_KEY, dump_path, mark_dump_failed, temp_dump_path
+from ...core.hidden_store import BF16_STORE, HiddenStore, store_tensors
+from .dumps import FINAL_KEY, dump_path, mark_dump_failed, temp_dump_path
 from .request_ids import is_pipeline_rid
 
 DEFAULT_MAX_PINNED_BYTES = 2 << 30
@@ -157,26 +160,24 @@ class _ByteBudget:
 class _Batch:
     rids: list[str]
     token_counts: list[int]
-    aux: torch.Tensor | None
-    final: torch.Tensor | None
     on_done: OnDone | None
+    # The hidden states as stored, packed over the batch: {name: [T_total, ...]} on the host.
+    tensors: dict[str, torch.Tensor] | None = None
     ready: torch.cuda.Event | None = None
     buffers: list[torch.Tensor] = field(default_factory=list)
     budget_bytes: int = 0
 
 
-def _bf16_bytes(*shape: int) -> int:
-    count = 1
-    for dim in shape:
-        count *= dim
-    return count * 2
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 class DumpWriter:
     """Writes each request's slice of a batch's captured hidden states to its own dump file.
 
     `submit(rids, token_counts, aux, final, on_done)` takes aux [T_total, 3H] and final
-    [T_total, H], packed over the batch's requests in order (real tokens only). It returns once
+    [T_total, H], packed over the batch's requests in order (real tokens only), and writes them
+    as `store` says (bf16, or e4m3 with per-token, per-layer scales). It returns once
     the data is safe to reuse on the caller's side: on CUDA after the device-to-host copy has
     been queued on a side stream (the source tensors are kept alive until it finishes), on CPU
     at once (the caller must not modify the tensors afterwards). `on_done(rid, error)` is called
@@ -192,6 +193,7 @@ class DumpWriter:
         prefix: str,
         *,
         aux_layer_ids: Sequence[int],
+        store: HiddenStore = BF16_STORE,
         max_pinned_bytes: int = DEFAULT_MAX_PINNED_BYTES,
         file_threads: int = DEFAULT_FILE_THREADS,
         fsync: bool = False,
@@ -201,6 +203,7 @@ class DumpWriter:
         self.dump_dir = Path(dump_dir)
         self.prefix = prefix
         self.aux_layer_ids = [int(i) for i in aux_layer_ids]
+        self.store = store
         self.max_pinned_bytes = int(max_pinned_bytes)
         self.fsync = fsync
         self._pinned_pool: _HostBufferPool | None = None
@@ -249,41 +252,45 @@ class DumpWriter:
                 f"does not match aux {list(aux.shape)} and final {list(final.shape)} "
                 f"for {num_aux} aux layers"
             )
-        batch = _Batch(rids, token_counts, None, None, on_done)
+        batch = _Batch(rids, token_counts, on_done)
         if any(is_pipeline_rid(r, self.prefix) for r in rids):
+            # Quantized where the batch is (the GPU, with SGLang): what leaves it is the store.
+            with torch.no_grad():
+                stored = store_tensors(self.store, aux.detach(), final.detach(), num_aux)
             if aux.is_cuda:
-                self._stage_cuda(batch, aux, final)
+                self._stage_cuda(batch, stored)
             else:
                 # Non-CUDA devices (and CPU) go through a plain blocking copy to host memory.
-                batch.aux, batch.final = aux.detach().to("cpu"), final.detach().to("cpu")
-                batch.budget_bytes = _bf16_bytes(total, (num_aux + 1) * hidden)
+                batch.tensors = {name: t.to("cpu") for name, t in stored.items()}
+                batch.budget_bytes = sum(_nbytes(t) for t in batch.tensors.values())
                 self._cpu_budget.take(batch.budget_bytes)
         self._queue.put(batch)
 
-    def _stage_cuda(self, batch: _Batch, aux: torch.Tensor, final: torch.Tensor) -> None:
+    def _stage_cuda(self, batch: _Batch, stored: dict[str, torch.Tensor]) -> None:
         if self._pinned_pool is None:
             self._pinned_pool = _HostBufferPool(self.max_pinned_bytes, pin=True)
-        device = aux.device
-        aux = aux.detach().to(torch.bfloat16).contiguous()
-        final = final.detach().to(torch.bfloat16).contiguous()
-        aux_bytes, final_bytes = aux.numel() * 2, final.numel() * 2
+        names = list(stored)
+        sources = [stored[name].contiguous() for name in names]
+        device = sources[0].device
+        sizes = [_nbytes(t) for t in sources]
         # Separate buffers: safetensors refuses to save two tensors that share storage.
-        aux_buf, final_buf = self._pinned_pool.acquire([aux_bytes, final_bytes])
-        batch.buffers = [aux_buf, final_buf]
-        batch.aux = aux_buf[:aux_bytes].view(torch.bfloat16).view(aux.shape)
-        batch.final = final_buf[:final_bytes].view(torch.bfloat16).view(final.shape)
+        batch.buffers = self._pinned_pool.acquire(sizes)
+        batch.tensors = {
+            name: buf[:size].view(src.dtype).view(src.shape)
+            for name, buf, size, src in zip(names, batch.buffers, sizes, sources, strict=True)
+        }
         stream = self._copy_streams.get(device)
         if stream is None:
             stream = self._copy_streams[device] = torch.cuda.Stream(device=device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
-            batch.aux.copy_(aux, non_blocking=True)
-            batch.final.copy_(final, non_blocking=True)
+            for name, src in zip(names, sources, strict=True):
+                batch.tensors[name].copy_(src, non_blocking=True)
             batch.ready = torch.cuda.Event()
             batch.ready.record(stream)
         # The caching allocator must not hand these to the next forward before the copy ends.
-        aux.record_stream(stream)
-        final.record_stream(stream)
+        for src in sources:
+            src.record_stream(stream)
 
     def flush(self) -> None:
         """Wait until every submitted batch is written; raise the errors seen since last flush."""
@@ -354,7 +361,7 @@ class DumpWriter:
                 for job in jobs:
                     self._finish(batch, *job, copy_error)
         finally:
-            batch.aux = batch.final = None
+            batch.tensors = None
             if batch.buffers and self._pinned_pool is not None:
                 self._pinned_pool.release(batch.buffers)
             if batch.budget_bytes:
@@ -381,12 +388,14 @@ class DumpWriter:
     def _write_one(self, rid: str, batch: _Batch, offset: int, count: int) -> None:
         final_path = dump_path(self.dump_dir, rid)
         temp_path = temp_dump_path(self.dump_dir, rid)
-        aux = batch.aux[offset : offset + count].to(torch.bfloat16).contiguous()
-        final = batch.final[offset : offset + count].to(torch.bfloat16).contiguous()
+        tensors = {
+            name: tensor[offset : offset + count].contiguous()
+            for name, tensor in batch.tensors.items()
+        }
         metadata = {
             "rid": rid,
             "num_tokens": str(count),
-            "hidden_size": str(final.shape[1]),
+            "hidden_size": str(tensors[FINAL_KEY].shape[1]),
             "aux_layer_ids": ",".join(str(i) for i in self.aux_layer_ids),
             # The whole forward pass, foreign requests included: what tells a request computed
             # alone (the spot check's premise) from one batched with others, on every engine.
@@ -394,7 +403,7 @@ class DumpWriter:
             "batch_tokens": str(sum(batch.token_counts)),
         }
         try:
-            save_file({AUX_KEY: aux, FINAL_KEY: final}, str(temp_path), metadata=metadata)
+            save_file(tensors, str(temp_path), metadata=metadata)
             if self.fsync:
                 fd = os.open(temp_path, os.O_RDONLY)
                 try:
@@ -407,7 +416,7 @@ class DumpWriter:
             raise
         with self._errors_lock:
             self.files_written += 1
-            self.bytes_written += (aux.numel() + final.numel()) * 2
+            self.bytes_written += sum(_nbytes(t) for t in tensors.values())
 
     @staticmethod
     def _notify(on_done: OnDone | None, rid: str, error: BaseException | None) -> None:

@@ -1,8 +1,9 @@
 """The dump handoff: one safetensors file per request, written by the server, read by the client.
 
 For each request whose id starts with `<prefix>-` the server writes
-`<dump_dir>/<rid>.safetensors` holding `aux_hidden_states` (bf16 [T, 3H], the aux layers
-concatenated in id order) and `final_hidden_states` (bf16 [T, H]), with string metadata `rid`,
+`<dump_dir>/<rid>.safetensors` holding `aux_hidden_states` ([T, 3H], the aux layers
+concatenated in id order) and `final_hidden_states` ([T, H]), each bf16 or, with an FP8 store,
+e4m3 beside its float32 `<name>_scale` [T, k] (core/hidden_store.py), with string metadata `rid`,
 `num_tokens`, `hidden_size`, `aux_layer_ids`, and `batch_requests` / `batch_tokens`: how many
 requests (any prefix, health checks included) and real tokens the forward pass that computed the
 request held. The file is written under the dot-prefixed temp name `.<rid>.safetensors.tmp` and
@@ -33,14 +34,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ...core.errors import PipelineError
+from ...core.hidden_store import AUX_KEY, BF16_STORE, FINAL_KEY, SCALE_DTYPE, HiddenStore, scale_key
 from ...core.space import format_bytes, free_bytes
 from ...core.tensor_bytes import RawTensor, read_safetensors, torch_dtype_text
 
 if TYPE_CHECKING:
     import torch
 
-AUX_KEY = "aux_hidden_states"
-FINAL_KEY = "final_hidden_states"
 DUMP_SUFFIX = ".safetensors"
 TEMP_SUFFIX = ".safetensors.tmp"
 FAILED_SUFFIX = ".failed"
@@ -305,9 +305,13 @@ def wait_for_dump(path: str | os.PathLike, within_s: float = DUMP_WAIT_S) -> Pat
 # ----------------------------------------------------------------------------- reading
 
 
-def read_dump_raw(path: str | os.PathLike) -> tuple[RawTensor, RawTensor, dict]:
-    """Load one complete dump without torch: (aux bf16 [T, 3H], final bf16 [T, H], metadata
-    with ints decoded), the tensors as RawTensors (core/tensor_bytes.py).
+def read_dump_raw(
+    path: str | os.PathLike, store: HiddenStore | None = None
+) -> tuple[dict[str, RawTensor], dict]:
+    """Load one complete dump without torch: its tensors as RawTensors (core/tensor_bytes.py),
+    `aux_hidden_states` [T, 3H] and `final_hidden_states` [T, H] in bf16 or e4m3, with a
+    `<name>_scale` [T, k] beside each e4m3 one, and its metadata with ints decoded and `store`
+    (the HiddenStore its dtypes make). With `store`, a dump of another store is refused.
 
     The tensors map the file rather than copy it, so no copy is made on the client's hot path;
     deleting the file frees its space only once the tensors are gone."""
@@ -321,7 +325,6 @@ def read_dump_raw(path: str | os.PathLike) -> tuple[RawTensor, RawTensor, dict]:
     missing = {AUX_KEY, FINAL_KEY} - set(tensors)
     if missing:
         raise PipelineError(f"dump {path} lacks tensor(s) {', '.join(sorted(missing))}")
-    aux, final = tensors[AUX_KEY], tensors[FINAL_KEY]
     try:
         meta = {
             "rid": raw_meta["rid"],
@@ -333,24 +336,52 @@ def read_dump_raw(path: str | os.PathLike) -> tuple[RawTensor, RawTensor, dict]:
         }
     except (KeyError, ValueError) as exc:
         raise PipelineError(f"dump {path} has bad or missing metadata ({exc})") from None
+    try:
+        found = HiddenStore.from_dtypes(tensors[AUX_KEY].dtype, tensors[FINAL_KEY].dtype)
+    except ValueError:
+        found = None
+    wanted = store or found or BF16_STORE
+    if found is not None and store is not None and found != store:
+        raise PipelineError(
+            f"dump {path} holds a {found.label()} store, the config's extract.store is "
+            f"{store.label()}: the server was started for another store (stop it: eaglepipe "
+            "server stop)"
+        )
     tokens, hidden = meta["num_tokens"], meta["hidden_size"]
     num_aux = len(meta["aux_layer_ids"])
-    for name, tensor, shape in (
-        (AUX_KEY, aux, (tokens, num_aux * hidden)),
-        (FINAL_KEY, final, (tokens, hidden)),
-    ):
-        if tensor.dtype != "BF16" or tensor.shape != shape:
+    expected = {AUX_KEY: (wanted.dtype(AUX_KEY), (tokens, num_aux * hidden))}
+    expected[FINAL_KEY] = (wanted.dtype(FINAL_KEY), (tokens, hidden))
+    for name, layers in ((AUX_KEY, num_aux), (FINAL_KEY, 1)):
+        if wanted.quantized(name):
+            expected[scale_key(name)] = (SCALE_DTYPE, (tokens, layers))
+    for name, (dtype, shape) in expected.items():
+        tensor = tensors.get(name)
+        if tensor is None:
+            raise PipelineError(f"dump {path} lacks tensor {name}")
+        if tensor.dtype != dtype or tensor.shape != shape:
             raise PipelineError(
                 f"dump {path}: {name} is {torch_dtype_text(tensor.dtype)} {list(tensor.shape)}, "
-                f"expected torch.bfloat16 {list(shape)}"
+                f"expected {torch_dtype_text(dtype)} {list(shape)}"
             )
-    return aux, final, meta
+    meta["store"] = wanted
+    return {name: tensors[name] for name in expected}, meta
 
 
 def read_dump(path: str | os.PathLike) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """`read_dump_raw` with the tensors as torch bf16 tensors (views of the mapped file)."""
-    aux, final, meta = read_dump_raw(path)
-    return aux.to_torch(), final.to_torch(), meta
+    """(aux, final, metadata) of a dump as torch tensors: bf16 views of the mapped file, or
+    e4m3 states dequantized to float32."""
+    from ...core.hidden_store import dequantize
+
+    tensors, meta = read_dump_raw(path)
+    out = []
+    for name in (AUX_KEY, FINAL_KEY):
+        values = tensors[name].to_torch()
+        if meta["store"].quantized(name):
+            import torch
+
+            values = dequantize(values, tensors[scale_key(name)].to_torch(), torch.float32)
+        out.append(values)
+    return out[0], out[1], meta
 
 
 def concat_aux(aux_hidden_states: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:

@@ -10,7 +10,7 @@
   CUDA graphs stay on); the reference server does both, so it has no purpose in its identity.
 - `chunk_reuse_key`: what a journalled chunk must have been computed under for a resumed
   extraction to keep it: the shard's inputs, the model and its weights, the layers, and the
-  engine identity, so a shard never mixes chunks of two engines or dtypes.
+  engine identity and the store, so a shard never mixes chunks of two engines or dtypes.
 
 Why the weights and not only config.json: a fine-tune saved in place has the same config; the
 weights fingerprint (`fingerprint.weights_fingerprint`, sampled bytes of every weight file) is
@@ -81,6 +81,10 @@ def server_identity(run: RunSpec, purpose: str = CAPTURE) -> dict:
         "host": server.host,
         "port": server.port,
     }
+    if not run.extract.store.is_default:
+        # The server quantizes the dumps; only here, so a bf16 server's fingerprint is the one
+        # it had before stores existed.
+        identity["store"] = run.extract.store.as_dict()
     if server.engine == "sglang":
         identity["sglang"] = server.sglang.as_dict()
         if server_purpose(run, purpose) == GENERATION:
@@ -91,13 +95,14 @@ def server_identity(run: RunSpec, purpose: str = CAPTURE) -> dict:
 
 def chunk_reuse_key(run: RunSpec, *, shard_inputs_hash: str, engine: dict) -> dict:
     """What a journalled chunk must match to be kept by a resumed extraction."""
-    model = run.model
+    model, store = run.model, run.extract.store
     return {
         "shard_inputs_hash": shard_inputs_hash,
         "model_config_hash": model.config_hash,
         "weights": model.weights_fingerprint,
         "aux_layer_ids": run.aux_layer_ids,
         "hidden_size": model.hidden_size,
-        "stored_dtype": "bfloat16",
+        # The store; an all-bf16 one as before stores could differ, so its chunks are kept.
+        "stored_dtype": "bfloat16" if store.is_default else store.as_dict(),
         "engine": engine,
     }

@@ -82,4 +82,6 @@ def engine_command(
     ]
     if run.model.trust_remote_code:
         argv.append("--trust-remote-code")
+    store = run.extract.store
+    argv += ["--store-aux", store.aux, "--store-final", store.final]
     return argv, {}

@@ -17,7 +17,8 @@ compiling flex kernels). One worker thread runs the forward passes; writer threa
 
     python -u -m eaglepipe.server.reference.server --model DIR --aux-layer-ids 1,3,4 --host H \
         --port P --dump-dir DIR --request-prefix eaglepipe --device auto --dtype auto \
-        --max-batch-tokens N --attention auto --instance-id ID [--trust-remote-code]
+        --max-batch-tokens N --attention auto --instance-id ID [--trust-remote-code] \
+        [--store-aux fp8_e4m3] [--store-final fp8_e4m3]
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from aiohttp import web
 
 from ...core.errors import PipelineError
 from ...core.fingerprint import hash_json, model_config_hash
+from ...core.hidden_store import BF16, STORE_DTYPES, HiddenStore
 from ...core.layers import CONVENTION, FINAL_CONVENTION
 from ..handoff.dump_writer import DEFAULT_MAX_PINNED_BYTES, DumpWriter
 from ..handoff.dumps import prepare_dump_dir
@@ -462,6 +464,8 @@ def server_info(args, engine: ReferenceEngine, dump_dir: Path) -> dict:
         "dump_dir": str(dump_dir),
         "request_prefix": args.request_prefix,
         "instance_id": args.instance_id,
+        # The stored dtype of the dumps (the writer quantizes): what the client checks.
+        "store": HiddenStore(args.store_aux, args.store_final).as_dict(),
         "fingerprint": hash_json(
             {
                 "model_config_hash": config_hash,
@@ -504,6 +508,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="batch layout: packed (no padding computed), padded, auto (packed on CUDA)",
     )
     parser.add_argument("--instance-id", default="")
+    for which in ("aux", "final"):
+        parser.add_argument(
+            f"--store-{which}",
+            default=BF16,
+            choices=list(STORE_DTYPES),
+            help=f"stored dtype of the {which} states in the dumps (extract.store.{which})",
+        )
     parser.add_argument("--trust-remote-code", action="store_true")
     parser.add_argument(
         "--batch-window-ms",
@@ -556,6 +567,7 @@ async def serve(args) -> None:
         dump_dir,
         args.request_prefix,
         aux_layer_ids=engine.aux_layer_ids,
+        store=HiddenStore(args.store_aux, args.store_final),
         max_pinned_bytes=args.max_pinned_bytes,
     )
     server = ReferenceServer(

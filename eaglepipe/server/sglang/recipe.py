@@ -53,6 +53,7 @@ from pathlib import Path
 from packaging.version import InvalidVersion, Version
 
 from ...core.errors import PipelineError
+from ...core.hidden_store import BF16_STORE, HiddenStore
 from ...core.layers import CONVENTION
 from ...core.run import RunSpec
 
@@ -231,6 +232,7 @@ def hook_spec(
     hidden_size: int | None = None,
     capture_layer_ids: list[int] | None = None,
     capture: bool = True,
+    store: HiddenStore = BF16_STORE,
 ) -> dict:
     """The `--forward-hooks` entry: SGLang calls `make_dump_hook(spec["config"])` per rank.
 
@@ -246,6 +248,9 @@ def hook_spec(
         "hidden_size": hidden_size,
         "capture_layer_ids": None if capture_layer_ids is None else list(capture_layer_ids),
     }
+    if not store.is_default:
+        # The hook quantizes on the GPU (core/hidden_store.py); absent, it writes bf16.
+        config["store"] = store.as_dict()
     if not capture:
         # A generation-only server: it dumps nothing, and the hook refuses a prefixed
         # (extraction) request loudly, as it arrives without aux hidden states.
@@ -286,6 +291,7 @@ def pipeline_server_info(raw: dict) -> dict:
         "instance_id": hook["instance_id"],
         "sglang_capture_layer_ids": capture_ids,
         "capture": hook.get("capture", True),
+        "store": hook.get("store") or BF16_STORE.as_dict(),
     }
 
 
@@ -547,6 +553,7 @@ def launch_command(
         hidden_size=cfg.text_config(model_config).get("hidden_size"),
         capture_layer_ids=capture_ids if capture else None,
         capture=capture,
+        store=run.extract.store,
     )
 
     flags = []
