@@ -17,10 +17,12 @@ from eaglepipe.core.config_files import load_config
 from eaglepipe.core.errors import PipelineError
 from eaglepipe.core.run import resolve
 from eaglepipe.data.toy_target import build_toy_target
-from eaglepipe.extract.chunk_file import BF16_BYTES, ROW_INDEX_BYTES, TOKEN_ID_BYTES, plan_chunks
+from eaglepipe.extract.chunk_file import ROW_INDEX_BYTES, TOKEN_ID_BYTES, plan_chunks
 from eaglepipe.ops import disk_plan
 from eaglepipe.ops.disk_plan import DRAFTER_SIZE_CACHE, PreparedRows, planned_disk
 from eaglepipe.prepare.table import run_prepare
+
+BF16_BYTES = 2  # a bf16 value, counted here apart from the chunk format's own function
 
 SAMPLE = REPO_ROOT / "data" / "sample" / "conversations.jsonl"
 SHARDS = ["rows_0-16", "rows_16-32", "rows_32-40"]

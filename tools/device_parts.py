@@ -435,6 +435,24 @@ PARTS = [
         finish=keep_regen_acceptance_logs,
     ),
     Part(
+        "train",
+        "drafter training tokens/s on the 8B shape from synthetic shards of each store "
+        "([--store-dtypes bf16,fp8]; ~3 min)",
+        "python3 -u -m benchmarks.speed.train --out {out}/train.json",
+    ),
+    Part(
+        # --scheduler greedy: the ilp scheduler needs pulp, which is not staged.
+        "store-quality",
+        "the pipeline per stored dtype and seed, offline and live acceptance at 7/1/8 and 3/1/4 "
+        "([--store-dtypes bf16,fp8aux,fp8] [--seeds 0,1,2]; a later call on the warm machine "
+        "resumes it)",
+        "python3 -u -m benchmarks.studies.store_quality --overrides "
+        "benchmarks/studies/h200_regeneration.yaml --work-root {root}/store-quality --cores "
+        "{cores} --deadline-s {deadline} --snakemake-arg=--scheduler --snakemake-arg=greedy "
+        "--out {out}/store_quality.json",
+        deadline_margin_s=45,
+    ),
+    Part(
         "specforge",
         "this pipeline and SpecForge 0.2 on the same toy target and rows, both drafters through "
         "the same live harness ([--seeds 0,1,2] [--epochs 8] [--settings 7/1/8,3/1/4]; a later "
