@@ -62,7 +62,7 @@ import numpy as np
 from eaglepipe.core.atomic import atomic_write_json
 from eaglepipe.core.errors import PipelineError, one_line_errors
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[3]
 SPECFORGE_VERSION = "0.2.0"
 DEFAULT_MAX_LENGTH = 1024  # config.yaml's dataset.max_length
 DEFAULT_SETTINGS = ("dataset.bad_rows=skip",)
