@@ -210,12 +210,10 @@ CASES = {
         {"kept": ["user", "assistant"], "dropped": [(dataset.TRAILING_USER_TURNS, 1)]},
         None,  # strict keeps a last prompt as context
     ),
-    "an empty reply": (
-        _sharegpt(("human", "q"), ("gpt", "a"), ("human", "q2"), ("gpt", " "), ("human", "q3")),
-        {
-            "kept": ["user", "assistant"],
-            "dropped": [(dataset.EMPTY_ASSISTANT_REPLY, 2), (dataset.TRAILING_USER_TURNS, 1)],
-        },
+    "an empty reply (kept under trim, as SpecForge keeps it)": (
+        _sharegpt(("human", "q"), ("gpt", "a"), ("human", "q2"), ("gpt", " "), ("human", "q3"),
+                  ("gpt", "a3")),
+        {"kept": ["user", "assistant"] * 3, "dropped": []},
         dataset.EMPTY_ASSISTANT_REPLY,
     ),
     "bing, a mapped assistant": (

@@ -12,7 +12,8 @@ Turn order (`dataset.turn_order`):
 - `trim` (the default, what SpecForge 0.2's GeneralParser and EAGLE's data script do): after
   an optional first system message, leading non-user turns are dropped, and the conversation
   is kept up to its first turn out of order (an assistant turn that does not follow a user
-  turn, a later system message, an empty reply, a role no mapping knows). User turns left
+  turn, a later system message, a role no mapping knows); an empty reply is kept, as the peers
+  keep it. User turns left
   after the last reply are dropped too: nothing after them is trained on. Every dropped run
   of turns is recorded on the row (`Conversation.dropped`) with its reason, for counting.
 - `strict`: a row whose turns are not an optional system message, then user and assistant
@@ -341,9 +342,10 @@ def _first_out_of_order(messages: list[dict], start: int) -> _Cut | None:
     """The first turn from `start` (a user turn) that ends what `trim` keeps, or None.
 
     As SpecForge's GeneralParser: an assistant turn must follow a user turn; consecutive user
-    turns are kept. Unlike it: a later system message, an empty reply and a role no mapping
-    knows end the conversation too (GeneralParser passes the first two to the template and
-    trains an empty reply's end-of-turn token; they are not turns the target answers so)."""
+    turns are kept; an empty reply is kept and its end-of-turn token trained (with regeneration
+    on, the target answers it anyway). Unlike it: a later system message and a role no mapping
+    knows end the conversation (GeneralParser passes a system message to the template mid-way;
+    the target never answers after one so)."""
     for index in range(start + 1, len(messages)):
         message = messages[index]
         role = message["role"]
@@ -362,8 +364,6 @@ def _first_out_of_order(messages: list[dict], start: int) -> _Cut | None:
                     TURN_ORDER,
                     f"message {index} has role 'assistant' after a {previous!r} message",
                 )
-            if not message["content"].strip():
-                return _Cut(index, EMPTY_ASSISTANT_REPLY, f"message {index} (assistant) is empty")
     return None
 
 
