@@ -46,11 +46,11 @@ from .hidden_store import HiddenStore
 
 RUN_FACTS = cfg.STATE_DIR / "run.json"
 # Requests in flight per job when `extract.max_inflight_requests` is null, by what the job does
-# and where its server computes. Measured on the H200 (8B-shaped target, SGLang 0.5.14, issue 28
-# in BENCHMARKS.md): two extraction jobs x 64 kept the prefill at 0.977x of bare SGLang with
-# every job running (0.945x at 32); generation rose up to 256 requests in flight (bench_serving
-# 4,171 / 4,885 / 5,496 / 5,694 output tok/s at 64 / 128 / 256 / 512), so two regeneration
-# jobs x 128. A CPU server batches few tokens at once: more would only queue.
+# and where its server computes. Measured on the H200 (8B-shaped target, SGLang 0.5.14,
+# BENCHMARKS.md "Throughput at scale"): two extraction jobs x 64 kept the prefill at 0.977x of
+# bare SGLang with every job running (0.945x at 32); generation rose up to 256 requests in
+# flight (bench_serving 4,171 / 4,885 / 5,496 / 5,694 output tok/s at 64 / 128 / 256 / 512), so
+# two regeneration jobs x 128. A CPU server batches few tokens at once: more would only queue.
 AUTO_INFLIGHT_REQUESTS = {
     "extract": {"gpu": 64, "cpu": 32},
     "regenerate": {"gpu": 128, "cpu": 32},

@@ -1,7 +1,7 @@
 """Tensors as bytes, without torch: what a job that only moves hidden states needs.
 
 An extraction job reads the server's dumps and writes checksummed chunks; it never computes
-with the values, and importing torch alone takes seconds of a job's start-up (issue 28). So
+with the values, and importing torch alone takes seconds of a job's start-up. So
 the client and the chunk writer handle tensors as `RawTensor`s: a numpy view of the bytes plus
 the safetensors dtype name (bf16 has no numpy dtype; its bytes are viewed as uint16, and
 float8 e4m3's as uint8).

@@ -12,7 +12,7 @@ from .chat_mask import end_of_turn_marker, require_chat_template
 
 # Tokenizer classes that are a tokenizer.json and nothing else (Llama 3's, the toy's): loaded by
 # their own class, transformers' AutoTokenizer gives the same tokenizer but first imports torch
-# through its config machinery, which is most of a shard job's start (issue 28).
+# through its config machinery, which is most of a shard job's start.
 PLAIN_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
 
 

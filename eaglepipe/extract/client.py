@@ -12,8 +12,9 @@ Two bounds: `max_inflight_requests` requests at the server (sent and not yet ans
 directory (a tmpfs, usually) from filling. A request's slot is freed when the server answers,
 not when its dump has been read: SGLang's hook writes the dump after the answer, and a slot
 held through that wait and the read left the server's queue that much shorter than the slots
-(issue 28, item 1). A liveness watchdog runs beside the requests, so a server that dies or
-hangs fails the shard within seconds instead of after the per-request timeout.
+(BENCHMARKS.md, "Throughput at scale"). A liveness watchdog runs beside the requests, so a
+server that dies or hangs fails the shard within seconds instead of after the per-request
+timeout.
 """
 
 from __future__ import annotations

@@ -620,7 +620,7 @@ def read_token_rows(
 
     Only the row groups whose row_id statistics overlap the range are read (one group per
     shard), straight from the Parquet file into numpy: no pandas and no pyarrow.dataset, whose
-    imports alone took longer than the read (issue 28).
+    imports alone took longer than the read.
     """
     import pyarrow.parquet as pq
 

@@ -217,7 +217,7 @@ class Lease:
     def _write(self) -> None:
         # Not fsynced: a lease means a live process, and a crash ends the process and the lease
         # together. An fsync here waits for the chunks other jobs queue on the same disk: 0.22 s
-        # median, 0.64 s at worst beside two chunk writers (BENCHMARKS.md, issue 28 item 2).
+        # median, 0.64 s at worst beside two chunk writers (BENCHMARKS.md, "job start").
         atomic_write_json(self.path, self.content, durable=False)
 
     def release(self) -> None:

@@ -241,7 +241,7 @@ def _info_if_answering_others(state: dict, paths: ServerPaths) -> dict | None:
     """The server's info as its start recorded it, when the server answered another job's
     watchdog within the last few seconds (its supervisor alive, checked by the caller): no
     round trip then. A running SGLang's /server_info waits for the scheduler's current batch,
-    0.3-0.5 s of every job's start at full load (BENCHMARKS.md, issue 28, item 2)."""
+    0.3-0.5 s of every job's start at full load (BENCHMARKS.md, "A job's whole start-up")."""
     if not answered_recently(paths.answered, state["instance_id"], ANSWERED_FRESH_S):
         return None
     return state.get("info")
