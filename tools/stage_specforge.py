@@ -5,8 +5,8 @@
     .venv/bin/python tools/stage_specforge.py --script-from PATH   # then: .whl-specforge/
 
 What the SpecForge runs of benchmarks/studies/specforge/compare.py install there (`pip install
---no-deps --target`, a directory of their own, so the trainer sees only these beside the machine's own
-packages): the set that ran on the H200 on 2026-12-01 (../shared/specforge-h200), SpecForge's
+--no-deps --target`, a directory of their own, so the trainer sees only these beside the
+machine's own packages): the set that ran on the H200 on 2026-12-01 (../shared/specforge-h200), SpecForge's
 wheel, cuda-tile (OWN_EXTRAS: what its in-process capture imports beyond the server) and seven
 wheels the SGLang staging already holds with the same versions (datasets, dill, multiprocess,
 pydantic and its three parts). Only SpecForge's wheel and OWN_EXTRAS are copied into DEST; the
