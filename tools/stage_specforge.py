@@ -6,13 +6,13 @@
 
 What the SpecForge runs of benchmarks/studies/specforge/compare.py install there (`pip install
 --no-deps --target`, a directory of their own, so the trainer sees only these beside the
-machine's own packages): the set that ran on the H200 on 2026-12-01 (../shared/specforge-h200), SpecForge's
-wheel, cuda-tile (OWN_EXTRAS: what its in-process capture imports beyond the server) and seven
-wheels the SGLang staging already holds with the same versions (datasets, dill, multiprocess,
-pydantic and its three parts). Only SpecForge's wheel and OWN_EXTRAS are copied into DEST; the
-manifest names the other seven in .whl-sglang/common/ with their sha256, so a call carries them
-once. The staging stops when they are missing there or differ in version, and when SpecForge's
-wheel pins another SGLang than tools/h200_wheels.txt.
+machine's own packages): the set that ran on the H200 on 2026-12-01 (../shared/specforge-h200),
+SpecForge's wheel, cuda-tile (OWN_EXTRAS: what its in-process capture imports beyond the server)
+and seven wheels the SGLang staging already holds with the same versions (datasets, dill,
+multiprocess, pydantic and its three parts). Only SpecForge's wheel and OWN_EXTRAS are copied
+into DEST; the manifest names the other seven in .whl-sglang/common/ with their sha256, so a
+call carries them once. The staging stops when they are missing there or differ in version, and
+when SpecForge's wheel pins another SGLang than tools/h200_wheels.txt.
 
 SpecForge's feature generator, scripts/prepare_hidden_states.py, is in neither its wheel nor its
 source distribution. It is taken at commit SCRIPT_COMMIT, checked against SCRIPT_SHA256: from
