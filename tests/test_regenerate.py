@@ -484,6 +484,7 @@ def test_rows_the_target_cannot_answer_follow_dataset_bad_rows(run_copy):
         shutil.rmtree(regen_dir(run_copy, shard))
     env_fault = {"EAGLEPIPE_FAULT": "empty_reply:3"}
     targets = [f"regenerated/{s}/manifest.json" for s in SHARDS]
+    edit_config(run_copy, lambda c: c["dataset"].update(bad_rows="error"))  # not the default
     refused = run_fault(run_copy, env_fault, "--cores", "2", "--keep-going", *targets)
     assert refused.returncode != 0
     output = refused.stdout + refused.stderr

@@ -183,7 +183,7 @@ def test_the_command_line_writes_the_result_and_its_table(tmp_path, toy_dir):
         "dataset": {"bad_rows": "skip"}
     }
     assert "| eaglepipe prepare |" in done.stdout
-    assert out.with_suffix(".md").read_text().startswith("| | rows |")
+    assert out.with_suffix(".md").read_text().startswith("| | rows kept |")
 
 
 @pytest.mark.parametrize(

@@ -144,7 +144,17 @@ def state_disk_plan(snakemake_workflow, run: RunSpec):
 
     if snakemake_workflow.exec_mode != ExecMode.DEFAULT:
         return None
-    plan = planned_disk(run)
+    try:
+        plan = planned_disk(run)
+    except (KeyError, ValueError, TypeError) as exc:
+        # A target config the drafter's shape cannot be read from (a stand-in model, say):
+        # the plan is not judged, the run goes on and each shard job checks its own room.
+        print(
+            f"eaglepipe {__version__}: the disk plan was not judged ({type(exc).__name__}: {exc})",
+            file=sys.stderr,
+            flush=True,
+        )
+        return None
     if plan is not None:
         print(f"eaglepipe {__version__}: {plan.text()}", file=sys.stderr, flush=True)
     return plan
