@@ -149,7 +149,8 @@ def pipeline_config(
         max_inflight_requests=args.inflight_requests,
         max_inflight_bytes=max_inflight_bytes(args.inflight_gb_variants[0]),
         chunk_writeback_mb=args.writeback_variants[0],
-        store=STORE_VARIANTS[args.store_variants[0]],
+        # The extraction benchmark compares stores; the SpecForge study extracts bf16.
+        store=STORE_VARIANTS[getattr(args, "store_variants", ["bf16"])[0]],
     )
     return validate_config(config)
 
