@@ -33,6 +33,7 @@ falls below `fraction`; `holdout.mode: shards` takes every row of the listed sha
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import io
 import json
@@ -172,8 +173,7 @@ def conversation_rows(run: RunSpec, source_rows: DatasetRows | None = None):
                     ),
                     dropped=dropped,
                 )
-    for _ in source:  # read to the end, so a cut-off array's cut is known
-        pass
+    collections.deque(source, maxlen=0)  # read to the end, so a cut-off array's cut is known
 
 
 def assistant_ordinals(messages: list[dict], message_indices) -> tuple[int, ...]:
